@@ -1,0 +1,442 @@
+//! The backend contract: what a transport (loopback, UCX, POSIX/io_uring, GDS …) must
+//! do for the Ferry executor, and what it may rely on.
+//!
+//! # State machine
+//!
+//! ```text
+//!   BackendFactory::create ──▶ Ready
+//!   Ready: register / deregister            (regions: token + public metadata)
+//!          load_remote / unload_remote      (peers: connection info + public metadata)
+//!          connect / disconnect             (optional; endpoints may be made lazily)
+//!          post(batch) ──▶ each Post is in flight until exactly one Completion
+//!                          carrying its tag is pushed (from post itself or a later
+//!                          progress call)
+//!          progress(completions)            (never blocks)
+//!          notify / drain_notifications
+//!   drop ──▶ outstanding posts are abandoned; the backend frees everything it owns
+//! ```
+//!
+//! # Buffer lifetime
+//!
+//! The bytes named by a posted range (local and remote) must stay valid and registered
+//! until the request's completion has been pushed. The executor guarantees this for
+//! registrations it made: it refuses to deregister a region while a request that uses
+//! it is in flight, and it never hands a backend a range outside a registered region.
+//! Slices passed *into* a call (`Post::ranges`, notification payloads, metadata bytes)
+//! are borrowed only for the duration of that call; a backend copies what it keeps.
+//!
+//! # Errors a caller can expect
+//!
+//! Synchronous calls return [`Error`]: `InvalidParam` for ranges the backend cannot
+//! serve (e.g. O_DIRECT misalignment), `NotFound` for unknown tokens or peers,
+//! `NotSupported` for operations outside its capabilities, `Backend` with an errno for
+//! OS or transport failures. Asynchronous outcomes arrive as [`Completion`]s; a failed
+//! transfer reports a [`Failure`] with the errno and the range index.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+
+pub use ferry_storage::{Desc, Endpoint, Error, MemKind, Op, PeerId, Result, Subject};
+
+/// Named backend parameters: string keys to string values, like the reference system.
+pub type Params = BTreeMap<String, String>;
+
+/// One parameter a backend understands.
+#[derive(Clone, Copy, Debug)]
+pub struct ParamSpec {
+    /// The key.
+    pub name: &'static str,
+    /// The value used when the caller gives none.
+    pub default: &'static str,
+    /// What it does.
+    pub doc: &'static str,
+}
+
+/// What a backend can do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capabilities {
+    /// Transfers to other agents.
+    pub remote: bool,
+    /// Transfers within the local agent (e.g. DRAM ↔ FILE).
+    pub local: bool,
+    /// Notifications (with transfers and standalone).
+    pub notifications: bool,
+    /// Memory kinds it can register.
+    pub mem_kinds: &'static [MemKind],
+}
+
+impl Capabilities {
+    /// Whether `kind` is supported.
+    pub fn supports(&self, kind: MemKind) -> bool {
+        self.mem_kinds.contains(&kind)
+    }
+}
+
+/// How a FILE region registered by path is opened.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct FileMode {
+    /// Open for writing too (otherwise read-only).
+    pub write: bool,
+    /// Create the file if it does not exist (needs `write`).
+    pub create: bool,
+    /// Bypass the page cache (`O_DIRECT`): addresses, lengths and offsets must be aligned.
+    pub direct: bool,
+    /// Synchronous writes (`O_SYNC`).
+    pub sync: bool,
+}
+
+/// A region to register.
+#[derive(Clone, Copy, Debug)]
+pub struct RegionSpec<'a> {
+    /// Memory kind.
+    pub kind: MemKind,
+    /// The range. For FILE, `addr` is the starting offset, `len` may be 0 meaning
+    /// "whole file / unbounded", and `dev` is the open file descriptor unless `path`
+    /// is given.
+    pub desc: Desc,
+    /// For FILE regions registered by path: the file and how to open it. The backend
+    /// opens it at registration and closes it at deregistration.
+    pub path: Option<(&'a Path, FileMode)>,
+}
+
+/// What registration produced.
+#[derive(Clone, Debug, Default)]
+pub struct Registered {
+    /// Backend-private token for the region (a memory handle, an fd …); handed back in
+    /// every posted range that uses the region and at deregistration.
+    pub token: u64,
+    /// Metadata a peer needs to reach the region (an rkey …); may be empty.
+    pub public_md: Vec<u8>,
+}
+
+/// A peer's published regions for this backend, readable in place. `token` is what the
+/// executor puts in [`Range::remote_token`] for that peer.
+pub trait PeerRegions: Send + Sync {
+    /// The peer's agent name.
+    fn agent_name(&self) -> &str;
+    /// Public metadata of the region named by `token`, or `None` if unknown.
+    fn public_md(&self, token: u64) -> Option<&[u8]>;
+}
+
+/// What a backend receives about a peer when its metadata is loaded (or reloaded).
+#[derive(Clone)]
+pub struct RemoteAgent<'a> {
+    /// Peer agent name.
+    pub name: &'a str,
+    /// The peer's connection info for this backend (may be empty for partial metadata
+    /// loaded without connection info; the earlier info stays in force then).
+    pub conn_info: &'a [u8],
+    /// The peer's regions for this backend.
+    pub regions: Arc<dyn PeerRegions>,
+}
+
+/// One resolved, merged range of a transfer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Range {
+    /// Local address (or offset for FILE).
+    pub local_addr: u64,
+    /// Remote address (or offset for FILE).
+    pub remote_addr: u64,
+    /// Bytes.
+    pub len: u64,
+    /// Local device id.
+    pub local_dev: u64,
+    /// Remote device id.
+    pub remote_dev: u64,
+    /// The local region's registration token.
+    pub local_token: u64,
+    /// For [`Endpoint::Local`]: the target region's registration token. For a peer:
+    /// the token to pass to [`PeerRegions::public_md`].
+    pub remote_token: u64,
+}
+
+/// One transfer request inside a posted batch.
+#[derive(Clone, Copy, Debug)]
+pub struct Post<'a> {
+    /// The handle tag to report in the completion.
+    pub tag: u64,
+    /// Direction.
+    pub op: Op,
+    /// Memory kind of the local side.
+    pub local_kind: MemKind,
+    /// Memory kind of the remote (target) side.
+    pub remote_kind: MemKind,
+    /// Merged ranges, in order.
+    pub ranges: &'a [Range],
+    /// Notification to deliver after all data is visible at the target.
+    pub notif: Option<&'a [u8]>,
+}
+
+impl Post<'_> {
+    /// Total bytes of the request.
+    pub fn len_bytes(&self) -> u64 {
+        self.ranges.iter().map(|r| r.len).sum()
+    }
+}
+
+/// Why an asynchronous transfer failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FailureKind {
+    /// The transport or OS reported an error (see `errno`).
+    Backend,
+    /// The peer went away.
+    RemoteDisconnect,
+    /// The transfer was canceled.
+    Canceled,
+    /// A short read: the file ended before the range did.
+    ShortRead,
+}
+
+/// An asynchronous failure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Failure {
+    /// What kind of failure.
+    pub kind: FailureKind,
+    /// OS / transport error number, 0 if none.
+    pub errno: i32,
+    /// Index of the failing range within the post, if known.
+    pub range: Option<u32>,
+}
+
+/// The outcome of one posted request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Completion {
+    /// The tag from [`Post::tag`].
+    pub tag: u64,
+    /// Success, or why not.
+    pub result: Result<(), Failure>,
+}
+
+/// Where a backend pushes completions. Owned by the executor, sized from the agent's
+/// bounds so pushing does not allocate in steady state.
+#[derive(Debug, Default)]
+pub struct Completions {
+    items: Vec<Completion>,
+}
+
+impl Completions {
+    /// A sink sized for `capacity` completions.
+    pub fn with_capacity(capacity: usize) -> Self {
+        Completions {
+            items: Vec::with_capacity(capacity),
+        }
+    }
+    /// Report one outcome.
+    #[inline]
+    pub fn push(&mut self, completion: Completion) {
+        self.items.push(completion);
+    }
+    /// Report success for `tag`.
+    #[inline]
+    pub fn success(&mut self, tag: u64) {
+        self.push(Completion {
+            tag,
+            result: Ok(()),
+        });
+    }
+    /// Report failure for `tag`.
+    #[inline]
+    pub fn failure(&mut self, tag: u64, failure: Failure) {
+        self.push(Completion {
+            tag,
+            result: Err(failure),
+        });
+    }
+    /// Outcomes pushed so far.
+    pub fn as_slice(&self) -> &[Completion] {
+        &self.items
+    }
+    /// Forget all outcomes (keeps the capacity).
+    pub fn clear(&mut self) {
+        self.items.clear();
+    }
+    /// Number of outcomes pushed.
+    pub fn len(&self) -> usize {
+        self.items.len()
+    }
+    /// Whether none were pushed.
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+}
+
+/// Where a backend delivers inbound notifications while draining.
+pub trait NotifSink {
+    /// One notification from agent `from`.
+    fn deliver(&mut self, from: &str, payload: &[u8]);
+}
+
+/// The answer of [`Backend::query`] for one descriptor.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct QueryResult {
+    /// Whether the thing exists.
+    pub exists: bool,
+    /// Size in bytes.
+    pub size: u64,
+    /// Permission bits (POSIX mode).
+    pub mode: u32,
+    /// Modification time, nanoseconds since the Unix epoch.
+    pub mtime_ns: i64,
+}
+
+/// A backend's estimate for moving a batch.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CostEstimate {
+    /// Expected duration in microseconds.
+    pub duration_us: f64,
+    /// Margin of error in microseconds.
+    pub margin_us: f64,
+}
+
+/// Everything a backend needs at creation.
+#[derive(Clone, Debug)]
+pub struct BackendInit<'a> {
+    /// The owning agent's name.
+    pub agent_name: &'a str,
+    /// Effective parameters (caller's values over the defaults).
+    pub params: &'a Params,
+}
+
+/// Creates backends of one type. Registered with the agent's backend registry.
+pub trait BackendFactory: Send + Sync {
+    /// The type name (`LOOPBACK`, `UCX`, `POSIX` …).
+    fn name(&self) -> &'static str;
+    /// Parameters it understands, with defaults.
+    fn params(&self) -> &'static [ParamSpec];
+    /// Memory kinds its backends support.
+    fn mem_kinds(&self) -> &'static [MemKind];
+    /// Whether it can work on this machine (library found, kernel support …); the
+    /// reason when not.
+    fn available(&self) -> std::result::Result<(), String> {
+        Ok(())
+    }
+    /// Make a backend instance.
+    fn create(&self, init: &BackendInit<'_>) -> Result<Box<dyn Backend>>;
+}
+
+/// Fill in defaults for every parameter the caller left out; refuse unknown keys.
+pub fn effective_params(
+    backend: &'static str,
+    specs: &[ParamSpec],
+    given: &Params,
+) -> Result<Params> {
+    for key in given.keys() {
+        if !specs.iter().any(|s| s.name == key) {
+            return Err(Error::invalid(
+                Subject::BackendName(backend.to_string()),
+                format!("unknown parameter '{key}'"),
+            ));
+        }
+    }
+    Ok(specs
+        .iter()
+        .map(|s| {
+            let value = given
+                .get(s.name)
+                .cloned()
+                .unwrap_or_else(|| s.default.to_string());
+            (s.name.to_string(), value)
+        })
+        .collect())
+}
+
+/// A transport. See the crate docs for the state machine and buffer-lifetime rules.
+pub trait Backend: Send {
+    /// The type name (matches its factory).
+    fn name(&self) -> &'static str;
+
+    /// What it can do.
+    fn capabilities(&self) -> Capabilities;
+
+    /// Effective parameter values.
+    fn params(&self) -> &Params;
+
+    /// Register a region; returns a private token and public metadata.
+    fn register(&mut self, region: &RegionSpec<'_>) -> Result<Registered>;
+
+    /// Release a region registered with `token`.
+    ///
+    /// The executor calls this only when no in-flight request uses the region.
+    fn deregister(&mut self, kind: MemKind, token: u64) -> Result<()>;
+
+    /// Connection info peers need to reach this backend (empty for local-only ones).
+    fn conn_info(&self) -> Vec<u8>;
+
+    /// Take in (or refresh) a peer's connection info and regions.
+    fn load_remote(&mut self, peer: PeerId, remote: RemoteAgent<'_>) -> Result<()>;
+
+    /// Forget a peer: drop cached remote keys and endpoints. Requests still in flight
+    /// to it complete with a failure.
+    fn unload_remote(&mut self, peer: PeerId);
+
+    /// Establish the endpoint to `peer` now instead of on first use.
+    fn connect(&mut self, peer: PeerId) -> Result<()> {
+        let _ = peer;
+        Ok(())
+    }
+
+    /// Tear down the endpoint to `peer` (it is re-made on next use).
+    fn disconnect(&mut self, peer: PeerId) -> Result<()> {
+        let _ = peer;
+        Ok(())
+    }
+
+    /// Start a batch of requests to one endpoint. Every post must later produce
+    /// exactly one completion with its tag (pushed here or in [`Backend::progress`]).
+    /// An `Err` means none of the batch was started and no completion will come.
+    fn post(
+        &mut self,
+        endpoint: Endpoint,
+        batch: &[Post<'_>],
+        done: &mut Completions,
+    ) -> Result<()>;
+
+    /// Advance outstanding work and push completions. Never blocks.
+    fn progress(&mut self, done: &mut Completions);
+
+    /// Cancel an in-flight request. Returns `Ok(true)` if it was canceled (no
+    /// completion will follow), `Ok(false)` if it cannot be canceled now.
+    fn cancel(&mut self, tag: u64) -> Result<bool> {
+        let _ = tag;
+        Ok(false)
+    }
+
+    /// Send a standalone notification to `endpoint` (`Local` = to oneself).
+    fn notify(&mut self, endpoint: Endpoint, payload: &[u8]) -> Result<()> {
+        let _ = (endpoint, payload);
+        Err(Error::NotSupported {
+            backend: self.name().into(),
+            what: "notifications".into(),
+        })
+    }
+
+    /// Hand every inbound notification received so far to `sink`; returns how many.
+    fn drain_notifications(&mut self, sink: &mut dyn NotifSink) -> usize {
+        let _ = sink;
+        0
+    }
+
+    /// Describe memory or files (one result per descriptor, in order).
+    fn query(
+        &mut self,
+        kind: MemKind,
+        descs: &[Desc],
+        paths: &[Option<&Path>],
+    ) -> Result<Vec<QueryResult>> {
+        let _ = (kind, descs, paths);
+        Err(Error::NotSupported {
+            backend: self.name().into(),
+            what: "query".into(),
+        })
+    }
+
+    /// Estimate the cost of a batch.
+    fn estimate(&self, endpoint: Endpoint, batch: &[Post<'_>]) -> Result<CostEstimate> {
+        let _ = (endpoint, batch);
+        Err(Error::NotSupported {
+            backend: self.name().into(),
+            what: "cost estimate".into(),
+        })
+    }
+}

@@ -1,0 +1,1 @@
+//! Ferry criterion benchmarks.

@@ -1,0 +1,1 @@
+//! Ferry: a data-movement engine for AI inference (the crate users depend on).

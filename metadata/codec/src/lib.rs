@@ -1,0 +1,1 @@
+//! Ferry's rkyv metadata wire format: encode, validate once, read in place.

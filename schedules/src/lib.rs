@@ -1,0 +1,1 @@
+//! Ferry's command buffer and phased executor.

@@ -1,0 +1,1 @@
+//! Ferry integration tests.
