@@ -64,7 +64,8 @@ pub enum EngineKind {
 }
 
 enum Engine {
-    Uring(UringEngine),
+    // Boxed: the ring is much larger than the thread pool's handle.
+    Uring(Box<UringEngine>),
     Threads(ThreadEngine),
 }
 
@@ -245,13 +246,14 @@ impl PosixBackend {
             )
         };
         let engine = match engine_name {
-            "uring" => Engine::Uring(
-                uring()
-                    .map_err(|e| os_error(errno_of(&e), format!("io_uring setup failed: {e}")))?,
-            ),
+            "uring" => {
+                Engine::Uring(Box::new(uring().map_err(|e| {
+                    os_error(errno_of(&e), format!("io_uring setup failed: {e}"))
+                })?))
+            }
             "threads" => Engine::Threads(threads()?),
             "auto" => match uring() {
-                Ok(e) => Engine::Uring(e),
+                Ok(e) => Engine::Uring(Box::new(e)),
                 Err(e) => {
                     eprintln!(
                         "ferry[posix]: io_uring unavailable ({e}); falling back to the thread engine"

@@ -396,7 +396,7 @@ fn missing_file_and_bad_modes_are_reported_with_the_path() {
         use std::os::unix::fs::PermissionsExt;
         fs::set_permissions(&locked, fs::Permissions::from_mode(0o000)).unwrap();
         use std::os::unix::fs::MetadataExt;
-        let root = fs::metadata("/proc/self").map_or(false, |m| m.uid() == 0);
+        let root = fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0);
         let result = register_path(&mut b, &locked, FileMode::default());
         if root {
             eprintln!("running as root: mode 000 does not deny access (EBADF on a read-only file is checked separately)");
@@ -663,4 +663,85 @@ fn empty_requests_complete_at_once() {
         assert_eq!(done.as_slice().len(), 1);
         assert_eq!(done.as_slice()[0].tag, 42);
     }
+}
+
+#[test]
+fn query_reports_files_and_absent_ones() {
+    for engine in engines() {
+        let dir = tempfile::tempdir().unwrap();
+        let present = dir.path().join("here.bin");
+        fs::write(&present, vec![0u8; 1234]).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        fs::set_permissions(&present, fs::Permissions::from_mode(0o640)).unwrap();
+        let missing = dir.path().join("gone.bin");
+        let open = tempfile::tempfile().unwrap();
+        open.set_len(77).unwrap();
+        let mut b = backend(engine, &[]);
+        let descs = [
+            Desc::new(0, 0, 0),
+            Desc::new(0, 0, 0),
+            Desc::new(0, 0, open.as_raw_fd() as u64),
+            Desc::new(0, 0, 1_000_000),
+        ];
+        let paths = [Some(present.as_path()), Some(missing.as_path()), None, None];
+        let got = b.query(MemKind::File, &descs, &paths).unwrap();
+        assert_eq!(got.len(), 4);
+        assert!(got[0].exists);
+        assert_eq!(got[0].size, 1234);
+        assert_eq!(got[0].mode & 0o777, 0o640);
+        assert_eq!(got[0].mode & libc::S_IFMT, libc::S_IFREG);
+        let mtime = fs::metadata(&present).unwrap().modified().unwrap();
+        let mtime_ns = mtime
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as i64;
+        assert_eq!(got[0].mtime_ns, mtime_ns);
+        assert!(!got[1].exists, "missing file is absent, not an error");
+        assert!(got[2].exists);
+        assert_eq!(got[2].size, 77);
+        assert!(!got[3].exists, "closed descriptor is absent");
+        assert!(matches!(
+            b.query(MemKind::Dram, &descs[..1], &[None]),
+            Err(Error::NotSupported { .. })
+        ));
+    }
+}
+
+#[test]
+fn bad_parameters_are_refused() {
+    let specs = ferry_posix::PARAMS;
+    let mut given = ferry_backend_api::Params::new();
+    given.insert("bogus".into(), "1".into());
+    assert!(ferry_backend_api::effective_params("POSIX", specs, &given).is_err());
+    for (key, value) in [
+        ("engine", "libaio"),
+        ("queue_depth", "0"),
+        ("queue_depth", "many"),
+        ("register_buffers", "maybe"),
+    ] {
+        let mut given = ferry_backend_api::Params::new();
+        given.insert(key.into(), value.into());
+        let params = ferry_backend_api::effective_params("POSIX", specs, &given).unwrap();
+        let err = ferry_posix::PosixBackend::new(params)
+            .err()
+            .expect("refused");
+        assert!(err.to_string().contains(key), "{err}");
+    }
+    // Through the factory too.
+    use ferry_backend_api::{BackendFactory, BackendInit};
+    let factory = ferry_posix::PosixFactory;
+    assert_eq!(factory.name(), "POSIX");
+    let params = ferry_backend_api::Params::new();
+    let backend = factory
+        .create(&BackendInit {
+            agent_name: "t",
+            params: &params,
+        })
+        .unwrap();
+    assert_eq!(
+        backend.params().get("engine").map(String::as_str),
+        Some("auto")
+    );
+    assert!(backend.capabilities().supports(MemKind::File));
+    assert!(!backend.capabilities().remote);
 }
