@@ -199,7 +199,7 @@ impl MdState {
             *entry = Some(writer.backend(name, conn.as_deref()));
         }
         let table = world.regions();
-        let mut add_row = |row: usize, writer: &mut MdWriter| {
+        let add_row = |row: usize, writer: &mut MdWriter| {
             for (slot, public) in &table.public_md[row] {
                 if let Some(b) = index[usize::from(*slot)] {
                     writer.region(b, table.kinds[row], table.descs[row], public);
