@@ -139,3 +139,48 @@ pub fn try_register(agent: &Agent, kind: MemKind, desc: Desc) -> ferry::Result<R
     // agent refuses before any backend touches them.
     unsafe { agent.register(kind, desc) }
 }
+
+/// A global allocator that counts allocations while counting is switched on; the
+/// no-allocation tests install it with `#[global_allocator]`.
+pub mod counting {
+    use std::alloc::{GlobalAlloc, Layout, System};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+    /// Forwards to the system allocator, counting `alloc`/`realloc` calls while on.
+    pub struct CountingAlloc;
+
+    static ON: AtomicBool = AtomicBool::new(false);
+    static COUNT: AtomicUsize = AtomicUsize::new(0);
+
+    // SAFETY: every method forwards to the system allocator with the caller's
+    // arguments unchanged; counting has no effect on the memory handed out.
+    unsafe impl GlobalAlloc for CountingAlloc {
+        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+            if ON.load(Ordering::Relaxed) {
+                COUNT.fetch_add(1, Ordering::Relaxed);
+            }
+            // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract for us.
+            unsafe { System.alloc(layout) }
+        }
+        unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+            // SAFETY: `ptr` came from `System` through this allocator with `layout`.
+            unsafe { System.dealloc(ptr, layout) }
+        }
+        unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+            if ON.load(Ordering::Relaxed) {
+                COUNT.fetch_add(1, Ordering::Relaxed);
+            }
+            // SAFETY: `ptr` came from `System` through this allocator with `layout`.
+            unsafe { System.realloc(ptr, layout, new_size) }
+        }
+    }
+
+    /// Run `f` and give how many allocations happened (process-wide) meanwhile.
+    pub fn counted<R>(f: impl FnOnce() -> R) -> (R, usize) {
+        COUNT.store(0, Ordering::SeqCst);
+        ON.store(true, Ordering::SeqCst);
+        let r = f();
+        ON.store(false, Ordering::SeqCst);
+        (r, COUNT.load(Ordering::SeqCst))
+    }
+}
