@@ -16,10 +16,11 @@ pub struct FactoryInfo {
 }
 
 static LOOPBACK: ferry_loopback::LoopbackFactory = ferry_loopback::LoopbackFactory;
+static POSIX: ferry_posix::PosixFactory = ferry_posix::PosixFactory;
 
 /// Every backend factory compiled in, in preference order.
 pub fn factories() -> Vec<&'static dyn BackendFactory> {
-    vec![&LOOPBACK]
+    vec![&LOOPBACK, &POSIX]
 }
 
 /// The factory of backend type `name` (case-insensitive).
