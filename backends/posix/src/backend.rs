@@ -451,10 +451,15 @@ impl PosixBackend {
     /// passes (instead of spinning). Returns how many completions were pushed.
     pub fn wait(&mut self, done: &mut Completions, timeout: Duration) -> Result<usize> {
         let before = done.len();
-        self.progress(done);
+        self.drain_engine(done);
+        self.fill(done);
         if done.len() > before || self.engine.in_flight() == 0 {
+            if let Err(e) = self.engine.submit() {
+                self.fail_queued(errno_of(&e), done);
+            }
             return Ok(done.len() - before);
         }
+        // Submit what `fill` queued and sleep for a completion in one syscall.
         match &mut self.engine {
             Engine::Uring(e) => e
                 .wait(timeout)
@@ -677,9 +682,15 @@ impl PosixBackend {
         self.pending.push_back(slot);
     }
 
-    /// Hand queued operations to the engine while it has room; one submit at the end.
+    /// Hand queued operations to the engine while it has room, then submit them all in
+    /// one go (also retrying SQEs a transient refusal left queued).
     fn feed(&mut self, done: &mut Completions) -> io::Result<()> {
-        let mut pushed = false;
+        self.fill(done);
+        self.engine.submit()
+    }
+
+    /// Hand queued operations to the engine while it has room, without submitting.
+    fn fill(&mut self, done: &mut Completions) {
         while self.engine.has_room() {
             let Some(slot) = self.pending.pop_front() else {
                 break;
@@ -722,15 +733,7 @@ impl PosixBackend {
                 req.ops_in_flight += 1;
             }
             self.engine.push(&cmd);
-            pushed = true;
         }
-        if pushed {
-            self.engine.submit()?;
-        } else {
-            // Retry SQEs a transient refusal left queued.
-            self.engine.submit()?;
-        }
-        Ok(())
     }
 
     fn drain_engine(&mut self, done: &mut Completions) {
