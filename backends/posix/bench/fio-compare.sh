@@ -49,7 +49,7 @@ median() { sort -g | awk '{a[NR]=$1} END {if (NR%2) print a[(NR+1)/2]; else prin
 
 echo "# $(date -u +%FT%TZ) $(uname -r) $(nproc) cores; file $file ($(df -PT "$(dirname "$file")" | awk 'NR==2 {print $2}')), ${size_mib} MiB per run, ${reps} reps, medians in GB/s"
 echo "# fio $(fio --version): --ioengine=io_uring --fixedbufs=1 --registerfiles=1 --iodepth=<batch> (invalidate=1 default)"
-echo "# ferry: engine=$engine, queue_depth=batch, fixed buffers + fixed files, page cache dropped before each rep"
+echo "# ferry: engine=$engine, queue_depth=batch, fixed buffers + fixed files, memory 2 MiB-aligned with MADV_HUGEPAGE, page cache dropped before each rep"
 printf "%-6s %-9s %-9s %-6s %10s %10s %7s\n" op mode bs batch ferry fio ratio
 for bs_kib in 1024 64; do
   for op in write read; do

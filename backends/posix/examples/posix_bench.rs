@@ -7,7 +7,7 @@
 //! ```
 //!
 //! Prints one line: `ferry-posix <op> <buffered|direct> bs=<KiB>KiB batch=<n>
-//! engine=<e> median_gbps=<x> reps=<a,b,c>`.
+//! engine=<e> fixed_buffer=<bool> huge_pages=<bool> median_gbps=<x> reps=<a,b,c>`.
 
 use std::process::ExitCode;
 
@@ -17,7 +17,7 @@ use ferry_posix::bench::{run, BenchConfig};
 fn usage() -> ExitCode {
     eprintln!(
         "usage: posix_bench --file PATH [--size-mib N] [--block-kib N] [--batch N] \
-         [--op read|write] [--direct] [--engine uring|threads|auto] [--no-register] [--reps N]"
+         [--op read|write] [--direct] [--engine uring|threads|auto] [--no-register] [--no-huge-pages] [--reps N]"
     );
     ExitCode::from(2)
 }
@@ -33,6 +33,7 @@ fn main() -> ExitCode {
         engine: "uring".into(),
         register: true,
         reps: 5,
+        huge_pages: true,
     };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -70,6 +71,7 @@ fn main() -> ExitCode {
             },
             "--direct" => cfg.direct = true,
             "--no-register" => cfg.register = false,
+            "--no-huge-pages" => cfg.huge_pages = false,
             _ => return usage(),
         }
     }
@@ -77,12 +79,14 @@ fn main() -> ExitCode {
         Ok(r) => {
             let reps: Vec<String> = r.gbps.iter().map(|g| format!("{g:.3}")).collect();
             println!(
-                "ferry-posix {} {} bs={}KiB batch={} engine={} median_gbps={:.3} reps={}",
+                "ferry-posix {} {} bs={}KiB batch={} engine={} fixed_buffer={} huge_pages={} median_gbps={:.3} reps={}",
                 cfg.op,
                 if cfg.direct { "direct" } else { "buffered" },
                 cfg.block_bytes >> 10,
                 cfg.batch,
                 cfg.engine,
+                r.fixed_buffer,
+                cfg.huge_pages,
                 r.median_gbps,
                 reps.join(",")
             );

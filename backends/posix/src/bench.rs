@@ -42,6 +42,8 @@ pub struct BenchConfig {
     pub register: bool,
     /// Repetitions (the median is reported).
     pub reps: u32,
+    /// Ask for transparent huge pages for the memory (`madvise(MADV_HUGEPAGE)`).
+    pub huge_pages: bool,
 }
 
 /// What a run measured.
@@ -51,22 +53,35 @@ pub struct BenchResult {
     pub gbps: Vec<f64>,
     /// Median of `gbps`.
     pub median_gbps: f64,
+    /// Whether the memory went through an io_uring fixed buffer.
+    pub fixed_buffer: bool,
 }
 
-/// Page-aligned heap memory, freed on drop.
+/// Alignment of the benchmark buffer (a transparent huge page).
+const HUGE_PAGE_BYTES: usize = 2 << 20;
+
+/// Huge-page-aligned heap memory, freed on drop.
 struct AlignedMem {
     ptr: *mut u8,
     layout: Layout,
 }
 
 impl AlignedMem {
-    fn new(len: usize) -> Result<AlignedMem> {
-        let layout = Layout::from_size_align(len.max(1), 4096)
+    fn new(len: usize, huge_pages: bool) -> Result<AlignedMem> {
+        let layout = Layout::from_size_align(len.max(1), HUGE_PAGE_BYTES)
             .map_err(|e| Error::invalid(Subject::Named("benchmark size".into()), e.to_string()))?;
         // SAFETY: the layout has a non-zero size.
         let ptr = unsafe { alloc::alloc(layout) };
         if ptr.is_null() {
             return Err(Error::backend(NAME, format!("cannot allocate {len} bytes")));
+        }
+        if huge_pages {
+            // Transparent huge pages make each block physically contiguous, so an
+            // O_DIRECT block needs a few DMA segments instead of one per 4 KiB page
+            // (virtio-blk allows 254): about twice the read throughput here. A KV-cache
+            // pool would be allocated this way too. Advisory: ignored where THP is off.
+            // SAFETY: advisory call on memory we own.
+            unsafe { libc::madvise(ptr.cast(), len, libc::MADV_HUGEPAGE) };
         }
         // SAFETY: `ptr` is a fresh allocation of `len` bytes; writing every byte also
         // faults the pages in before timing starts.
@@ -104,7 +119,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchResult> {
         return Err(bad("batch and reps must be at least 1"));
     }
     let blocks = cfg.total_bytes / cfg.block_bytes;
-    let mem = AlignedMem::new(cfg.total_bytes as usize)?;
+    let mem = AlignedMem::new(cfg.total_bytes as usize, cfg.huge_pages)?;
 
     // Lay the file out to full size with real blocks (as fio does), so writes
     // overwrite and reads find data.
@@ -153,6 +168,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchResult> {
             path: None,
         })?
         .token;
+    let fixed_buffer = mem_token != 0;
     let file_token = backend
         .register(&RegionSpec {
             kind: MemKind::File,
@@ -222,5 +238,9 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchResult> {
     } else {
         (sorted[sorted.len() / 2 - 1] + sorted[sorted.len() / 2]) / 2.0
     };
-    Ok(BenchResult { gbps, median_gbps })
+    Ok(BenchResult {
+        gbps,
+        median_gbps,
+        fixed_buffer,
+    })
 }
