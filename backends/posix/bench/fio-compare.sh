@@ -48,7 +48,7 @@ fi
 median() { sort -g | awk '{a[NR]=$1} END {if (NR%2) print a[(NR+1)/2]; else printf "%.3f\n", (a[NR/2]+a[NR/2+1])/2}'; }
 
 echo "# $(date -u +%FT%TZ) $(uname -r) $(nproc) cores; file $file ($(df -PT "$(dirname "$file")" | awk 'NR==2 {print $2}')), ${size_mib} MiB per run, ${reps} reps, medians in GB/s"
-echo "# fio $(fio --version): --ioengine=io_uring --fixedbufs=1 --registerfiles=1 --iodepth=<batch> (invalidate=1 default)"
+echo "# fio $(fio --version): --ioengine=io_uring --fixedbufs=1 --registerfiles=1 --iodepth=<batch> (invalidate=1 default; file fsynced before each run)"
 echo "# ferry: engine=$engine, queue_depth=batch, fixed buffers + fixed files, memory 2 MiB-aligned with MADV_HUGEPAGE, page cache dropped before each rep"
 printf "%-6s %-9s %-9s %-6s %10s %10s %7s\n" op mode bs batch ferry fio ratio
 for bs_kib in 1024 64; do
@@ -59,6 +59,10 @@ for bs_kib in 1024 64; do
         if [ "$mode" = direct ]; then direct_flag="--direct"; direct_fio=1; fi
         ferry_runs=(); fio_runs=()
         for _ in $(seq "$reps"); do
+          # Flush dirty pages of earlier runs first: fio's invalidate=1 only drops clean
+          # ones (Ferry's bench does fsync + fadvise), and leftover dirty pages would
+          # throttle fio's writes.
+          sync "$file"
           kib=$(fio --name=cmp --filename="$file" --size="${size_mib}M" --bs="${bs_kib}k" \
                     --iodepth="$batch" --rw="$op" --direct="$direct_fio" --ioengine=io_uring \
                     --fixedbufs=1 --registerfiles=1 --output-format=terse --terse-version=3 \
