@@ -134,8 +134,7 @@ impl Default for P2pConfig {
 
 impl P2pConfig {
     /// Loopback, ephemeral port: the default when listening is wanted.
-    pub const LOOPBACK_EPHEMERAL: SocketAddr =
-        SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0);
+    pub const LOOPBACK_EPHEMERAL: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0);
 }
 
 impl Default for ExchangeConfig {
@@ -198,7 +197,11 @@ impl ExchangeConfig {
         }
         if let Some(v) = get("FERRY_P2P_MAX_FRAME_BYTES") {
             self.p2p.max_frame_bytes = v.trim().parse().map_err(|_| {
-                bad_var("FERRY_P2P_MAX_FRAME_BYTES", &v, "expected a number of bytes")
+                bad_var(
+                    "FERRY_P2P_MAX_FRAME_BYTES",
+                    &v,
+                    "expected a number of bytes",
+                )
             })?;
         }
         if let Some(v) = get("FERRY_EXCHANGE_IO_TIMEOUT_MS") {
@@ -289,7 +292,10 @@ impl ExchangeConfig {
             return named("p2p.secret".into(), "must not be empty");
         }
         if self.event_capacity == 0 || self.command_capacity == 0 {
-            return named("event_capacity/command_capacity".into(), "must be above zero");
+            return named(
+                "event_capacity/command_capacity".into(),
+                "must be above zero",
+            );
         }
         if let StoreConfig::Etcd(etcd) = &self.store {
             if etcd.endpoints.is_empty() {
@@ -368,7 +374,10 @@ mod tests {
     #[test]
     fn bad_values_name_the_variable() {
         let e = with(&[("FERRY_EXCHANGE_IO_TIMEOUT_MS", "soon")]).unwrap_err();
-        assert!(e.to_string().contains("FERRY_EXCHANGE_IO_TIMEOUT_MS"), "{e}");
+        assert!(
+            e.to_string().contains("FERRY_EXCHANGE_IO_TIMEOUT_MS"),
+            "{e}"
+        );
         let e = with(&[
             ("FERRY_ETCD_ENDPOINTS", "http://127.0.0.1:2379"),
             ("FERRY_TCPSTORE_ENDPOINT", "127.0.0.1:1"),

@@ -68,10 +68,39 @@ pub(crate) struct StoreWorker {
     /// Where the store is, for error messages.
     pub(crate) endpoint: String,
     /// Publish and withdraw (and fetch when `fetches` is `None`).
-    pub(crate) ops: SyncSender<StoreCmd>,
+    pub(crate) ops: CmdSender,
     /// Fetches, when the backend runs them on a thread of their own.
-    pub(crate) fetches: Option<SyncSender<StoreCmd>>,
+    pub(crate) fetches: Option<CmdSender>,
     pub(crate) threads: Vec<JoinHandle<()>>,
+}
+
+/// The sending end of a store backend's bounded command queue.
+pub(crate) enum CmdSender {
+    /// A thread blocked on a std channel.
+    Std(SyncSender<StoreCmd>),
+    /// An async task (etcd).
+    #[cfg(feature = "etcd")]
+    Tokio(tokio::sync::mpsc::Sender<StoreCmd>),
+}
+
+impl CmdSender {
+    fn try_send(&self, cmd: StoreCmd, limit: usize) -> Result<(), Error> {
+        const WHAT: &str = "store command queue";
+        match self {
+            CmdSender::Std(tx) => queue(tx, cmd, WHAT, limit),
+            #[cfg(feature = "etcd")]
+            CmdSender::Tokio(tx) => match tx.try_send(cmd) {
+                Ok(()) => Ok(()),
+                Err(tokio::sync::mpsc::error::TrySendError::Full(_)) => {
+                    Err(Error::Capacity { what: WHAT, limit })
+                }
+                Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) => Err(Error::backend(
+                    "exchange",
+                    format!("the worker behind the {WHAT} has stopped"),
+                )),
+            },
+        }
+    }
 }
 
 /// The agent's metadata-exchange manager. See the crate docs.
@@ -186,16 +215,25 @@ impl Manager {
     /// Send the full metadata (set by [`Self::set_local_md`]) to a peer, or publish it
     /// in the store. Returns once the work is queued.
     pub fn send_local_md(&self, via: Via) -> Result<(), Error> {
-        let blob = self.shared.local.get(FULL_LABEL).ok_or_else(|| Error::NotAllowed {
-            subject: Subject::PeerName(self.shared.agent.clone()),
-            reason: "no local metadata to send: call set_local_md first".into(),
-        })?;
+        let blob = self
+            .shared
+            .local
+            .get(FULL_LABEL)
+            .ok_or_else(|| Error::NotAllowed {
+                subject: Subject::PeerName(self.shared.agent.clone()),
+                reason: "no local metadata to send: call set_local_md first".into(),
+            })?;
         self.send(FULL_LABEL, blob, via)
     }
 
     /// Keep `blob` (partial metadata, serialized by the agent for some regions) as the
     /// snapshot under `label` and send it to a peer, or publish it under `label`.
-    pub fn send_local_partial_md(&self, label: &str, blob: Arc<[u8]>, via: Via) -> Result<(), Error> {
+    pub fn send_local_partial_md(
+        &self,
+        label: &str,
+        blob: Arc<[u8]>,
+        via: Via,
+    ) -> Result<(), Error> {
         check_label(label)?;
         self.shared.local.set_partial(label, blob.clone());
         self.send(label, blob, via)
@@ -279,7 +317,12 @@ impl Manager {
         let Some((tx, _)) = client.as_ref() else {
             return Err(Error::backend("p2p", "the client worker did not start"));
         };
-        queue(tx, cmd, "p2p command queue", self.shared.config.command_capacity)
+        queue(
+            tx,
+            cmd,
+            "p2p command queue",
+            self.shared.config.command_capacity,
+        )
     }
 
     fn store_cmd(&self, cmd: StoreCmd, what: &'static str) -> Result<(), Error> {
@@ -297,7 +340,7 @@ impl Manager {
             (StoreCmd::Fetch { .. }, Some(fetches)) => fetches,
             _ => &store.ops,
         };
-        queue(tx, cmd, "store command queue", self.shared.config.command_capacity)
+        tx.try_send(cmd, self.shared.config.command_capacity)
     }
 }
 

@@ -108,4 +108,3 @@ pub(crate) fn wake_addr(addr: SocketAddr) -> SocketAddr {
         _ => addr,
     }
 }
-

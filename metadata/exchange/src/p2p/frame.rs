@@ -122,8 +122,12 @@ impl FramedConn {
         hello[4] = VERSION;
         hello[5] = u8::from(secret.is_some());
         hello[6..].copy_from_slice(&my_nonce);
-        stream.set_read_timeout(Some(nonzero(io_timeout))).map_err(RecvError::Io)?;
-        stream.set_write_timeout(Some(nonzero(io_timeout))).map_err(RecvError::Io)?;
+        stream
+            .set_read_timeout(Some(nonzero(io_timeout)))
+            .map_err(RecvError::Io)?;
+        stream
+            .set_write_timeout(Some(nonzero(io_timeout)))
+            .map_err(RecvError::Io)?;
         stream.write_all(&hello).map_err(RecvError::Io)?;
         let mut peer = [0u8; HELLO_LEN];
         stream.read_exact(&mut peer).map_err(|e| match e.kind() {
@@ -224,7 +228,9 @@ impl FramedConn {
         self.stream
             .set_read_timeout(Some(nonzero(self.io_timeout)))
             .map_err(RecvError::Io)?;
-        self.stream.read_exact(&mut len[1..]).map_err(RecvError::Io)?;
+        self.stream
+            .read_exact(&mut len[1..])
+            .map_err(RecvError::Io)?;
         let body_len = u32::from_le_bytes(len) as usize;
         let mac_len = if self.secret.is_some() { MAC_LEN } else { 0 };
         if body_len > self.max_frame_bytes {
@@ -234,7 +240,9 @@ impl FramedConn {
             )));
         }
         if body_len < FIXED_LEN + mac_len {
-            return Err(RecvError::Refused(format!("frame of {body_len} bytes is too short")));
+            return Err(RecvError::Refused(format!(
+                "frame of {body_len} bytes is too short"
+            )));
         }
         self.read_buf.clear();
         self.read_buf.extend_from_slice(&len);
@@ -265,7 +273,9 @@ fn parse(body: &[u8]) -> Result<(Frame<'_>, u64), String> {
     let seq = u64::from_le_bytes(body[1..9].try_into().map_err(|_| "short frame")?);
     let mut rest = &body[9..];
     let mut text = |what: &str| -> Result<&str, String> {
-        let (&n, tail) = rest.split_first().ok_or_else(|| format!("no {what} length"))?;
+        let (&n, tail) = rest
+            .split_first()
+            .ok_or_else(|| format!("no {what} length"))?;
         if tail.len() < n as usize {
             return Err(format!("{what} runs past the frame"));
         }
@@ -295,7 +305,10 @@ fn hmac_over(secret: &[u8], nonce: &[u8; 16], data: &[u8]) -> Result<HmacSha256,
 }
 
 fn mac(secret: &[u8], nonce: &[u8; 16], data: &[u8]) -> io::Result<[u8; MAC_LEN]> {
-    Ok(hmac_over(secret, nonce, data)?.finalize().into_bytes().into())
+    Ok(hmac_over(secret, nonce, data)?
+        .finalize()
+        .into_bytes()
+        .into())
 }
 
 fn verify(secret: &[u8], nonce: &[u8; 16], data: &[u8], tag: &[u8]) -> Result<(), ()> {
@@ -311,7 +324,10 @@ mod tests {
     use super::*;
     use std::net::TcpListener;
 
-    fn pair(a: Option<&[u8]>, b: Option<&[u8]>) -> (Result<FramedConn, RecvError>, Result<FramedConn, RecvError>) {
+    fn pair(
+        a: Option<&[u8]>,
+        b: Option<&[u8]>,
+    ) -> (Result<FramedConn, RecvError>, Result<FramedConn, RecvError>) {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let b = b.map(Arc::from);
@@ -332,7 +348,10 @@ mod tests {
             for i in 0..3u8 {
                 a.send(Kind::Load, "agent-a", "metadata", &[i; 10]).unwrap();
                 let f = b.recv(Duration::from_secs(2)).unwrap();
-                assert_eq!((f.kind, f.name, f.label, f.payload), (Kind::Load, "agent-a", "metadata", &[i; 10][..]));
+                assert_eq!(
+                    (f.kind, f.name, f.label, f.payload),
+                    (Kind::Load, "agent-a", "metadata", &[i; 10][..])
+                );
             }
             b.send(Kind::Ack, "agent-b", "", &[]).unwrap();
             let f = a.recv(Duration::from_secs(2)).unwrap();
@@ -348,7 +367,9 @@ mod tests {
         let (a, b) = pair(Some(b"x"), Some(b"y"));
         let (mut a, mut b) = (a.unwrap(), b.unwrap());
         a.send(Kind::Invalidate, "a", "", &[]).unwrap();
-        assert!(matches!(b.recv(Duration::from_secs(2)), Err(RecvError::Refused(r)) if r.contains("authentication")));
+        assert!(
+            matches!(b.recv(Duration::from_secs(2)), Err(RecvError::Refused(r)) if r.contains("authentication"))
+        );
     }
 
     #[test]
@@ -358,7 +379,9 @@ mod tests {
         assert!(a.send(Kind::Load, "a", "metadata", &[0; 5000]).is_err());
         // A hostile sender that ignores the limit.
         a.stream.write_all(&(1u32 << 30).to_le_bytes()).unwrap();
-        assert!(matches!(b.recv(Duration::from_secs(2)), Err(RecvError::Refused(r)) if r.contains("over the limit")));
+        assert!(
+            matches!(b.recv(Duration::from_secs(2)), Err(RecvError::Refused(r)) if r.contains("over the limit"))
+        );
     }
 
     #[test]

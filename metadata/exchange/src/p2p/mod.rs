@@ -53,13 +53,21 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Listener {
     pub(crate) fn start(shared: Arc<Shared>, listen: SocketAddr) -> Result<Listener, Error> {
-        let listener = TcpListener::bind(listen)
-            .map_err(|e| io_error(BACKEND, format_args!("binding the listener to {listen}"), &e))?;
+        let listener = TcpListener::bind(listen).map_err(|e| {
+            io_error(
+                BACKEND,
+                format_args!("binding the listener to {listen}"),
+                &e,
+            )
+        })?;
         let addr = listener
             .local_addr()
             .map_err(|e| io_error(BACKEND, "reading the listener address", &e))?;
         if addr.ip().is_unspecified() {
-            log::warn!("p2p listener of '{}' listens on all interfaces ({addr})", shared.agent);
+            log::warn!(
+                "p2p listener of '{}' listens on all interfaces ({addr})",
+                shared.agent
+            );
         }
         let conns = Arc::new(Mutex::new(HashMap::new()));
         let threads = Arc::new(Mutex::new(Vec::new()));
@@ -242,12 +250,17 @@ fn serve_connection(stream: TcpStream, peer: &str, shared: &Shared, stats: &List
             Kind::SendMe => match shared.local.get(&label) {
                 Some(blob) => conn.send(Kind::Load, &shared.agent, &label, &blob),
                 None => {
-                    let why = format!("agent '{}' has no metadata under label '{label}'", shared.agent);
+                    let why = format!(
+                        "agent '{}' has no metadata under label '{label}'",
+                        shared.agent
+                    );
                     conn.send(Kind::Error, &shared.agent, &label, why.as_bytes())
                 }
             },
             Kind::Ack | Kind::Error => {
-                log::warn!("p2p listener: dropping connection from {peer}: unsolicited {kind:?} frame");
+                log::warn!(
+                    "p2p listener: dropping connection from {peer}: unsolicited {kind:?} frame"
+                );
                 stats.connections_refused.fetch_add(1, Ordering::Relaxed);
                 return;
             }
@@ -326,7 +339,12 @@ pub(crate) fn client_loop(shared: Arc<Shared>, commands: Receiver<P2pCmd>) {
             }
             P2pCmd::Fetch { to, agent, label } => {
                 let event = match exchange(&shared, &mut conns, to, Kind::SendMe, &label, &[]) {
-                    Ok(Reply { kind: Kind::Load, name, label: got, payload }) => {
+                    Ok(Reply {
+                        kind: Kind::Load,
+                        name,
+                        label: got,
+                        payload,
+                    }) => {
                         if name != agent || got != label {
                             Event::FetchFailed {
                                 error: Error::Mismatch {
@@ -348,7 +366,11 @@ pub(crate) fn client_loop(shared: Arc<Shared>, commands: Receiver<P2pCmd>) {
                             }
                         }
                     }
-                    Ok(Reply { kind: Kind::Error, payload, .. }) => Event::FetchFailed {
+                    Ok(Reply {
+                        kind: Kind::Error,
+                        payload,
+                        ..
+                    }) => Event::FetchFailed {
                         error: Error::not_found(Subject::Named(
                             format!(
                                 "metadata '{label}' at {to}: {}",
@@ -434,7 +456,10 @@ fn exchange(
             conns.insert(to, conn);
         }
         let Some(conn) = conns.get_mut(&to) else {
-            return Err(Error::backend(BACKEND, format!("connection to {to} vanished")));
+            return Err(Error::backend(
+                BACKEND,
+                format!("connection to {to} vanished"),
+            ));
         };
         let result = match conn.send(kind, &shared.agent, label, payload) {
             Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => {

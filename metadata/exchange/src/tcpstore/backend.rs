@@ -23,7 +23,7 @@ use ferry_storage::Error;
 use super::client::{user_key, ClientOptions, TcpStoreClient};
 use crate::config::TcpStoreConfig;
 use crate::events::{Event, Route, FULL_LABEL};
-use crate::manager::{Shared, StoreCmd, StoreWorker};
+use crate::manager::{CmdSender, Shared, StoreCmd, StoreWorker};
 use crate::util::{io_error, timeout_error};
 
 const BACKEND: &str = "tcpstore";
@@ -83,16 +83,15 @@ pub(crate) fn start(shared: Arc<Shared>, config: &TcpStoreConfig) -> Result<Stor
     Ok(StoreWorker {
         route: Route::TcpStore,
         endpoint: config.endpoint.clone(),
-        ops: ops_tx,
-        fetches: Some(fetch_tx),
+        ops: CmdSender::Std(ops_tx),
+        fetches: Some(CmdSender::Std(fetch_tx)),
         threads,
     })
 }
 
 fn connect(endpoint: &str, options: &ClientOptions) -> Result<TcpStoreClient, Error> {
-    TcpStoreClient::connect(endpoint, options.clone()).map_err(|e| {
-        Error::backend(BACKEND, format!("store at {endpoint} is unreachable: {e}"))
-    })
+    TcpStoreClient::connect(endpoint, options.clone())
+        .map_err(|e| Error::backend(BACKEND, format!("store at {endpoint} is unreachable: {e}")))
 }
 
 struct Ops {
@@ -334,7 +333,11 @@ impl Fetcher {
             client.get(&fetch.key)
         } else {
             let remaining = fetch.deadline.saturating_duration_since(Instant::now());
-            let slice = if others_pending { remaining.min(WAIT_SLICE) } else { remaining.min(IDLE_TICK) };
+            let slice = if others_pending {
+                remaining.min(WAIT_SLICE)
+            } else {
+                remaining.min(IDLE_TICK)
+            };
             match client.wait(&[&fetch.key], slice) {
                 Ok(true) => client.get(&fetch.key),
                 Ok(false) => Ok(Vec::new()),

@@ -77,9 +77,7 @@ impl TcpStoreClient {
                 client.broken = true;
                 return Err(Error::backend(
                     BACKEND,
-                    format!(
-                        "PING to {endpoint}: echo {echo:#x} differs from nonce {nonce:#x}"
-                    ),
+                    format!("PING to {endpoint}: echo {echo:#x} differs from nonce {nonce:#x}"),
                 ));
             }
         }
@@ -164,7 +162,11 @@ impl TcpStoreClient {
             }
             Err(e) => {
                 self.broken = true;
-                Err(io_error(BACKEND, format_args!("WAIT on {}", self.endpoint), &e))
+                Err(io_error(
+                    BACKEND,
+                    format_args!("WAIT on {}", self.endpoint),
+                    &e,
+                ))
             }
         }
     }
@@ -233,12 +235,19 @@ impl TcpStoreClient {
         if self.broken {
             return Err(Error::backend(
                 BACKEND,
-                format!("{what} to {}: connection is broken by an earlier error", self.endpoint),
+                format!(
+                    "{what} to {}: connection is broken by an earlier error",
+                    self.endpoint
+                ),
             ));
         }
         if let Err(e) = self.stream.write_all(&self.request) {
             self.broken = true;
-            return Err(io_error(BACKEND, format_args!("{what} to {}", self.endpoint), &e));
+            return Err(io_error(
+                BACKEND,
+                format_args!("{what} to {}", self.endpoint),
+                &e,
+            ));
         }
         Ok(())
     }
@@ -250,7 +259,11 @@ impl TcpStoreClient {
     ) -> Result<T, Error> {
         f(&mut self.stream).map_err(|e| {
             self.broken = true;
-            io_error(BACKEND, format_args!("{what} reply from {}", self.endpoint), &e)
+            io_error(
+                BACKEND,
+                format_args!("{what} reply from {}", self.endpoint),
+                &e,
+            )
         })
     }
 

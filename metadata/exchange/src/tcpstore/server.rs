@@ -98,8 +98,8 @@ struct Shared {
 /// Start a server listening on `listen` (port 0: ephemeral). Bind loopback unless the
 /// store must be reachable from other hosts.
 pub fn serve(listen: SocketAddr, config: ServerConfig) -> Result<ServerHandle, Error> {
-    let listener =
-        TcpListener::bind(listen).map_err(|e| io_error(BACKEND, format_args!("binding {listen}"), &e))?;
+    let listener = TcpListener::bind(listen)
+        .map_err(|e| io_error(BACKEND, format_args!("binding {listen}"), &e))?;
     let addr = listener
         .local_addr()
         .map_err(|e| io_error(BACKEND, "reading the bound address", &e))?;
@@ -148,7 +148,8 @@ impl ServerHandle {
         };
         self.shared.stop.store(true, Ordering::Release);
         // Wake the accept thread with a connection of our own.
-        let _unused = TcpStream::connect_timeout(&crate::util::wake_addr(self.addr), Duration::from_secs(1));
+        let _unused =
+            TcpStream::connect_timeout(&crate::util::wake_addr(self.addr), Duration::from_secs(1));
         let _unused = accept.join();
         for stream in lock(&self.shared.conns).values() {
             let _unused = stream.shutdown(Shutdown::Both);
@@ -346,7 +347,9 @@ fn serve_connection(id: u64, stream: TcpStream, shared: &Shared) -> io::Result<(
             .set_read_timeout(Some(nonzero(shared.config.request_timeout)))?;
         if !validated {
             if opcode != op::VALIDATE {
-                return Err(bad(format!("first request is opcode {opcode}, not VALIDATE")));
+                return Err(bad(format!(
+                    "first request is opcode {opcode}, not VALIDATE"
+                )));
             }
             let magic = proto::read_u32(&mut conn.stream)?;
             if magic != proto::VALIDATE_MAGIC {
@@ -420,7 +423,11 @@ fn request(conn: &mut Conn<'_>, opcode: u8) -> io::Result<()> {
             let keys = conn.keys()?;
             let state = lock_checked(conn, opcode)?;
             let ready = keys.iter().all(|k| state.present(k));
-            conn.reply.push(if ready { proto::READY } else { proto::NOT_READY });
+            conn.reply.push(if ready {
+                proto::READY
+            } else {
+                proto::NOT_READY
+            });
             conn.answer(state, Vec::new())
         }
         op::WAIT => {
@@ -545,4 +552,3 @@ fn lock_checked<'a>(conn: &Conn<'a>, opcode: u8) -> io::Result<MutexGuard<'a, St
     }
     Ok(state)
 }
-
