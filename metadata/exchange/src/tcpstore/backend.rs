@@ -109,10 +109,10 @@ struct Ops {
 impl Ops {
     fn run(mut self, commands: Receiver<StoreCmd>) {
         loop {
-            let wait = if self.outage && !self.published.is_empty() {
-                self.retry_interval
-            } else {
+            let wait = if self.published.is_empty() {
                 IDLE_TICK
+            } else {
+                self.retry_interval
             };
             let cmd = match commands.recv_timeout(wait) {
                 Ok(cmd) => cmd,
@@ -120,9 +120,8 @@ impl Ops {
                     if self.shared.stopping() {
                         return;
                     }
-                    if self.outage && !self.published.is_empty() {
-                        // Quietly try to come back; errors were reported when they happened.
-                        let _unused = self.client();
+                    if !self.published.is_empty() {
+                        self.refresh();
                     }
                     continue;
                 }
@@ -199,9 +198,61 @@ impl Ops {
             .ok_or_else(|| Error::backend(BACKEND, "no connection"))
     }
 
+    /// SET, confirmed by a CHECK (SET has no reply, so a dead server would otherwise
+    /// go unnoticed). Retried once on a fresh connection if a reused one failed.
     fn publish(&mut self, label: &str, blob: &[u8]) -> Result<(), Error> {
         let key = user_key(&self.shared.key(&self.shared.agent, label));
-        self.client()?.set(key.as_bytes(), blob)
+        let mut retried = false;
+        loop {
+            let reused = self.client.is_some();
+            let result = self.client().and_then(|c| {
+                c.set(key.as_bytes(), blob)?;
+                if c.check(&[key.as_bytes()])? {
+                    Ok(())
+                } else {
+                    Err(Error::backend(BACKEND, format!("'{key}' missing right after SET")))
+                }
+            });
+            match result {
+                Err(_) if reused && !retried => {
+                    self.client = None;
+                    retried = true;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// While idle with something published: make sure it is still there (the server
+    /// may have restarted and lost it), publishing again what is missing.
+    fn refresh(&mut self) {
+        let agent = self.shared.agent.clone();
+        let labels: Vec<String> = self.published.iter().cloned().collect();
+        let result = (|| -> Result<usize, Error> {
+            let mut republished = 0;
+            for label in &labels {
+                let key = user_key(&self.shared.key(&agent, label));
+                let present = self.client()?.check(&[key.as_bytes()])?;
+                if !present {
+                    if let Some(blob) = self.shared.local.get(label) {
+                        self.client()?.set(key.as_bytes(), &blob)?;
+                        republished += 1;
+                    }
+                }
+            }
+            Ok(republished)
+        })();
+        match result {
+            Ok(0) => {}
+            Ok(n) => log::info!("tcpstore: published {n} missing label(s) again at {}", self.endpoint),
+            Err(e) => {
+                if !self.outage {
+                    log::warn!("tcpstore: {e}");
+                }
+                self.client = None;
+                self.outage = true;
+            }
+        }
     }
 
     fn withdraw(&mut self, labels: &BTreeSet<String>) -> Result<(), Error> {
@@ -228,6 +279,8 @@ struct PendingFetch {
     deadline: Instant,
     /// Already tried the plain GET.
     tried_get: bool,
+    /// Already retried once on a fresh connection.
+    retried: bool,
 }
 
 struct Fetcher {
@@ -288,6 +341,7 @@ impl Fetcher {
                     key,
                     deadline: Instant::now() + self.shared.config.fetch_timeout,
                     tried_get: false,
+                    retried: false,
                 });
             }
             StoreCmd::Publish { label, .. } => {
@@ -324,6 +378,7 @@ impl Fetcher {
     /// One step of one fetch: a GET the first time, else one WAIT slice (then GET).
     fn step(&mut self, mut fetch: PendingFetch) {
         let others_pending = !self.pending.is_empty();
+        let reused = self.client.is_some();
         let client = match self.client() {
             Ok(c) => c,
             Err(e) => return self.fail(fetch, e),
@@ -368,6 +423,13 @@ impl Fetcher {
                     self.shared.config.fetch_timeout.as_millis()
                 );
                 self.fail(fetch, timeout_error(BACKEND, detail));
+            }
+            Err(_) if reused && !fetch.retried => {
+                // The connection may have died while idle (server restarted): once more
+                // on a fresh one.
+                self.client = None;
+                fetch.retried = true;
+                self.pending.push_front(fetch);
             }
             Err(e) => {
                 self.client = None;
