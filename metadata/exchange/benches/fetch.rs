@@ -24,7 +24,12 @@ fn md_blob(agent: &str, regions: usize) -> Arc<[u8]> {
     let mut w = MdWriter::new(agent, 1);
     let b = w.backend("UCX", Some(&[7u8; 64]));
     for i in 0..regions as u64 {
-        w.region(b, MemKind::Dram, Desc::new(0x1000_0000 + i * 0x10000, 0x8000, 0), &[i as u8; 32]);
+        w.region(
+            b,
+            MemKind::Dram,
+            Desc::new(0x1000_0000 + i * 0x10000, 0x8000, 0),
+            &[i as u8; 32],
+        );
     }
     Arc::from(w.finish().expect("valid metadata"))
 }
@@ -110,8 +115,13 @@ fn row(name: &str, regions: usize, len_bytes: usize, s: &Stats, reference: Optio
 fn main() {
     // `cargo bench` passes `--bench`; `cargo test --benches` runs this quickly.
     let quick = !std::env::args().any(|a| a == "--bench");
-    let etcd = std::env::var("FERRY_TEST_ETCD").ok().filter(|e| !e.is_empty());
-    println!("{:<14} {:>6} {:>10} {:>12} {:>12} {:>8}", "path", "regions", "bytes", "median_us", "p90_us", "vs_ref");
+    let etcd = std::env::var("FERRY_TEST_ETCD")
+        .ok()
+        .filter(|e| !e.is_empty());
+    println!(
+        "{:<14} {:>6} {:>10} {:>12} {:>12} {:>8}",
+        "path", "regions", "bytes", "median_us", "p90_us", "vs_ref"
+    );
     for regions in [1usize, 15_000] {
         let md = md_blob("bench-a", regions);
         let n = match (quick, regions) {
@@ -172,7 +182,12 @@ fn etcd_rows(endpoint: &str, regions: usize, md: &Arc<[u8]>, n: usize) {
     let b = Manager::new("bench-b", cfg).unwrap();
     // Wait until published.
     fetch_once(&b, "bench-a", Via::Store, md.len());
-    let reference = etcdctl_get(endpoint, &format!("{namespace}/bench-a/metadata"), md.len(), n.min(30));
+    let reference = etcdctl_get(
+        endpoint,
+        &format!("{namespace}/bench-a/metadata"),
+        md.len(),
+        n.min(30),
+    );
     let s = measure(n, || fetch_once(&b, "bench-a", Via::Store, md.len()));
     match &reference {
         Some(r) => row("etcdctl_get", regions, md.len(), r, None),
@@ -204,7 +219,11 @@ fn etcdctl_get(endpoint: &str, key: &str, len_bytes: usize, n: usize) -> Option<
     Some(measure(n, || {
         let t = Instant::now();
         let out = run().expect("etcdctl runs");
-        assert!(out.stdout.len() >= len_bytes, "etcdctl printed {} bytes", out.stdout.len());
+        assert!(
+            out.stdout.len() >= len_bytes,
+            "etcdctl printed {} bytes",
+            out.stdout.len()
+        );
         t.elapsed()
     }))
 }

@@ -28,7 +28,9 @@ mod with_etcd {
     fn endpoint() -> Option<String> {
         match std::env::var("FERRY_TEST_ETCD") {
             Ok(e) if !e.is_empty() => Some(e),
-            _ if under_ci() => panic!("CI=true but FERRY_TEST_ETCD is not set: the etcd tests need a running etcd"),
+            _ if under_ci() => {
+                panic!("CI=true but FERRY_TEST_ETCD is not set: the etcd tests need a running etcd")
+            }
             _ => {
                 eprintln!("skipping: FERRY_TEST_ETCD is not set (e.g. http://127.0.0.1:23790)");
                 None
@@ -64,7 +66,9 @@ mod with_etcd {
         assert_eq!(b.manager.store().map(|s| s.0), Some(Route::Etcd));
 
         // Fetch first, publish later: the watch picks up the put.
-        b.manager.fetch_remote_md("prefill-0", Via::Store, None).unwrap();
+        b.manager
+            .fetch_remote_md("prefill-0", Via::Store, None)
+            .unwrap();
         std::thread::sleep(Duration::from_millis(200));
         let md_a = blob("prefill-0", 20_000);
         a.manager.set_local_md(md_a.clone());
@@ -75,19 +79,30 @@ mod with_etcd {
         let md_b = blob("decode-0", 100);
         b.manager.set_local_md(md_b.clone());
         b.manager.send_local_md(Via::Store).unwrap();
-        a.manager.fetch_remote_md("decode-0", Via::Store, None).unwrap();
+        a.manager
+            .fetch_remote_md("decode-0", Via::Store, None)
+            .unwrap();
         a.wait_md("decode-0", FULL_LABEL, &md_b, LONG);
 
         // Partial metadata under its label.
         let part = blob("prefill-0/layer-2", 77);
-        a.manager.send_local_partial_md("layer-2", part.clone(), Via::Store).unwrap();
-        b.manager.fetch_remote_md("prefill-0", Via::Store, Some("layer-2")).unwrap();
+        a.manager
+            .send_local_partial_md("layer-2", part.clone(), Via::Store)
+            .unwrap();
+        b.manager
+            .fetch_remote_md("prefill-0", Via::Store, Some("layer-2"))
+            .unwrap();
         b.wait_md("prefill-0", "layer-2", &part, LONG);
 
         // A withdraws: the watch on its key tells B.
         a.manager.invalidate_local_md(Via::Store).unwrap();
         b.wait_invalidated("prefill-0", LONG);
-        assert!(a.send_failures.is_empty() && b.send_failures.is_empty(), "{:?} {:?}", a.send_failures, b.send_failures);
+        assert!(
+            a.send_failures.is_empty() && b.send_failures.is_empty(),
+            "{:?} {:?}",
+            a.send_failures,
+            b.send_failures
+        );
     }
 
     #[test]
@@ -99,17 +114,26 @@ mod with_etcd {
         let md = blob("short-lived", 10);
         a.manager.set_local_md(md.clone());
         a.manager.send_local_md(Via::Store).unwrap();
-        b.manager.fetch_remote_md("short-lived", Via::Store, None).unwrap();
+        b.manager
+            .fetch_remote_md("short-lived", Via::Store, None)
+            .unwrap();
         b.wait_md("short-lived", FULL_LABEL, &md, LONG);
         // Outlive the TTL a few times while A is alive: the lease is kept.
         std::thread::sleep(Duration::from_secs(3));
         b.pump();
-        assert!(b.invalidated.is_empty(), "invalidated while A kept its lease alive");
+        assert!(
+            b.invalidated.is_empty(),
+            "invalidated while A kept its lease alive"
+        );
         // "Crash": A goes away without invalidating; its lease (2 s) expires.
         let t = Instant::now();
         drop(a);
         b.wait_invalidated("short-lived", Duration::from_secs(15));
-        assert!(t.elapsed() >= Duration::from_secs(1), "expired too early: {:?}", t.elapsed());
+        assert!(
+            t.elapsed() >= Duration::from_secs(1),
+            "expired too early: {:?}",
+            t.elapsed()
+        );
     }
 
     #[test]
@@ -118,10 +142,16 @@ mod with_etcd {
         let mut cfg = config(&ep, "missing");
         cfg.fetch_timeout = Duration::from_millis(300);
         let mut b = FakeAgent::new("b", cfg);
-        b.manager.fetch_remote_md("ghost", Via::Store, None).unwrap();
+        b.manager
+            .fetch_remote_md("ghost", Via::Store, None)
+            .unwrap();
         let e = b.wait_fetch_failure("ghost", LONG);
         assert!(matches!(e, Error::Backend { .. }), "{e}");
-        assert!(e.to_string().contains("ghost") && e.to_string().contains("not published within 300 ms"), "{e}");
+        assert!(
+            e.to_string().contains("ghost")
+                && e.to_string().contains("not published within 300 ms"),
+            "{e}"
+        );
     }
 
     /// A loopback TCP proxy in front of etcd that can be cut (all connections closed,
@@ -148,7 +178,9 @@ mod with_etcd {
                             return;
                         }
                         let Ok(client) = client else { continue };
-                        let Ok(server) = TcpStream::connect(upstream) else { continue };
+                        let Ok(server) = TcpStream::connect(upstream) else {
+                            continue;
+                        };
                         let mut list = conns.lock().unwrap();
                         list.push(client.try_clone().unwrap());
                         list.push(server.try_clone().unwrap());
@@ -169,7 +201,13 @@ mod with_etcd {
                     }
                 })
             };
-            Proxy { addr, upstream, stop, conns, accept: Some(accept) }
+            Proxy {
+                addr,
+                upstream,
+                stop,
+                conns,
+                accept: Some(accept),
+            }
         }
 
         fn cut(&mut self) {
@@ -220,8 +258,14 @@ mod with_etcd {
         b.manager.fetch_remote_md("a", Via::Store, None).unwrap();
         let e = b.wait_fetch_failure("a", LONG);
         assert!(matches!(e, Error::Backend { .. }), "{e}");
-        assert!(t.elapsed() < Duration::from_secs(6), "took {:?}", t.elapsed());
-        a.manager.send_local_partial_md("p", blob("a/p", 5), Via::Store).unwrap();
+        assert!(
+            t.elapsed() < Duration::from_secs(6),
+            "took {:?}",
+            t.elapsed()
+        );
+        a.manager
+            .send_local_partial_md("p", blob("a/p", 5), Via::Store)
+            .unwrap();
         assert!(a.pump_until(LONG, |a| !a.send_failures.is_empty()));
 
         // etcd is reachable again: fetches work, and A's lease and keys are there.
@@ -230,14 +274,19 @@ mod with_etcd {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             b.manager.fetch_remote_md("a", Via::Store, None).unwrap();
-            let answered = b.pump_until(LONG, |b| b.md("a", FULL_LABEL).is_some() || !b.fetch_failures.is_empty());
+            let answered = b.pump_until(LONG, |b| {
+                b.md("a", FULL_LABEL).is_some() || !b.fetch_failures.is_empty()
+            });
             assert!(answered, "a fetch neither succeeded nor failed");
             if b.md("a", FULL_LABEL).is_some() {
                 break;
             }
             // The gRPC channel reconnects on its own schedule: ask again.
             b.fetch_failures.clear();
-            assert!(Instant::now() < deadline, "no recovery after etcd came back");
+            assert!(
+                Instant::now() < deadline,
+                "no recovery after etcd came back"
+            );
             std::thread::sleep(Duration::from_millis(200));
         }
         assert_eq!(b.md("a", FULL_LABEL), Some(&md[..]));
@@ -246,7 +295,9 @@ mod with_etcd {
         let mut check_cfg = cfg;
         check_cfg.store = StoreConfig::Etcd(EtcdConfig::new(vec![ep.clone()]));
         let mut c = FakeAgent::new("checker", check_cfg);
-        c.manager.fetch_remote_md("a", Via::Store, Some("p")).unwrap();
+        c.manager
+            .fetch_remote_md("a", Via::Store, Some("p"))
+            .unwrap();
         c.wait_md("a", "p", &blob("a/p", 5), Duration::from_secs(20));
     }
 }

@@ -38,7 +38,9 @@ fn two_agents_exchange_full_and_partial_metadata_and_invalidate() {
     b.manager.set_local_md(md_b.clone());
 
     // B asks A for its metadata; A pushes B nothing yet.
-    b.manager.fetch_remote_md("prefill-0", Via::Peer(addr(&a)), None).unwrap();
+    b.manager
+        .fetch_remote_md("prefill-0", Via::Peer(addr(&a)), None)
+        .unwrap();
     b.wait_md("prefill-0", FULL_LABEL, &md_a, LONG);
 
     // B pushes its metadata to A.
@@ -66,7 +68,9 @@ fn two_agents_exchange_full_and_partial_metadata_and_invalidate() {
     assert!(e.to_string().contains("layer-9"), "{e}");
 
     // Asking the wrong agent's listener: mismatch, not a silent load.
-    b.manager.fetch_remote_md("someone-else", Via::Peer(addr(&a)), None).unwrap();
+    b.manager
+        .fetch_remote_md("someone-else", Via::Peer(addr(&a)), None)
+        .unwrap();
     let e = b.wait_fetch_failure("someone-else", LONG);
     assert!(matches!(e, Error::Mismatch { .. }), "{e}");
 
@@ -83,7 +87,9 @@ fn authenticated_peers_talk_and_wrong_secrets_are_refused() {
     let mut b = FakeAgent::new("b", listening(Some(b"team secret")));
     let md_a = blob("a", 1000);
     a.manager.set_local_md(md_a.clone());
-    b.manager.fetch_remote_md("a", Via::Peer(addr(&a)), None).unwrap();
+    b.manager
+        .fetch_remote_md("a", Via::Peer(addr(&a)), None)
+        .unwrap();
     b.wait_md("a", FULL_LABEL, &md_a, LONG);
 
     // An agent with another secret, and one with none: refused at the hello or the
@@ -91,20 +97,36 @@ fn authenticated_peers_talk_and_wrong_secrets_are_refused() {
     for secret in [Some(&b"guess"[..]), None] {
         let mut mallory = FakeAgent::new("mallory", listening(secret));
         mallory.manager.set_local_md(blob("mallory", 10));
-        mallory.manager.fetch_remote_md("a", Via::Peer(addr(&a)), None).unwrap();
+        mallory
+            .manager
+            .fetch_remote_md("a", Via::Peer(addr(&a)), None)
+            .unwrap();
         let e = mallory.wait_fetch_failure("a", LONG);
-        assert!(matches!(e, Error::Backend { .. } | Error::RemoteDisconnect { .. }), "{e}");
+        assert!(
+            matches!(e, Error::Backend { .. } | Error::RemoteDisconnect { .. }),
+            "{e}"
+        );
         mallory.manager.send_local_md(Via::Peer(addr(&a))).unwrap();
         assert!(mallory.pump_until(LONG, |m| !m.send_failures.is_empty()));
     }
-    let refused = a.manager.p2p_stats().unwrap().connections_refused.load(Ordering::Relaxed);
+    let refused = a
+        .manager
+        .p2p_stats()
+        .unwrap()
+        .connections_refused
+        .load(Ordering::Relaxed);
     assert!(refused >= 2, "refused {refused}");
     a.pump();
-    assert!(a.md("mallory", FULL_LABEL).is_none(), "unauthenticated metadata was loaded");
+    assert!(
+        a.md("mallory", FULL_LABEL).is_none(),
+        "unauthenticated metadata was loaded"
+    );
 
     // B still gets served.
     b.peers.clear();
-    b.manager.fetch_remote_md("a", Via::Peer(addr(&a)), None).unwrap();
+    b.manager
+        .fetch_remote_md("a", Via::Peer(addr(&a)), None)
+        .unwrap();
     b.wait_md("a", FULL_LABEL, &md_a, LONG);
 }
 
@@ -144,7 +166,8 @@ fn garbage_oversized_and_forged_frames_leave_the_listener_serving() {
     // Garbage instead of a hello.
     let mut g = TcpStream::connect(to).unwrap();
     g.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    g.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\nxxxxxxxxxxxxxxxxxxxxxx").unwrap();
+    g.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\nxxxxxxxxxxxxxxxxxxxxxx")
+        .unwrap();
     assert!(closed(g));
 
     // A valid hello (claiming auth), then an oversized frame header.
@@ -178,14 +201,24 @@ fn garbage_oversized_and_forged_frames_leave_the_listener_serving() {
     m.write_all(&(body.len() as u32).to_le_bytes()).unwrap();
     m.write_all(&body).unwrap();
     assert!(closed(m));
-    assert_eq!(open.manager.p2p_stats().unwrap().connections_refused.load(Ordering::Relaxed), 1);
+    assert_eq!(
+        open.manager
+            .p2p_stats()
+            .unwrap()
+            .connections_refused
+            .load(Ordering::Relaxed),
+        1
+    );
     open.pump();
     assert!(open.peers.is_empty());
 
     let stats = a.manager.p2p_stats().unwrap();
     assert!(stats.connections_refused.load(Ordering::Relaxed) >= 3);
     a.pump();
-    assert!(a.md("mallory", FULL_LABEL).is_none(), "forged metadata was loaded");
+    assert!(
+        a.md("mallory", FULL_LABEL).is_none(),
+        "forged metadata was loaded"
+    );
 
     // A good peer is served throughout.
     let mut b = FakeAgent::new("b", listening(Some(secret)));
@@ -208,22 +241,33 @@ fn oversized_metadata_is_refused_before_sending() {
 #[test]
 fn unreachable_peer_and_missing_store_give_clear_errors() {
     let mut b = FakeAgent::new("b", ExchangeConfig::default());
-    assert!(!b.manager.workers_running(), "no listener, no store: no threads");
+    assert!(
+        !b.manager.workers_running(),
+        "no listener, no store: no threads"
+    );
     // A port nobody listens on.
     let dead = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap()
     };
-    b.manager.fetch_remote_md("a", Via::Peer(dead), None).unwrap();
+    b.manager
+        .fetch_remote_md("a", Via::Peer(dead), None)
+        .unwrap();
     assert!(b.manager.workers_running(), "the P2P client worker started");
     let e = b.wait_fetch_failure("a", LONG);
     assert!(e.to_string().contains(&dead.to_string()), "{e}");
 
-    let e = b.manager.fetch_remote_md("a", Via::Store, None).unwrap_err();
+    let e = b
+        .manager
+        .fetch_remote_md("a", Via::Store, None)
+        .unwrap_err();
     assert!(matches!(e, Error::NotSupported { .. }), "{e}");
     assert!(e.to_string().contains("no metadata store"), "{e}");
     let e = b.manager.send_local_md(Via::Store).unwrap_err();
-    assert!(matches!(e, Error::NotAllowed { .. }), "no local metadata yet: {e}");
+    assert!(
+        matches!(e, Error::NotAllowed { .. }),
+        "no local metadata yet: {e}"
+    );
     assert!(b.manager.fetch_remote_md("a/b", Via::Store, None).is_err());
     assert!(b
         .manager

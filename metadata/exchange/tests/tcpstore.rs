@@ -24,7 +24,11 @@ fn client_and_server_speak_the_protocol() {
     let mut c = client(server.local_addr());
     c.set(b"/k", b"v1").unwrap();
     assert_eq!(c.get(b"/k").unwrap(), b"v1");
-    assert_eq!(c.get(b"/missing").unwrap(), b"", "missing key reads empty (as libuv)");
+    assert_eq!(
+        c.get(b"/missing").unwrap(),
+        b"",
+        "missing key reads empty (as libuv)"
+    );
     assert!(c.check(&[b"/k"]).unwrap());
     assert!(!c.check(&[b"/k", b"/missing"]).unwrap());
     assert!(c.check(&[]).unwrap(), "n=0 is READY");
@@ -112,7 +116,9 @@ fn agents_discover_each_other_by_name() {
     assert!(b.manager.workers_running());
 
     // B asks before A has published: the fetch waits, no false negative.
-    b.manager.fetch_remote_md("prefill-0", Via::Store, None).unwrap();
+    b.manager
+        .fetch_remote_md("prefill-0", Via::Store, None)
+        .unwrap();
     std::thread::sleep(Duration::from_millis(200));
     b.pump();
     assert!(b.fetch_failures.is_empty(), "{:?}", b.fetch_failures);
@@ -124,28 +130,39 @@ fn agents_discover_each_other_by_name() {
     // The key is where torch code would find it, without a double slash.
     let mut c = client(server.local_addr());
     assert_eq!(
-        c.get(user_key("test/discover/prefill-0/metadata").as_bytes()).unwrap(),
+        c.get(user_key("test/discover/prefill-0/metadata").as_bytes())
+            .unwrap(),
         &*md_a
     );
 
     // Partial metadata under its label.
     let part = blob("prefill-0/layer-1", 64);
-    a.manager.send_local_partial_md("layer-1", part.clone(), Via::Store).unwrap();
-    b.manager.fetch_remote_md("prefill-0", Via::Store, Some("layer-1")).unwrap();
+    a.manager
+        .send_local_partial_md("layer-1", part.clone(), Via::Store)
+        .unwrap();
+    b.manager
+        .fetch_remote_md("prefill-0", Via::Store, Some("layer-1"))
+        .unwrap();
     b.wait_md("prefill-0", "layer-1", &part, LONG);
 
     // And the other way round.
     let md_b = blob("decode-0", 10);
     b.manager.set_local_md(md_b.clone());
     b.manager.send_local_md(Via::Store).unwrap();
-    a.manager.fetch_remote_md("decode-0", Via::Store, None).unwrap();
+    a.manager
+        .fetch_remote_md("decode-0", Via::Store, None)
+        .unwrap();
     a.wait_md("decode-0", FULL_LABEL, &md_b, LONG);
 
     // A withdraws: its keys are deleted and B, which fetched it, drops it.
     a.manager.invalidate_local_md(Via::Store).unwrap();
     b.wait_invalidated("prefill-0", LONG);
-    assert!(!c.check(&[user_key("test/discover/prefill-0/metadata").as_bytes()]).unwrap());
-    assert!(!c.check(&[user_key("test/discover/prefill-0/layer-1").as_bytes()]).unwrap());
+    assert!(!c
+        .check(&[user_key("test/discover/prefill-0/metadata").as_bytes()])
+        .unwrap());
+    assert!(!c
+        .check(&[user_key("test/discover/prefill-0/layer-1").as_bytes()])
+        .unwrap());
     assert!(a.send_failures.is_empty() && b.send_failures.is_empty());
 }
 
@@ -156,7 +173,9 @@ fn many_pending_fetches_do_not_wait_behind_each_other() {
     cfg.fetch_timeout = Duration::from_secs(30);
     let mut b = FakeAgent::new("b", cfg.clone());
     for i in 0..5 {
-        b.manager.fetch_remote_md(&format!("never-{i}"), Via::Store, None).unwrap();
+        b.manager
+            .fetch_remote_md(&format!("never-{i}"), Via::Store, None)
+            .unwrap();
     }
     b.manager.fetch_remote_md("late", Via::Store, None).unwrap();
     let late = FakeAgent::new("late", cfg);
@@ -173,12 +192,17 @@ fn missing_agent_times_out_with_a_clear_error() {
     let mut cfg = store_config(server.local_addr(), "test/missing");
     cfg.fetch_timeout = Duration::from_millis(300);
     let mut b = FakeAgent::new("b", cfg);
-    b.manager.fetch_remote_md("ghost", Via::Store, None).unwrap();
+    b.manager
+        .fetch_remote_md("ghost", Via::Store, None)
+        .unwrap();
     let e = b.wait_fetch_failure("ghost", LONG);
     match &e {
         Error::Backend { errno, detail, .. } => {
             assert_eq!(*errno, libc_etimedout());
-            assert!(detail.contains("ghost") && detail.contains("not published within 300 ms"), "{e}");
+            assert!(
+                detail.contains("ghost") && detail.contains("not published within 300 ms"),
+                "{e}"
+            );
         }
         other => panic!("expected a timeout, got {other}"),
     }
@@ -206,8 +230,15 @@ fn store_outage_gives_errors_then_recovers() {
     let t = Instant::now();
     b.manager.fetch_remote_md("a", Via::Store, None).unwrap();
     let e = b.wait_fetch_failure("a", LONG);
-    assert!(e.to_string().contains("unreachable") || e.to_string().contains("closed"), "{e}");
-    assert!(t.elapsed() < Duration::from_secs(4), "took {:?}", t.elapsed());
+    assert!(
+        e.to_string().contains("unreachable") || e.to_string().contains("closed"),
+        "{e}"
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(4),
+        "took {:?}",
+        t.elapsed()
+    );
     a.manager.send_local_md(Via::Store).unwrap();
     assert!(a.pump_until(LONG, |a| !a.send_failures.is_empty()));
 
@@ -215,7 +246,10 @@ fn store_outage_gives_errors_then_recovers() {
     let server = serve(endpoint, ServerConfig::default()).unwrap();
     let mut c = client(server.local_addr());
     let key = user_key("test/outage/a/metadata");
-    assert!(c.wait(&[key.as_bytes()], LONG).unwrap(), "A did not publish again");
+    assert!(
+        c.wait(&[key.as_bytes()], LONG).unwrap(),
+        "A did not publish again"
+    );
     b.peers.clear();
     b.manager.fetch_remote_md("a", Via::Store, None).unwrap();
     b.wait_md("a", FULL_LABEL, &md_a, LONG);
@@ -230,13 +264,22 @@ fn embedded_store_serves_discovery() {
             ..ExchangeConfig::default()
         },
     );
-    let addr = host.manager.embedded_store_addr().expect("embedded store runs");
+    let addr = host
+        .manager
+        .embedded_store_addr()
+        .expect("embedded store runs");
     assert_eq!(host.manager.store().map(|s| s.0), Some(Route::TcpStore));
     let md = blob("host", 500);
     host.manager.set_local_md(md.clone());
     host.manager.send_local_md(Via::Store).unwrap();
-    let mut guest = FakeAgent::new("guest", store_config(addr, ExchangeConfig::default().namespace.as_str()));
-    guest.manager.fetch_remote_md("host", Via::Store, None).unwrap();
+    let mut guest = FakeAgent::new(
+        "guest",
+        store_config(addr, ExchangeConfig::default().namespace.as_str()),
+    );
+    guest
+        .manager
+        .fetch_remote_md("host", Via::Store, None)
+        .unwrap();
     guest.wait_md("host", FULL_LABEL, &md, LONG);
 }
 
@@ -244,7 +287,9 @@ fn embedded_store_serves_discovery() {
 #[test]
 fn interop_with_torch_tcpstore() {
     let Some(python) = std::env::var_os("FERRY_TEST_TORCH_PYTHON") else {
-        eprintln!("skipping: FERRY_TEST_TORCH_PYTHON is not set (a python with torch runs this test)");
+        eprintln!(
+            "skipping: FERRY_TEST_TORCH_PYTHON is not set (a python with torch runs this test)"
+        );
         return;
     };
     let script = r#"
@@ -279,9 +324,18 @@ else:
     let addr: SocketAddr = ([127, 0, 0, 1], port).into();
     let mut c = client(addr);
     assert!(c.wait(&[user_key("from-torch").as_bytes()], LONG).unwrap());
-    assert_eq!(c.get(user_key("from-torch").as_bytes()).unwrap(), b"hello ferry");
-    assert!(!c.wait(&[user_key("nothing").as_bytes()], Duration::from_millis(100)).unwrap());
-    c.set(user_key("from-ferry").as_bytes(), b"hello torch").unwrap();
+    assert_eq!(
+        c.get(user_key("from-torch").as_bytes()).unwrap(),
+        b"hello ferry"
+    );
+    assert!(!c
+        .wait(
+            &[user_key("nothing").as_bytes()],
+            Duration::from_millis(100)
+        )
+        .unwrap());
+    c.set(user_key("from-ferry").as_bytes(), b"hello torch")
+        .unwrap();
     line.clear();
     out.read_line(&mut line).unwrap();
     assert_eq!(line.trim(), "hello torch");
@@ -291,14 +345,24 @@ else:
     // 2. torch's client against Ferry's server.
     let server = serve("127.0.0.1:0".parse().unwrap(), ServerConfig::default()).unwrap();
     let mut c = client(server.local_addr());
-    c.set(user_key("from-ferry-server").as_bytes(), b"served by ferry").unwrap();
+    c.set(user_key("from-ferry-server").as_bytes(), b"served by ferry")
+        .unwrap();
     let output = Command::new(&python)
-        .args(["-c", script, "client", &server.local_addr().port().to_string()])
+        .args([
+            "-c",
+            script,
+            "client",
+            &server.local_addr().port().to_string(),
+        ])
         .stdin(Stdio::null())
         .output()
         .expect("run the torch client");
     let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "torch client failed: {}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "torch client failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let lines: Vec<&str> = stdout.lines().collect();
     assert_eq!(lines, ["served by ferry", "3"]);
     assert_eq!(c.get(user_key("torch-client").as_bytes()).unwrap(), b"hi");

@@ -59,17 +59,17 @@ impl Kind {
     }
 }
 
-/// A received frame, borrowing the connection's read buffer.
+/// A received frame.
 #[derive(Debug)]
-pub struct Frame<'a> {
+pub struct Frame {
     /// What it is.
     pub kind: Kind,
     /// The sender's agent name.
-    pub name: &'a str,
+    pub name: String,
     /// The metadata label.
-    pub label: &'a str,
-    /// The payload.
-    pub payload: &'a [u8],
+    pub label: String,
+    /// The payload (read straight into its own buffer, not copied out of another).
+    pub payload: Vec<u8>,
 }
 
 /// Why a frame could not be received.
@@ -104,9 +104,20 @@ pub struct FramedConn {
     recv_seq: u64,
     max_frame_bytes: usize,
     io_timeout: Duration,
-    read_buf: Vec<u8>,
+    /// The read timeout now set on the socket (to skip redundant system calls).
+    read_timeout: Duration,
+    /// Bytes read ahead: `read_buf[read_pos..read_end]` are unconsumed.
+    read_buf: Box<[u8]>,
+    read_pos: usize,
+    read_end: usize,
     write_buf: Vec<u8>,
 }
+
+/// Size of the read-ahead buffer; frame headers (at most 11 + 255 + 255 bytes) always
+/// fit, payloads beyond it are read straight into their own buffer.
+const READ_AHEAD_BYTES: usize = 16 << 10;
+/// Payloads at least this long are written from the caller's buffer, not copied.
+const WRITE_COPY_MAX_BYTES: usize = 16 << 10;
 
 impl FramedConn {
     /// Exchange hellos on a fresh connection. Both sides must agree on authentication.
@@ -168,7 +179,10 @@ impl FramedConn {
             recv_seq: 0,
             max_frame_bytes,
             io_timeout,
-            read_buf: Vec::new(),
+            read_timeout: nonzero(io_timeout),
+            read_buf: vec![0u8; READ_AHEAD_BYTES].into_boxed_slice(),
+            read_pos: 0,
+            read_end: 0,
             write_buf: Vec::new(),
         })
     }
@@ -200,38 +214,105 @@ impl FramedConn {
         buf.extend_from_slice(name.as_bytes());
         buf.push(label.len() as u8);
         buf.extend_from_slice(label.as_bytes());
-        buf.extend_from_slice(payload);
-        if let Some(secret) = &self.secret {
-            let tag = mac(secret, &self.peer_nonce, buf)?;
-            buf.extend_from_slice(&tag);
+        let tag = match &self.secret {
+            Some(secret) => {
+                let mut m = hmac_start(secret, &self.peer_nonce)?;
+                m.update(buf);
+                m.update(payload);
+                Some(<[u8; MAC_LEN]>::from(m.finalize().into_bytes()))
+            }
+            None => None,
+        };
+        if payload.len() < WRITE_COPY_MAX_BYTES {
+            buf.extend_from_slice(payload);
+            buf.extend_from_slice(tag.as_ref().map_or(&[][..], |t| &t[..]));
+            self.stream.write_all(buf)?;
+        } else {
+            self.stream.write_all(buf)?;
+            self.stream.write_all(payload)?;
+            if let Some(tag) = &tag {
+                self.stream.write_all(tag)?;
+            }
         }
-        self.stream.write_all(buf)?;
         self.send_seq += 1;
         Ok(())
     }
 
-    /// Receive one frame, waiting at most `first_byte_timeout` for it to start (then
-    /// the I/O timeout for the rest).
-    pub fn recv(&mut self, first_byte_timeout: Duration) -> Result<Frame<'_>, RecvError> {
-        let mut len = [0u8; 4];
-        self.stream
-            .set_read_timeout(Some(nonzero(first_byte_timeout)))
-            .map_err(RecvError::Io)?;
-        loop {
-            match self.stream.read(&mut len[..1]) {
-                Ok(0) => return Err(RecvError::Closed),
-                Ok(_) => break,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+    fn set_read_timeout(&mut self, timeout: Duration) -> io::Result<()> {
+        let timeout = nonzero(timeout);
+        if timeout != self.read_timeout {
+            self.stream.set_read_timeout(Some(timeout))?;
+            self.read_timeout = timeout;
+        }
+        Ok(())
+    }
+
+    /// Make at least `n` (<= READ_AHEAD_BYTES) unconsumed bytes available.
+    fn fill(&mut self, n: usize) -> Result<(), RecvError> {
+        if self.read_end - self.read_pos >= n {
+            return Ok(());
+        }
+        if self.read_pos + n > self.read_buf.len() {
+            self.read_buf.copy_within(self.read_pos..self.read_end, 0);
+            self.read_end -= self.read_pos;
+            self.read_pos = 0;
+        }
+        while self.read_end - self.read_pos < n {
+            match self.stream.read(&mut self.read_buf[self.read_end..]) {
+                Ok(0) => {
+                    return Err(RecvError::Io(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "connection closed inside a frame",
+                    )))
+                }
+                Ok(got) => self.read_end += got,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(RecvError::Io(e)),
             }
         }
+        Ok(())
+    }
+
+    /// Take `out.len()` bytes: first what was read ahead, then straight from the socket.
+    fn take_into(&mut self, out: &mut [u8]) -> Result<(), RecvError> {
+        let ahead = (self.read_end - self.read_pos).min(out.len());
+        out[..ahead].copy_from_slice(&self.read_buf[self.read_pos..self.read_pos + ahead]);
+        self.read_pos += ahead;
         self.stream
-            .set_read_timeout(Some(nonzero(self.io_timeout)))
+            .read_exact(&mut out[ahead..])
+            .map_err(RecvError::Io)
+    }
+
+    /// Receive one frame, waiting at most `first_byte_timeout` for it to start (then
+    /// the I/O timeout for the rest).
+    pub fn recv(&mut self, first_byte_timeout: Duration) -> Result<Frame, RecvError> {
+        if self.read_pos == self.read_end {
+            self.read_pos = 0;
+            self.read_end = 0;
+            self.set_read_timeout(first_byte_timeout)
+                .map_err(RecvError::Io)?;
+            loop {
+                match self.stream.read(&mut self.read_buf[..]) {
+                    Ok(0) => return Err(RecvError::Closed),
+                    Ok(got) => {
+                        self.read_end = got;
+                        break;
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(RecvError::Io(e)),
+                }
+            }
+        }
+        self.set_read_timeout(self.io_timeout)
             .map_err(RecvError::Io)?;
-        self.stream
-            .read_exact(&mut len[1..])
-            .map_err(RecvError::Io)?;
-        let body_len = u32::from_le_bytes(len) as usize;
+        self.fill(4)?;
+        let len_bytes: [u8; 4] = [
+            self.read_buf[self.read_pos],
+            self.read_buf[self.read_pos + 1],
+            self.read_buf[self.read_pos + 2],
+            self.read_buf[self.read_pos + 3],
+        ];
+        let body_len = u32::from_le_bytes(len_bytes) as usize;
         let mac_len = if self.secret.is_some() { MAC_LEN } else { 0 };
         if body_len > self.max_frame_bytes {
             return Err(RecvError::Refused(format!(
@@ -244,31 +325,77 @@ impl FramedConn {
                 "frame of {body_len} bytes is too short"
             )));
         }
-        self.read_buf.clear();
-        self.read_buf.extend_from_slice(&len);
-        self.read_buf.resize(4 + body_len, 0);
-        self.stream
-            .read_exact(&mut self.read_buf[4..])
-            .map_err(RecvError::Io)?;
-        let (signed, tag) = self.read_buf.split_at(4 + body_len - mac_len);
-        if let Some(secret) = &self.secret {
-            verify(secret, &self.my_nonce, signed, tag)
-                .map_err(|()| RecvError::Refused("authentication tag does not match".into()))?;
+        // The header: everything up to the payload, all within the read-ahead buffer.
+        let signed_len = body_len - mac_len;
+        self.fill(4 + signed_len.min(FIXED_LEN + 2 * 255))?;
+        let start = self.read_pos + 4;
+        let window = &self.read_buf[start..self.read_end.min(start + signed_len)];
+        let header = parse_header(window, signed_len).map_err(RecvError::Refused)?;
+        let mut mac = match &self.secret {
+            Some(secret) => {
+                let mut m = hmac_start(secret, &self.my_nonce).map_err(RecvError::Io)?;
+                m.update(&self.read_buf[self.read_pos..start + header.len]);
+                Some(m)
+            }
+            None => None,
+        };
+        self.read_pos = start + header.len;
+        let mut payload = vec![0u8; signed_len - header.len];
+        self.take_into(&mut payload)?;
+        if let Some(mut m) = mac.take() {
+            m.update(&payload);
+            let mut tag = [0u8; MAC_LEN];
+            self.take_into(&mut tag)?;
+            // Constant-time comparison inside `verify_slice`.
+            m.verify_slice(&tag)
+                .map_err(|_| RecvError::Refused("authentication tag does not match".into()))?;
         }
-        let frame = parse(&signed[4..]).map_err(RecvError::Refused)?;
-        if frame.1 != self.recv_seq {
+        if header.seq != self.recv_seq {
             return Err(RecvError::Refused(format!(
                 "sequence number {} where {} was due",
-                frame.1, self.recv_seq
+                header.seq, self.recv_seq
             )));
         }
         self.recv_seq += 1;
-        Ok(frame.0)
+        Ok(Frame {
+            kind: header.kind,
+            name: header.name,
+            label: header.label,
+            payload,
+        })
     }
 }
 
-/// Parse a body without its mac: (frame, seq).
-fn parse(body: &[u8]) -> Result<(Frame<'_>, u64), String> {
+struct Header {
+    kind: Kind,
+    seq: u64,
+    name: String,
+    label: String,
+    /// Bytes of the body before the payload.
+    len: usize,
+}
+
+/// Parse the start of a body (`window`, of a body whose signed part is `signed_len`
+/// bytes long).
+fn parse_header(window: &[u8], signed_len: usize) -> Result<Header, String> {
+    let (frame, seq, len) = parse(window)?;
+    if len > signed_len {
+        return Err("header runs past the frame".into());
+    }
+    Ok(Header {
+        kind: frame.0,
+        seq,
+        name: frame.1.to_owned(),
+        label: frame.2.to_owned(),
+        len,
+    })
+}
+
+/// Parse the header at the start of `body`: ((kind, name, label), seq, header length).
+fn parse(body: &[u8]) -> Result<((Kind, &str, &str), u64, usize), String> {
+    if body.len() < FIXED_LEN {
+        return Err("short frame".into());
+    }
     let kind = Kind::from_u8(body[0]).ok_or_else(|| format!("unknown frame kind {}", body[0]))?;
     let seq = u64::from_le_bytes(body[1..9].try_into().map_err(|_| "short frame")?);
     let mut rest = &body[9..];
@@ -285,38 +412,15 @@ fn parse(body: &[u8]) -> Result<(Frame<'_>, u64), String> {
     };
     let name = text("name")?;
     let label = text("label")?;
-    Ok((
-        Frame {
-            kind,
-            name,
-            label,
-            payload: rest,
-        },
-        seq,
-    ))
+    let len = body.len() - rest.len();
+    Ok(((kind, name, label), seq, len))
 }
 
-fn hmac_over(secret: &[u8], nonce: &[u8; 16], data: &[u8]) -> Result<HmacSha256, io::Error> {
+fn hmac_start(secret: &[u8], nonce: &[u8; 16]) -> io::Result<HmacSha256> {
     let mut m = HmacSha256::new_from_slice(secret)
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
     m.update(nonce);
-    m.update(data);
     Ok(m)
-}
-
-fn mac(secret: &[u8], nonce: &[u8; 16], data: &[u8]) -> io::Result<[u8; MAC_LEN]> {
-    Ok(hmac_over(secret, nonce, data)?
-        .finalize()
-        .into_bytes()
-        .into())
-}
-
-fn verify(secret: &[u8], nonce: &[u8; 16], data: &[u8], tag: &[u8]) -> Result<(), ()> {
-    // Constant-time comparison inside `verify_slice`.
-    hmac_over(secret, nonce, data)
-        .map_err(|_| ())?
-        .verify_slice(tag)
-        .map_err(|_| ())
 }
 
 #[cfg(test)]
@@ -333,10 +437,10 @@ mod tests {
         let b = b.map(Arc::from);
         let t = std::thread::spawn(move || {
             let (s, _) = listener.accept().unwrap();
-            FramedConn::handshake(s, b, 4096, Duration::from_secs(2))
+            FramedConn::handshake(s, b, 1 << 20, Duration::from_secs(2))
         });
         let s = TcpStream::connect(addr).unwrap();
-        let a = FramedConn::handshake(s, a.map(Arc::from), 4096, Duration::from_secs(2));
+        let a = FramedConn::handshake(s, a.map(Arc::from), 1 << 20, Duration::from_secs(2));
         (a, t.join().unwrap())
     }
 
@@ -349,10 +453,21 @@ mod tests {
                 a.send(Kind::Load, "agent-a", "metadata", &[i; 10]).unwrap();
                 let f = b.recv(Duration::from_secs(2)).unwrap();
                 assert_eq!(
-                    (f.kind, f.name, f.label, f.payload),
+                    (f.kind, &*f.name, &*f.label, &f.payload[..]),
                     (Kind::Load, "agent-a", "metadata", &[i; 10][..])
                 );
             }
+            // Large payloads (read past the read-ahead buffer, written uncopied), and
+            // frames sent back to back (read ahead together).
+            let big: Vec<u8> = (0..300_000u32).map(|i| i as u8).collect();
+            a.send(Kind::Load, "agent-a", "big", &big).unwrap();
+            a.send(Kind::Invalidate, "agent-a", "", &[]).unwrap();
+            let f = b.recv(Duration::from_secs(2)).unwrap();
+            assert_eq!((&*f.label, f.payload == big), ("big", true));
+            assert_eq!(
+                b.recv(Duration::from_secs(2)).unwrap().kind,
+                Kind::Invalidate
+            );
             b.send(Kind::Ack, "agent-b", "", &[]).unwrap();
             let f = a.recv(Duration::from_secs(2)).unwrap();
             assert_eq!(f.kind, Kind::Ack);
@@ -376,7 +491,9 @@ mod tests {
     fn oversized_frames_are_refused_on_both_sides() {
         let (a, b) = pair(None, None);
         let (mut a, mut b) = (a.unwrap(), b.unwrap());
-        assert!(a.send(Kind::Load, "a", "metadata", &[0; 5000]).is_err());
+        assert!(a
+            .send(Kind::Load, "a", "metadata", &vec![0; 2 << 20])
+            .is_err());
         // A hostile sender that ignores the limit.
         a.stream.write_all(&(1u32 << 30).to_le_bytes()).unwrap();
         assert!(
@@ -388,7 +505,7 @@ mod tests {
     fn parse_rejects_truncated_fields() {
         assert!(parse(&[1, 0, 0, 0, 0, 0, 0, 0, 0, 5, b'a']).is_err());
         assert!(parse(&[9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]).is_err());
-        let (f, seq) = parse(&[2, 7, 0, 0, 0, 0, 0, 0, 0, 1, b'a', 0]).unwrap();
-        assert_eq!((f.kind, f.name, f.label, seq), (Kind::SendMe, "a", "", 7));
+        let (f, seq, len) = parse(&[2, 7, 0, 0, 0, 0, 0, 0, 0, 1, b'a', 0, 9, 9]).unwrap();
+        assert_eq!((f, seq, len), ((Kind::SendMe, "a", ""), 7, 12));
     }
 }

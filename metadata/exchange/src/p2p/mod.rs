@@ -211,8 +211,8 @@ fn serve_connection(stream: TcpStream, peer: &str, shared: &Shared, stats: &List
             }
         };
         let kind = frame.kind;
-        let name = frame.name.to_owned();
-        let label = frame.label.to_owned();
+        let name = frame.name;
+        let label = frame.label;
         let checked = crate::check_agent_name(&name).and_then(|()| {
             if label == FULL_LABEL || kind == Kind::Invalidate {
                 Ok(())
@@ -230,7 +230,7 @@ fn serve_connection(stream: TcpStream, peer: &str, shared: &Shared, stats: &List
                 let event = Event::Load {
                     agent: name,
                     label,
-                    blob: frame.payload.to_vec(),
+                    blob: frame.payload,
                     route: Route::P2p,
                 };
                 if !shared.emit(event) {
@@ -471,9 +471,9 @@ fn exchange(
             Err(e) => Err(RecvError::Io(e)),
             Ok(()) => conn.recv(io_timeout).map(|f| Reply {
                 kind: f.kind,
-                name: f.name.to_owned(),
-                label: f.label.to_owned(),
-                payload: f.payload.to_vec(),
+                name: f.name,
+                label: f.label,
+                payload: f.payload,
             }),
         };
         match result {

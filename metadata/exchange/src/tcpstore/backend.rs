@@ -210,7 +210,10 @@ impl Ops {
                 if c.check(&[key.as_bytes()])? {
                     Ok(())
                 } else {
-                    Err(Error::backend(BACKEND, format!("'{key}' missing right after SET")))
+                    Err(Error::backend(
+                        BACKEND,
+                        format!("'{key}' missing right after SET"),
+                    ))
                 }
             });
             match result {
@@ -244,7 +247,10 @@ impl Ops {
         })();
         match result {
             Ok(0) => {}
-            Ok(n) => log::info!("tcpstore: published {n} missing label(s) again at {}", self.endpoint),
+            Ok(n) => log::info!(
+                "tcpstore: published {n} missing label(s) again at {}",
+                self.endpoint
+            ),
             Err(e) => {
                 if !self.outage {
                     log::warn!("tcpstore: {e}");

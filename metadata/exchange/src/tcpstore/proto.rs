@@ -93,8 +93,15 @@ pub fn read_bytes(r: &mut impl Read, max_len_bytes: usize) -> io::Result<Vec<u8>
             format!("length {len} is over the limit of {max_len_bytes} bytes"),
         ));
     }
-    let mut v = vec![0u8; len as usize];
-    r.read_exact(&mut v)?;
+    // Read straight into the spare capacity: no zeroing pass over large values.
+    let mut v = Vec::with_capacity(len as usize);
+    r.take(len).read_to_end(&mut v)?;
+    if v.len() as u64 != len {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "connection closed inside a value",
+        ));
+    }
     Ok(v)
 }
 

@@ -80,7 +80,8 @@ struct Waiter {
 
 #[derive(Default)]
 struct State {
-    kv: HashMap<Vec<u8>, Vec<u8>>,
+    /// Values are shared, so a GET copies nothing while it holds the store lock.
+    kv: HashMap<Vec<u8>, Arc<[u8]>>,
     queues: HashMap<Vec<u8>, VecDeque<Vec<u8>>>,
     waiters: Vec<Waiter>,
 }
@@ -275,7 +276,8 @@ impl State {
                 .ok_or_else(|| bad("ADD on a value that is not a decimal number"))?,
         };
         let next = current.wrapping_add(delta);
-        self.kv.insert(key.to_vec(), next.to_string().into_bytes());
+        self.kv
+            .insert(key.to_vec(), Arc::from(next.to_string().into_bytes()));
         Ok(next)
     }
 }
@@ -287,6 +289,8 @@ struct Conn<'a> {
     writer: Writer,
     shared: &'a Shared,
     reply: Vec<u8>,
+    /// A value written after `reply`, outside the store lock.
+    reply_tail: Option<Arc<[u8]>>,
 }
 
 impl Conn<'_> {
@@ -316,6 +320,9 @@ impl Conn<'_> {
         drop(others);
         if let Some(own) = own.as_mut() {
             own.write_all(&self.reply)?;
+            if let Some(tail) = self.reply_tail.take() {
+                own.write_all(&tail)?;
+            }
         }
         Ok(())
     }
@@ -331,6 +338,7 @@ fn serve_connection(id: u64, stream: TcpStream, shared: &Shared) -> io::Result<(
         writer,
         shared,
         reply: Vec::with_capacity(64),
+        reply_tail: None,
     };
     let mut validated = false;
     loop {
@@ -365,6 +373,7 @@ fn serve_connection(id: u64, stream: TcpStream, shared: &Shared) -> io::Result<(
 /// Handle one request whose opcode was read.
 fn request(conn: &mut Conn<'_>, opcode: u8) -> io::Result<()> {
     conn.reply.clear();
+    conn.reply_tail = None;
     // Read the whole request before taking the store lock.
     match opcode {
         op::SET | op::APPEND | op::QUEUE_PUSH => {
@@ -373,9 +382,15 @@ fn request(conn: &mut Conn<'_>, opcode: u8) -> io::Result<()> {
             let mut state = lock_checked(conn, opcode)?;
             match opcode {
                 op::SET => {
-                    state.kv.insert(key, value);
+                    state.kv.insert(key, Arc::from(value));
                 }
-                op::APPEND => state.kv.entry(key).or_default().extend_from_slice(&value),
+                op::APPEND => {
+                    let joined = match state.kv.get(&key) {
+                        Some(old) => [&old[..], &value[..]].concat(),
+                        None => value,
+                    };
+                    state.kv.insert(key, Arc::from(joined));
+                }
                 _ => state.queues.entry(key).or_default().push_back(value),
             }
             let woken = state.take_satisfied();
@@ -386,15 +401,16 @@ fn request(conn: &mut Conn<'_>, opcode: u8) -> io::Result<()> {
             let expected = conn.value()?;
             let desired = conn.value()?;
             let mut state = lock_checked(conn, opcode)?;
-            let current = match state.kv.get_mut(&key) {
+            let current: Arc<[u8]> = match state.kv.get_mut(&key) {
                 None if expected.is_empty() => {
+                    let desired: Arc<[u8]> = Arc::from(desired);
                     state.kv.insert(key, desired.clone());
                     desired
                 }
-                None => expected,
+                None => Arc::from(expected),
                 Some(v) => {
-                    if *v == expected {
-                        *v = desired;
+                    if **v == *expected {
+                        *v = Arc::from(desired);
                     }
                     v.clone()
                 }
@@ -406,8 +422,10 @@ fn request(conn: &mut Conn<'_>, opcode: u8) -> io::Result<()> {
         op::GET => {
             let key = conn.key()?;
             let state = lock_checked(conn, opcode)?;
-            let value = state.kv.get(&key).map(Vec::as_slice).unwrap_or_default();
-            proto::put_bytes(&mut conn.reply, value);
+            let value = state.kv.get(&key).cloned();
+            let len_bytes = value.as_ref().map_or(0, |v| v.len());
+            proto::put_u64(&mut conn.reply, len_bytes as u64);
+            conn.reply_tail = value;
             conn.answer(state, Vec::new())
         }
         op::ADD => {
@@ -486,7 +504,7 @@ fn request(conn: &mut Conn<'_>, opcode: u8) -> io::Result<()> {
             let keys = conn.keys()?;
             let state = lock_checked(conn, opcode)?;
             for key in &keys {
-                let value = state.kv.get(key).map(Vec::as_slice).unwrap_or_default();
+                let value = state.kv.get(key).map(|v| &v[..]).unwrap_or_default();
                 proto::put_bytes(&mut conn.reply, value);
             }
             conn.answer(state, Vec::new())
@@ -500,7 +518,9 @@ fn request(conn: &mut Conn<'_>, opcode: u8) -> io::Result<()> {
                 pairs.push((key, value));
             }
             let mut state = lock_checked(conn, opcode)?;
-            state.kv.extend(pairs);
+            state
+                .kv
+                .extend(pairs.into_iter().map(|(k, v)| (k, Arc::from(v))));
             let woken = state.take_satisfied();
             conn.answer(state, woken)
         }

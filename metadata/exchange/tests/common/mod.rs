@@ -65,7 +65,11 @@ impl FakeAgent {
     }
 
     /// Pump until `done` holds or `timeout` passes; returns whether it held.
-    pub fn pump_until(&mut self, timeout: Duration, mut done: impl FnMut(&FakeAgent) -> bool) -> bool {
+    pub fn pump_until(
+        &mut self,
+        timeout: Duration,
+        mut done: impl FnMut(&FakeAgent) -> bool,
+    ) -> bool {
         let deadline = Instant::now() + timeout;
         loop {
             self.pump();
@@ -93,7 +97,9 @@ impl FakeAgent {
 
     /// Pump until a fetch of `agent` failed; returns its error.
     pub fn wait_fetch_failure(&mut self, agent: &str, timeout: Duration) -> Error {
-        let ok = self.pump_until(timeout, |a| a.fetch_failures.iter().any(|(n, _, _)| n == agent));
+        let ok = self.pump_until(timeout, |a| {
+            a.fetch_failures.iter().any(|(n, _, _)| n == agent)
+        });
         assert!(ok, "no fetch failure for '{agent}' within {timeout:?}");
         let i = self
             .fetch_failures
