@@ -143,6 +143,12 @@ impl PeerView for PeerMdSet {
             .rev()
             .find_map(|(b, idx)| idx.and_then(|i| self.blobs[b].backend(i)).and_then(|(_, c)| c))
     }
+    fn find_bounds(&self, backend: u8, kind: MemKind, desc: Desc) -> Option<(u64, Desc)> {
+        let token = self.find(backend, kind, desc)?;
+        let (blob, region) = Self::split(token);
+        Some((token, self.blobs[blob].region(region)?.desc))
+    }
+
     #[inline]
     fn find(&self, backend: u8, kind: MemKind, desc: Desc) -> Option<u64> {
         let per = self.per_blob.get(usize::from(backend))?;

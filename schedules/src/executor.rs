@@ -30,7 +30,7 @@ use crate::command::{
     Span, XferStatus,
 };
 use crate::merge::{dispatch_key, push_merged};
-use crate::world::{PrepEntry, PrepSide, World, XferState};
+use crate::world::{Hit, PrepEntry, PrepSide, World, XferState};
 
 macro_rules! phase_span {
     ($name:literal) => {
@@ -387,9 +387,23 @@ impl World {
             }
         }
         out.reserve(descs.len());
+        let single = mask.first().filter(|&s| mask == BackendMask::single(s));
+        let mut hit = Hit::NONE;
         for (i, &d) in descs.iter().enumerate() {
             if d.len == 0 || d.end().is_none() {
                 return Err(Error::invalid(desc_subject(i, d), "empty or wrapping descriptor"));
+            }
+            if let Some(slot) = single {
+                // One candidate backend: remember the last region hit, most lists walk
+                // through few regions.
+                if !hit.covers(d) {
+                    let (region, dev, start, end) = self.sections[slot][kind as usize]
+                        .covering_bounds(d)
+                        .ok_or(Error::NotFound { subject: desc_subject(i, d) })?;
+                    hit = Hit { dev, start, end, value: handle_to_tag(region) };
+                }
+                out.push(PrepEntry { desc: d, target: hit.value });
+                continue;
             }
             let mut found = None;
             for slot in mask.iter() {
@@ -428,9 +442,22 @@ impl World {
         }
         let first = mask.first();
         out.reserve(descs.len());
+        let single = first.filter(|&s| mask == BackendMask::single(s));
+        let mut hit = Hit::NONE;
         for (i, &d) in descs.iter().enumerate() {
             if d.len == 0 || d.end().is_none() {
                 return Err(Error::invalid(desc_subject(i, d), "empty or wrapping descriptor"));
+            }
+            if let Some(slot) = single {
+                if !hit.covers(d) {
+                    let index = slot_map[slot].expect("mask only holds mapped slots");
+                    let (token, region) = view
+                        .find_bounds(index, kind, d)
+                        .ok_or(Error::NotFound { subject: desc_subject(i, d) })?;
+                    hit = Hit { dev: region.dev, start: region.addr, end: region.addr + region.len, value: token };
+                }
+                out.push(PrepEntry { desc: d, target: hit.value });
+                continue;
             }
             let mut token = None;
             for slot in mask.iter() {
@@ -598,6 +625,8 @@ impl World {
         ranges.clear();
         ranges.reserve(n);
         let mut bytes = 0u64;
+        // Consecutive descriptors mostly share a region: remember the last lookups.
+        let (mut last_local, mut last_remote) = ((u64::MAX, 0u64), (u64::MAX, 0u64));
         let built = (|| {
             for k in 0..n {
                 let li = if local_idx.is_empty() { k } else { local_idx[k] as usize };
@@ -610,9 +639,20 @@ impl World {
                         reason: format!("length {} differs from the local descriptor's {}", re.desc.len, le.desc.len).into(),
                     });
                 }
-                let local_token = self.region_token(le, slot, lkind, Some(slot) == lfirst, k)?;
+                let local_token = if le.target == last_local.0 {
+                    last_local.1
+                } else {
+                    let t = self.region_token(le, slot, lkind, Some(slot) == lfirst, k)?;
+                    last_local = (le.target, t);
+                    t
+                };
                 let remote_token = match endpoint {
-                    Endpoint::Local => self.region_token(re, slot, rkind, Some(slot) == rfirst, k)?,
+                    Endpoint::Local if re.target == last_remote.0 => last_remote.1,
+                    Endpoint::Local => {
+                        let t = self.region_token(re, slot, rkind, Some(slot) == rfirst, k)?;
+                        last_remote = (re.target, t);
+                        t
+                    }
                     Endpoint::Peer(peer) => {
                         if Some(slot) == rfirst {
                             re.target

@@ -55,6 +55,29 @@ pub trait PeerView: PeerRegions {
     fn conn_info(&self, index: u8) -> Option<&[u8]>;
     /// Token of the peer region of (backend, kind) that covers all of `desc`.
     fn find(&self, backend: u8, kind: MemKind, desc: Desc) -> Option<u64>;
+    /// Like [`PeerView::find`], also giving the region's own range, so the caller can
+    /// test following descriptors against it without searching.
+    fn find_bounds(&self, backend: u8, kind: MemKind, desc: Desc) -> Option<(u64, Desc)>;
+}
+
+/// The last region a lookup hit: (dev, start, end) and what it resolved to.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Hit {
+    pub(crate) dev: u64,
+    pub(crate) start: u64,
+    pub(crate) end: u64,
+    pub(crate) value: u64,
+}
+
+impl Hit {
+    /// An impossible hit (matches nothing).
+    pub(crate) const NONE: Hit = Hit { dev: u64::MAX, start: 1, end: 0, value: 0 };
+
+    /// Whether `desc` lies inside the remembered region.
+    #[inline]
+    pub(crate) fn covers(&self, desc: Desc) -> bool {
+        desc.dev == self.dev && desc.addr >= self.start && desc.len <= self.end.saturating_sub(desc.addr)
+    }
 }
 
 /// The backends of one agent, by slot.
