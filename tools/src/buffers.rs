@@ -22,9 +22,13 @@ impl HostBuffer {
             .collect();
         HostBuffer { bytes }
     }
-    /// `len` zero bytes.
+    /// `len` bytes, every page touched (so transfers don't measure page faults).
     pub fn zeroed(len: usize) -> HostBuffer {
-        HostBuffer { bytes: vec![0; len].into_boxed_slice() }
+        let mut bytes = vec![0u8; len].into_boxed_slice();
+        for page in bytes.chunks_mut(4096) {
+            page[0] = 0xA5;
+        }
+        HostBuffer { bytes }
     }
     /// Descriptor of `len` bytes at `offset`.
     pub fn desc(&self, offset: usize, len: usize) -> Desc {
