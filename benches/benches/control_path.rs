@@ -34,7 +34,13 @@ fn setup(n: usize, shuffled: bool) -> Setup {
         rng.shuffle(&mut order);
     }
     let remote: Vec<Desc> = order.iter().map(|&j| dst.desc(j * BLOCK, BLOCK)).collect();
-    Setup { p, local, remote, _src: src, _dst: dst }
+    Setup {
+        p,
+        local,
+        remote,
+        _src: src,
+        _dst: dst,
+    }
 }
 
 fn control_path(c: &mut Criterion) {
@@ -81,7 +87,18 @@ fn control_path(c: &mut Criterion) {
 
     // One-descriptor post + check round trip of an existing request.
     let s = setup(1, false);
-    let x = s.p.a.create(Op::Write, MemKind::Dram, &s.local, s.p.b_at_a, MemKind::Dram, &s.remote, None).unwrap();
+    let x =
+        s.p.a
+            .create(
+                Op::Write,
+                MemKind::Dram,
+                &s.local,
+                s.p.b_at_a,
+                MemKind::Dram,
+                &s.remote,
+                None,
+            )
+            .unwrap();
     let mut cmds = CommandBuffer::with_capacity(4);
     c.bench_function("round_trip/post+check/1", |b| {
         b.iter(|| {

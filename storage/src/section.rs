@@ -95,8 +95,14 @@ impl SectionIndex {
             return None;
         }
         let i = pos - 1;
-        (self.starts[i].0 == desc.dev && end <= self.ends[i])
-            .then(|| (self.regions[i], self.starts[i].0, self.starts[i].1, self.ends[i]))
+        (self.starts[i].0 == desc.dev && end <= self.ends[i]).then(|| {
+            (
+                self.regions[i],
+                self.starts[i].0,
+                self.starts[i].1,
+                self.ends[i],
+            )
+        })
     }
 
     /// The region registered with exactly `desc` (same start, length and device).

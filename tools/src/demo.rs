@@ -13,7 +13,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
     let block_kib: usize = opt(args, "--block-kib")?.unwrap_or(1024);
     let total = mib << 20;
     let block = block_kib << 10;
-    if total == 0 || block == 0 || total % block != 0 {
+    if total == 0 || block == 0 || !total.is_multiple_of(block) {
         return Err("--mib must be a positive multiple of --block-kib".into());
     }
     let blocks = total / block;
@@ -24,8 +24,12 @@ pub fn run(args: &[String]) -> Result<(), String> {
     let back = HostBuffer::zeroed(total);
     let prefill = Agent::new(AgentConfig::named("demo-prefill")).map_err(err)?;
     let decode = Agent::new(AgentConfig::named("demo-decode")).map_err(err)?;
-    prefill.create_backend("LOOPBACK", &Params::new()).map_err(err)?;
-    decode.create_backend("LOOPBACK", &Params::new()).map_err(err)?;
+    prefill
+        .create_backend("LOOPBACK", &Params::new())
+        .map_err(err)?;
+    decode
+        .create_backend("LOOPBACK", &Params::new())
+        .map_err(err)?;
     source.register(&prefill).map_err(err)?;
     back.register(&prefill).map_err(err)?;
     target.register(&decode).map_err(err)?;
@@ -33,7 +37,12 @@ pub fn run(args: &[String]) -> Result<(), String> {
     // Side-channel metadata exchange.
     let decode_md = decode.local_md().map_err(err)?;
     let peer = prefill.load_remote_md(&decode_md).map_err(err)?;
-    println!("metadata: {} bytes from '{}' loaded by '{}'", decode_md.len(), decode.name(), prefill.name());
+    println!(
+        "metadata: {} bytes from '{}' loaded by '{}'",
+        decode_md.len(),
+        decode.name(),
+        prefill.name()
+    );
 
     // Blocks go to a shuffled place on the other side (like KV blocks in a pool).
     let mut order: Vec<usize> = (0..blocks).collect();
@@ -46,13 +55,19 @@ pub fn run(args: &[String]) -> Result<(), String> {
     }
     let local: Vec<Desc> = (0..blocks).map(|i| source.desc(i * block, block)).collect();
     let back_descs: Vec<Desc> = (0..blocks).map(|i| back.desc(i * block, block)).collect();
-    let remote: Vec<Desc> = order.iter().map(|&j| target.desc(j * block, block)).collect();
+    let remote: Vec<Desc> = order
+        .iter()
+        .map(|&j| target.desc(j * block, block))
+        .collect();
 
     let mut cmds = CommandBuffer::with_capacity(16);
     let l = cmds.prep(Side::Local, MemKind::Dram, &local);
     let lb = cmds.prep(Side::Local, MemKind::Dram, &back_descs);
     let r = cmds.prep(peer, MemKind::Dram, &remote);
-    let write = cmds.make(Op::Write, l, &[], r, &[]).notify(b"kv blocks written").ticket();
+    let write = cmds
+        .make(Op::Write, l, &[], r, &[])
+        .notify(b"kv blocks written")
+        .ticket();
     let read = cmds.make(Op::Read, lb, &[], r, &[]).ticket();
     prefill.flush(&mut cmds);
     if let Some((i, e)) = cmds.errors().next() {
@@ -84,10 +99,14 @@ pub fn run(args: &[String]) -> Result<(), String> {
     run(write, "WRITE")?;
     let notes = decode.drain_notifications();
     if notes.len() != 2 || notes[0].1 != b"kv blocks written" {
-        return Err(format!("expected two notifications (one per pass) at '{}', got {notes:?}", decode.name()));
+        return Err(format!(
+            "expected two notifications (one per pass) at '{}', got {notes:?}",
+            decode.name()
+        ));
     }
     for (i, &j) in order.iter().enumerate() {
-        if target.bytes()[j * block..(j + 1) * block] != source.bytes()[i * block..(i + 1) * block] {
+        if target.bytes()[j * block..(j + 1) * block] != source.bytes()[i * block..(i + 1) * block]
+        {
             return Err(format!("WRITE verification failed at block {i}"));
         }
     }
@@ -95,6 +114,9 @@ pub fn run(args: &[String]) -> Result<(), String> {
     if back.bytes() != source.bytes() {
         return Err("READ verification failed".into());
     }
-    println!("verified {} MiB both ways byte for byte; notification delivered after the data", mib);
+    println!(
+        "verified {} MiB both ways byte for byte; notification delivered after the data",
+        mib
+    );
     Ok(())
 }

@@ -30,8 +30,12 @@ pub(crate) fn opt<T: std::str::FromStr>(args: &[String], name: &str) -> Result<O
     match args.iter().position(|a| a == name) {
         None => Ok(None),
         Some(i) => {
-            let v = args.get(i + 1).ok_or_else(|| format!("{name} needs a value"))?;
-            v.parse().map(Some).map_err(|_| format!("{name}: cannot parse '{v}'"))
+            let v = args
+                .get(i + 1)
+                .ok_or_else(|| format!("{name} needs a value"))?;
+            v.parse()
+                .map(Some)
+                .map_err(|_| format!("{name}: cannot parse '{v}'"))
         }
     }
 }
@@ -81,11 +85,22 @@ fn inspect(args: &[String]) -> Result<(), String> {
     );
     for i in 0..md.backend_count() {
         if let Some((name, conn)) = md.backend(i as u8) {
-            println!("  backend {name}: connection info {}", conn.map_or("not included".to_string(), |c| format!("{} bytes", c.len())));
+            println!(
+                "  backend {name}: connection info {}",
+                conn.map_or("not included".to_string(), |c| format!("{} bytes", c.len()))
+            );
         }
     }
     for r in md.regions().take(20) {
-        println!("  {} {} addr {:#x} len {} dev {} md {} bytes", md.backend(r.backend).map_or("?", |b| b.0), r.kind, r.desc.addr, r.desc.len, r.desc.dev, r.public_md.len());
+        println!(
+            "  {} {} addr {:#x} len {} dev {} md {} bytes",
+            md.backend(r.backend).map_or("?", |b| b.0),
+            r.kind,
+            r.desc.addr,
+            r.desc.len,
+            r.desc.dev,
+            r.public_md.len()
+        );
     }
     if md.region_count() > 20 {
         println!("  … {} more", md.region_count() - 20);

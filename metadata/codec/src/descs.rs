@@ -37,7 +37,10 @@ pub fn encode_descs(kind: MemKind, descs: &[Desc]) -> Result<Vec<u8>, Error> {
     rkyv::api::high::to_bytes_in::<_, RkyvError>(&wire, out).map_err(|e| {
         Error::invalid(
             Subject::Named("descriptor list".into()),
-            format!("{} descriptors do not fit the wire format: {e}", descs.len()),
+            format!(
+                "{} descriptors do not fit the wire format: {e}",
+                descs.len()
+            ),
         )
     })
 }
