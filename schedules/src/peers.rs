@@ -68,14 +68,14 @@ impl World {
         };
         let mut first_error = None;
         let mut any_conn = false;
-        for slot in 0..MAX_BACKENDS {
+        for (slot, entry) in slot_map.iter_mut().enumerate() {
             let Some(backend) = self.backends.backends[slot].as_mut() else {
                 continue;
             };
             let Some(index) = view.backend_index(backend.name()) else {
                 continue;
             };
-            slot_map[slot] = Some(index);
+            *entry = Some(index);
             let conn_info = view.conn_info(index).unwrap_or(&[]);
             any_conn |= !conn_info.is_empty();
             let regions: Arc<dyn PeerRegions> = view.clone();
