@@ -196,12 +196,7 @@ impl Agent {
     pub fn flush(&self, cmds: &mut CommandBuffer) -> FlushSummary {
         let mut state = self.lock();
         let AgentState { world, md, .. } = &mut *state;
-        let deregs_before = world.regions().len();
-        let summary = flush(world, md, cmds);
-        if world.regions().len() < deregs_before {
-            md.note_deregistration();
-        }
-        summary
+        flush(world, md, cmds)
     }
 
     /// Flush one command with the reused scratch buffer and give its outcome.
@@ -216,11 +211,7 @@ impl Agent {
         let index = record(&mut scratch);
         {
             let AgentState { world, md, .. } = &mut *state;
-            let regions_before = world.regions().len();
             flush(world, md, &mut scratch);
-            if world.regions().len() < regions_before {
-                md.note_deregistration();
-            }
         }
         let result = read(&scratch, index);
         state.scratch = scratch;

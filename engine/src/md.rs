@@ -69,19 +69,19 @@ impl PeerMdSet {
             let known = self.names.iter().position(|n| n == name);
             match (known, conn) {
                 (None, _) => adds = true,
-                (Some(v), Some(conn)) => {
-                    match self.conn_info(v as u8) {
-                        Some(old) if old != conn => return Err(Error::Mismatch {
+                (Some(v), Some(conn)) => match self.conn_info(v as u8) {
+                    Some(old) if old != conn => {
+                        return Err(Error::Mismatch {
                             subject: Subject::PeerName(self.agent.clone()),
                             reason: format!(
                                 "connection info for backend {name} differs from the loaded one"
                             )
                             .into(),
-                        }),
-                        Some(_) => {}
-                        None => adds = true,
+                        })
                     }
-                }
+                    Some(_) => {}
+                    None => adds = true,
+                },
                 (Some(_), None) => {}
             }
         }
@@ -194,10 +194,10 @@ impl PeerView for PeerMdSet {
 /// Engine-side metadata state: every peer's current blob set, and our generation.
 pub(crate) struct MdState {
     pub(crate) peers: HashMap<PeerId, Arc<PeerMdSet>>,
-    /// Our published generation: a per-instance epoch in the high half, the number of
-    /// deregistrations in the low half (registering only adds, so it keeps the
+    /// Per-instance epoch: the high half of our published generation. The low half is
+    /// the number of deregistrations (registering only adds, so it keeps the
     /// generation and partial metadata accumulates at peers).
-    pub(crate) generation: u64,
+    epoch: u64,
 }
 
 impl MdState {
@@ -209,12 +209,13 @@ impl MdState {
         let epoch = (nanos ^ (u64::from(std::process::id()) << 17)) as u32 | 1;
         MdState {
             peers: HashMap::new(),
-            generation: u64::from(epoch) << 32,
+            epoch: u64::from(epoch) << 32,
         }
     }
 
-    pub(crate) fn note_deregistration(&mut self) {
-        self.generation = self.generation.wrapping_add(1);
+    /// The generation our metadata carries now.
+    pub(crate) fn generation(&self, world: &World) -> u64 {
+        self.epoch | (world.deregistrations() & 0xffff_ffff)
     }
 
     /// Serialize our metadata: every region of every remote-capable backend (or only
@@ -225,7 +226,7 @@ impl MdState {
         regions: Option<&[RegionId]>,
         include_conn_info: bool,
     ) -> Result<Vec<u8>, Error> {
-        let mut writer = MdWriter::new(&world.name, self.generation);
+        let mut writer = MdWriter::new(&world.name, self.generation(world));
         if regions.is_some() {
             writer.partial();
         }

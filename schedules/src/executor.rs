@@ -354,6 +354,7 @@ impl World {
             self.sections[slot][kind as usize].remove(indexed, id);
         }
         self.regions.remove(id);
+        self.deregistrations += 1;
         first_error.map_or(Ok(()), Err)
     }
 }

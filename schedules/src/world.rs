@@ -240,6 +240,8 @@ pub struct World {
     pub(crate) completions: Completions,
     /// Per-flush scratch.
     pub(crate) arena: bumpalo::Bump,
+    /// Regions deregistered so far (part of the published metadata generation).
+    pub(crate) deregistrations: u64,
 }
 
 impl World {
@@ -260,6 +262,7 @@ impl World {
             peers: PeerTable::default(),
             completions: Completions::with_capacity(xfers),
             arena: bumpalo::Bump::with_capacity(64 * 1024),
+            deregistrations: 0,
             bounds,
         }
     }
@@ -408,6 +411,11 @@ impl World {
 }
 
 impl World {
+    /// How many regions were deregistered so far.
+    pub fn deregistrations(&self) -> u64 {
+        self.deregistrations
+    }
+
     /// Capabilities of the backend in `slot`.
     pub fn slot_capabilities(&self, slot: usize) -> Option<Capabilities> {
         self.backends.caps.get(slot).copied().flatten()
