@@ -47,8 +47,8 @@ pub use ferry_backend_api::{
     Backend, BackendFactory, Capabilities, FileMode, ParamSpec, Params, QueryResult,
 };
 pub use ferry_schedules::{
-    Bounds, Command, CommandBuffer, Created, FlushSummary, MakeBuilder, Outcome, Ref, Side, Ticket,
-    Telemetry, XferStatus,
+    Bounds, Command, CommandBuffer, Created, FlushSummary, MakeBuilder, Outcome, Ref, Side,
+    Telemetry, Ticket, XferStatus,
 };
 pub use ferry_storage::{
     BackendId, BackendMask, Desc, Endpoint, Error, MemKind, NotifId, Op, PeerId, PrepId, RegionId,

@@ -440,7 +440,12 @@ impl CommandBuffer {
     // Reason: this only declares the caller's promise about the memory; no unsafe
     // operation happens here (backends do the raw-pointer work).
     #[allow(unsafe_code)]
-    pub unsafe fn register_with(&mut self, kind: MemKind, desc: Desc, hint: BackendMask) -> Ticket<RegionId> {
+    pub unsafe fn register_with(
+        &mut self,
+        kind: MemKind,
+        desc: Desc,
+        hint: BackendMask,
+    ) -> Ticket<RegionId> {
         Ticket::new(self.push(Command::Register {
             kind,
             desc,
@@ -627,7 +632,8 @@ impl CommandBuffer {
     /// Notifications drained by this buffer's last flush: (sender agent, payload).
     pub fn notifications(&self) -> impl Iterator<Item = (&str, &[u8])> {
         self.notifs.iter().map(|n| {
-            let from = std::str::from_utf8(&self.notif_bytes[n.from.range()]).unwrap_or("<non-utf8>");
+            let from =
+                std::str::from_utf8(&self.notif_bytes[n.from.range()]).unwrap_or("<non-utf8>");
             (from, &self.notif_bytes[n.payload.range()])
         })
     }

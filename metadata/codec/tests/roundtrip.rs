@@ -25,7 +25,11 @@ fn build(
         let kind = MemKind::from_u8(kind % 5).unwrap();
         let desc = Desc::new(*addr, *len, *dev);
         let overlaps = accepted.iter().any(|(b, k, d, _)| {
-            *b == backend && *k == kind && d.dev == *dev && d.addr < addr + len && *addr < d.addr + d.len
+            *b == backend
+                && *k == kind
+                && d.dev == *dev
+                && d.addr < addr + len
+                && *addr < d.addr + d.len
         });
         if !overlaps {
             writer.region(backend, kind, desc, md);
@@ -41,7 +45,9 @@ fn covers(region: &RegionView<'_>, backend: u8, kind: MemKind, q: Desc) -> bool 
         && region.desc.dev == q.dev
         && q.len > 0
         && region.desc.addr <= q.addr
-        && q.addr.checked_add(q.len).is_some_and(|end| end <= region.desc.addr + region.desc.len)
+        && q.addr
+            .checked_add(q.len)
+            .is_some_and(|end| end <= region.desc.addr + region.desc.len)
 }
 
 fn raw_regions() -> impl Strategy<Value = Vec<(u8, u8, u64, u64, u64, Vec<u8>)>> {
@@ -228,7 +234,10 @@ fn writer_refuses_bad_input() {
     let mut w = MdWriter::new("a", 1);
     w.backend("UCX", None);
     w.region(3, MemKind::Dram, Desc::new(1, 1, 0), b"");
-    invalid_param(w.finish(), &["descriptor #0", "backend #3", "only 1 backends"]);
+    invalid_param(
+        w.finish(),
+        &["descriptor #0", "backend #3", "only 1 backends"],
+    );
 
     let mut w = MdWriter::new("a", 1);
     w.backend("UCX", None);
@@ -257,8 +266,14 @@ fn region_at_top_of_address_space_is_found() {
     w.region(0, MemKind::Object, top, b"top");
     let md = PeerMd::from_bytes(&w.finish().unwrap()).unwrap();
     assert_eq!(md.find(0, MemKind::Object, top), Some(0));
-    assert_eq!(md.find(0, MemKind::Object, Desc::new(u64::MAX - 1, 1, u64::MAX)), Some(0));
-    assert_eq!(md.find(0, MemKind::Object, Desc::new(u64::MAX - 1, 2, u64::MAX)), None);
+    assert_eq!(
+        md.find(0, MemKind::Object, Desc::new(u64::MAX - 1, 1, u64::MAX)),
+        Some(0)
+    );
+    assert_eq!(
+        md.find(0, MemKind::Object, Desc::new(u64::MAX - 1, 2, u64::MAX)),
+        None
+    );
     assert_eq!(md.exact(0, MemKind::Object, top), Some(0));
     assert_eq!(md.region(0).unwrap().public_md, b"top");
 }
