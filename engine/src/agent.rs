@@ -68,6 +68,8 @@ pub(crate) struct AgentState {
 pub struct Agent {
     name: String,
     state: Mutex<AgentState>,
+    /// Metadata exchange (hook for `crate::exchange`; empty until `start_exchange`).
+    exchange: crate::exchange::ExchangeSlot,
 }
 
 fn names_in_use() -> &'static Mutex<HashSet<String>> {
@@ -124,12 +126,18 @@ impl Agent {
                 scratch: CommandBuffer::with_capacity(4),
             }),
             name: config.name,
+            exchange: crate::exchange::ExchangeSlot::default(),
         })
     }
 
     /// The agent's name.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// The metadata-exchange state (see `crate::exchange`).
+    pub(crate) fn exchange_slot(&self) -> &crate::exchange::ExchangeSlot {
+        &self.exchange
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, AgentState> {

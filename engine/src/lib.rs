@@ -39,6 +39,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod agent;
+pub mod exchange;
 mod md;
 mod registry;
 
