@@ -190,23 +190,25 @@ impl Agent {
     fn apply(&self, event: Event) {
         let slot = self.exchange_slot();
         match event {
-            Event::Load { agent, blob, .. } => match self.load_remote_md(&blob) {
-                Ok(peer) => {
-                    let name_ok = self.lock().world.peer_name(peer).is_ok_and(|n| n == agent);
-                    if !name_ok {
-                        slot.inner().failures.insert(
+            Event::Load { agent, blob, .. } => {
+                match self.load_remote_md(&blob) {
+                    Ok(peer) => {
+                        let name_ok = self.lock().world.peer_name(peer).is_ok_and(|n| n == agent);
+                        if !name_ok {
+                            slot.inner().failures.insert(
                             agent.clone(),
                             Error::Mismatch {
                                 subject: Subject::PeerName(agent),
                                 reason: "the metadata that came for this agent describes another agent".into(),
                             },
                         );
+                        }
+                    }
+                    Err(error) => {
+                        slot.inner().failures.insert(agent, error);
                     }
                 }
-                Err(error) => {
-                    slot.inner().failures.insert(agent, error);
-                }
-            },
+            }
             Event::Invalidate { agent, .. } => {
                 if let Some(peer) = self.peer(&agent) {
                     // Already gone is fine: the goal is that it is gone.
@@ -216,7 +218,11 @@ impl Agent {
             Event::FetchFailed { agent, error, .. } => {
                 slot.inner().failures.insert(agent, error);
             }
-            Event::SendFailed { target, what, error } => {
+            Event::SendFailed {
+                target,
+                what,
+                error,
+            } => {
                 let mut inner = slot.inner();
                 if inner.send_failures.len() == SEND_FAILURES_MAX {
                     inner.send_failures.pop_front();
@@ -229,7 +235,11 @@ impl Agent {
     /// Poll for `agent`'s metadata: `Ok(true)` once it is loaded and, if `regions` is
     /// given, covers every one of those descriptors; `Ok(false)` while not yet; the
     /// fetch's error if it failed (reported once).
-    pub fn check_remote_md(&self, agent: &str, regions: Option<(MemKind, &[Desc])>) -> Result<bool> {
+    pub fn check_remote_md(
+        &self,
+        agent: &str,
+        regions: Option<(MemKind, &[Desc])>,
+    ) -> Result<bool> {
         self.poll_exchange()?;
         if let Some(error) = self.exchange_slot().inner().failures.remove(agent) {
             return Err(error);
@@ -237,22 +247,27 @@ impl Agent {
         let Some(peer) = self.peer(agent) else {
             return Ok(false);
         };
-        let Some((kind, descs)) = regions else {
-            return Ok(true);
-        };
         let state = self.lock();
+        // An invalidated peer keeps its handle but has no view.
         let Some(view) = state.world.peer_view(peer)?.0 else {
             return Ok(false);
         };
-        let covered = descs.iter().all(|&d| {
-            (0..MAX_BACKENDS as u8).any(|b| view.find(b, kind, d).is_some())
-        });
+        let Some((kind, descs)) = regions else {
+            return Ok(true);
+        };
+        let covered = descs
+            .iter()
+            .all(|&d| (0..MAX_BACKENDS as u8).any(|b| view.find(b, kind, d).is_some()));
         Ok(covered)
     }
 
     /// Failed sends, publishes and invalidations since the last call (at most the 64
     /// most recent): (target, what, error).
     pub fn drain_exchange_failures(&self) -> Vec<(String, String, Error)> {
-        self.exchange_slot().inner().send_failures.drain(..).collect()
+        self.exchange_slot()
+            .inner()
+            .send_failures
+            .drain(..)
+            .collect()
     }
 }
