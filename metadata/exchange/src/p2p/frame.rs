@@ -378,21 +378,32 @@ struct Header {
 /// Parse the start of a body (`window`, of a body whose signed part is `signed_len`
 /// bytes long).
 fn parse_header(window: &[u8], signed_len: usize) -> Result<Header, String> {
-    let (frame, seq, len) = parse(window)?;
-    if len > signed_len {
+    let raw = parse(window)?;
+    if raw.len > signed_len {
         return Err("header runs past the frame".into());
     }
     Ok(Header {
-        kind: frame.0,
-        seq,
-        name: frame.1.to_owned(),
-        label: frame.2.to_owned(),
-        len,
+        kind: raw.kind,
+        seq: raw.seq,
+        name: raw.name.to_owned(),
+        label: raw.label.to_owned(),
+        len: raw.len,
     })
 }
 
-/// Parse the header at the start of `body`: ((kind, name, label), seq, header length).
-fn parse(body: &[u8]) -> Result<((Kind, &str, &str), u64, usize), String> {
+/// The header at the start of a body, borrowing it.
+#[derive(Debug, PartialEq)]
+struct RawHeader<'a> {
+    kind: Kind,
+    name: &'a str,
+    label: &'a str,
+    seq: u64,
+    /// Bytes of the body before the payload.
+    len: usize,
+}
+
+/// Parse the header at the start of `body`.
+fn parse(body: &[u8]) -> Result<RawHeader<'_>, String> {
     if body.len() < FIXED_LEN {
         return Err("short frame".into());
     }
@@ -413,7 +424,13 @@ fn parse(body: &[u8]) -> Result<((Kind, &str, &str), u64, usize), String> {
     let name = text("name")?;
     let label = text("label")?;
     let len = body.len() - rest.len();
-    Ok(((kind, name, label), seq, len))
+    Ok(RawHeader {
+        kind,
+        name,
+        label,
+        seq,
+        len,
+    })
 }
 
 fn hmac_start(secret: &[u8], nonce: &[u8; 16]) -> io::Result<HmacSha256> {
@@ -505,7 +522,16 @@ mod tests {
     fn parse_rejects_truncated_fields() {
         assert!(parse(&[1, 0, 0, 0, 0, 0, 0, 0, 0, 5, b'a']).is_err());
         assert!(parse(&[9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]).is_err());
-        let (f, seq, len) = parse(&[2, 7, 0, 0, 0, 0, 0, 0, 0, 1, b'a', 0, 9, 9]).unwrap();
-        assert_eq!((f, seq, len), ((Kind::SendMe, "a", ""), 7, 12));
+        let h = parse(&[2, 7, 0, 0, 0, 0, 0, 0, 0, 1, b'a', 0, 9, 9]).unwrap();
+        assert_eq!(
+            h,
+            RawHeader {
+                kind: Kind::SendMe,
+                name: "a",
+                label: "",
+                seq: 7,
+                len: 12
+            }
+        );
     }
 }
