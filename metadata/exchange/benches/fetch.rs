@@ -4,6 +4,11 @@
 //! `FERRY_TEST_ETCD=http://127.0.0.1:PORT` for the etcd rows; `etcdctl` on the PATH
 //! adds the `etcdctl get` reference row). Prints medians and 90th percentiles.
 //!
+//! By default the paths take turns sample by sample, so load changes of a shared
+//! machine hit them alike (and every sample starts from sleeping threads, as an
+//! occasional fetch in a scheduler loop does). `FERRY_BENCH_SEQUENTIAL=1` runs each
+//! path back to back instead (threads stay hot: the best case of each path).
+//!
 //! One sample = `fetch_remote_md` on agent B, then polling B's manager (as the
 //! agent's `check_remote_md` would) until the metadata event arrives. Metadata blobs
 //! are real codec blobs of 1 and 15,000 regions (32 bytes of public metadata each).
@@ -39,16 +44,10 @@ struct Stats {
     p90: Duration,
 }
 
-fn measure(iterations: usize, mut sample: impl FnMut() -> Duration) -> Stats {
-    for _ in 0..iterations.div_ceil(10) {
-        sample();
-    }
-    let mut times: Vec<Duration> = (0..iterations).map(|_| sample()).collect();
-    times.sort();
-    Stats {
-        median: times[times.len() / 2],
-        p90: times[times.len() * 9 / 10],
-    }
+#[cfg(feature = "etcd")]
+fn measure(iterations: usize, sample: impl FnMut() -> Duration) -> Stats {
+    let mut paths: Vec<(&str, Box<dyn FnMut() -> Duration>)> = vec![("one", Box::new(sample))];
+    interleaved(iterations, &mut paths).remove(0)
 }
 
 /// One fetch through `b`, polled until loaded.
@@ -72,11 +71,12 @@ fn fetch_once(b: &Manager, agent: &str, via: Via, len_bytes: usize) -> Duration 
     t.elapsed()
 }
 
-/// A loopback TCP server that answers each 32-byte request with `len_bytes` bytes.
-fn bare_round_trip(len_bytes: usize, iterations: usize) -> Stats {
+/// A loopback TCP server that answers each 32-byte request with `len_bytes` bytes;
+/// returns one-sample closure (the server thread ends when the closure is dropped).
+fn bare_round_trip(len_bytes: usize) -> impl FnMut() -> Duration {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
-    let server = std::thread::spawn(move || {
+    std::thread::spawn(move || {
         let (mut s, _) = listener.accept().unwrap();
         s.set_nodelay(true).unwrap();
         let reply = vec![1u8; len_bytes + 4];
@@ -90,15 +90,49 @@ fn bare_round_trip(len_bytes: usize, iterations: usize) -> Stats {
     let mut c = TcpStream::connect(addr).unwrap();
     c.set_nodelay(true).unwrap();
     let mut buf = vec![0u8; len_bytes + 4];
-    let stats = measure(iterations, || {
+    move || {
         let t = Instant::now();
         c.write_all(&[0u8; 32]).unwrap();
         c.read_exact(&mut buf).unwrap();
         t.elapsed()
-    });
-    drop(c);
-    server.join().unwrap();
-    stats
+    }
+}
+
+/// Run `paths` in interleaved rounds (one sample of each per round), so that a change
+/// of machine load hits every path alike; returns each path's stats.
+fn interleaved(rounds: usize, paths: &mut [(&str, Box<dyn FnMut() -> Duration + '_>)]) -> Vec<Stats> {
+    let mut samples: Vec<Vec<Duration>> = vec![Vec::with_capacity(rounds); paths.len()];
+    let warm_up = rounds.div_ceil(10);
+    if std::env::var("FERRY_BENCH_SEQUENTIAL").is_ok_and(|v| v == "1") {
+        // Back to back: each path's threads stay hot between its samples.
+        for (i, (_, sample)) in paths.iter_mut().enumerate() {
+            for round in 0..rounds + warm_up {
+                let d = sample();
+                if round >= warm_up {
+                    samples[i].push(d);
+                }
+            }
+        }
+    } else {
+        for round in 0..rounds + warm_up {
+            for (i, (_, sample)) in paths.iter_mut().enumerate() {
+                let d = sample();
+                if round >= warm_up {
+                    samples[i].push(d);
+                }
+            }
+        }
+    }
+    samples
+        .into_iter()
+        .map(|mut t| {
+            t.sort();
+            Stats {
+                median: t[t.len() / 2],
+                p90: t[t.len() * 9 / 10],
+            }
+        })
+        .collect()
 }
 
 fn row(name: &str, regions: usize, len_bytes: usize, s: &Stats, reference: Option<&Stats>) {
@@ -129,19 +163,15 @@ fn main() {
             (false, 1) => 2000,
             (false, _) => 200,
         };
-        let bare = bare_round_trip(md.len(), n);
-        row("bare_tcp", regions, md.len(), &bare, None);
+        let len = md.len();
 
         // P2P: B asks A's listener.
         let mut cfg = ExchangeConfig::default();
         cfg.p2p.listen = Some(P2pConfig::LOOPBACK_EPHEMERAL);
-        let a = Manager::new("bench-a", cfg).unwrap();
-        a.set_local_md(md.clone());
-        let b = Manager::new("bench-b", ExchangeConfig::default()).unwrap();
-        let to = Via::Peer(a.p2p_listen_addr().unwrap());
-        let s = measure(n, || fetch_once(&b, "bench-a", to, md.len()));
-        row("p2p", regions, md.len(), &s, Some(&bare));
-        drop((a, b));
+        let p2p_a = Manager::new("bench-a", cfg).unwrap();
+        p2p_a.set_local_md(md.clone());
+        let p2p_b = Manager::new("bench-b", ExchangeConfig::default()).unwrap();
+        let to = Via::Peer(p2p_a.p2p_listen_addr().unwrap());
 
         // TCPStore: Ferry's own server.
         let server = serve("127.0.0.1:0".parse().unwrap(), ServerConfig::default()).unwrap();
@@ -150,13 +180,22 @@ fn main() {
             namespace: format!("bench/{}", std::process::id()),
             ..ExchangeConfig::default()
         };
-        let a = Manager::new("bench-a", cfg.clone()).unwrap();
-        a.set_local_md(md.clone());
-        a.send_local_md(Via::Store).unwrap();
-        let b = Manager::new("bench-b", cfg).unwrap();
-        let s = measure(n, || fetch_once(&b, "bench-a", Via::Store, md.len()));
-        row("tcpstore", regions, md.len(), &s, Some(&bare));
-        drop((a, b, server));
+        let ts_a = Manager::new("bench-a", cfg.clone()).unwrap();
+        ts_a.set_local_md(md.clone());
+        ts_a.send_local_md(Via::Store).unwrap();
+        let ts_b = Manager::new("bench-b", cfg).unwrap();
+
+        let mut paths: Vec<(&str, Box<dyn FnMut() -> Duration>)> = vec![
+            ("bare_tcp", Box::new(bare_round_trip(len))),
+            ("p2p", Box::new(|| fetch_once(&p2p_b, "bench-a", to, len))),
+            ("tcpstore", Box::new(|| fetch_once(&ts_b, "bench-a", Via::Store, len))),
+        ];
+        let stats = interleaved(n, &mut paths);
+        row("bare_tcp", regions, len, &stats[0], None);
+        row("p2p", regions, len, &stats[1], Some(&stats[0]));
+        row("tcpstore", regions, len, &stats[2], Some(&stats[0]));
+        drop(paths);
+        drop((p2p_a, p2p_b, ts_a, ts_b, server));
 
         if let Some(endpoint) = &etcd {
             etcd_rows(endpoint, regions, &md, if quick { 5 } else { n.min(500) });
