@@ -100,7 +100,10 @@ fn bare_round_trip(len_bytes: usize) -> impl FnMut() -> Duration {
 
 /// Run `paths` in interleaved rounds (one sample of each per round), so that a change
 /// of machine load hits every path alike; returns each path's stats.
-fn interleaved(rounds: usize, paths: &mut [(&str, Box<dyn FnMut() -> Duration + '_>)]) -> Vec<Stats> {
+fn interleaved(
+    rounds: usize,
+    paths: &mut [(&str, Box<dyn FnMut() -> Duration + '_>)],
+) -> Vec<Stats> {
     let mut samples: Vec<Vec<Duration>> = vec![Vec::with_capacity(rounds); paths.len()];
     let warm_up = rounds.div_ceil(10);
     if std::env::var("FERRY_BENCH_SEQUENTIAL").is_ok_and(|v| v == "1") {
@@ -188,7 +191,10 @@ fn main() {
         let mut paths: Vec<(&str, Box<dyn FnMut() -> Duration>)> = vec![
             ("bare_tcp", Box::new(bare_round_trip(len))),
             ("p2p", Box::new(|| fetch_once(&p2p_b, "bench-a", to, len))),
-            ("tcpstore", Box::new(|| fetch_once(&ts_b, "bench-a", Via::Store, len))),
+            (
+                "tcpstore",
+                Box::new(|| fetch_once(&ts_b, "bench-a", Via::Store, len)),
+            ),
         ];
         let stats = interleaved(n, &mut paths);
         row("bare_tcp", regions, len, &stats[0], None);

@@ -44,6 +44,7 @@ pub(crate) fn start(shared: Arc<Shared>, config: &EtcdConfig) -> Result<StoreWor
         client: None,
         lease: None,
         published: BTreeSet::new(),
+        dirty: false,
         watching: Arc::new(Mutex::new(HashSet::new())),
     };
     let thread = std::thread::Builder::new()
@@ -93,6 +94,8 @@ struct Worker {
     lease: Option<Lease>,
     /// Labels published and not withdrawn.
     published: BTreeSet<String>,
+    /// A publish failed since the last complete publication: publish everything again.
+    dirty: bool,
     /// Agents whose full-metadata key a task watches.
     watching: Arc<Mutex<HashSet<String>>>,
 }
@@ -145,6 +148,7 @@ impl Worker {
             StoreCmd::Publish { label, blob } => {
                 self.published.insert(label.clone());
                 if let Err(error) = self.publish(&label, &blob).await {
+                    self.dirty = true;
                     self.failed(&label, error);
                 }
             }
@@ -230,6 +234,7 @@ impl Worker {
     async fn withdraw(&mut self) -> Result<(), Error> {
         let io_timeout = self.shared.config.io_timeout;
         let labels = std::mem::take(&mut self.published);
+        self.dirty = false;
         let mut client = self.client().await?;
         let agent = self.shared.agent.clone();
         for label in labels.iter().map(String::as_str).chain([FULL_LABEL]) {
@@ -284,10 +289,12 @@ impl Worker {
                 }
             }
         };
-        if renewed {
+        if renewed && !self.dirty {
             return;
         }
-        self.lease = None;
+        if !renewed {
+            self.lease = None;
+        }
         let labels: Vec<String> = self.published.iter().cloned().collect();
         for label in labels {
             let Some(blob) = self.shared.local.get(&label) else {
