@@ -283,21 +283,12 @@ fn embedded_store_serves_discovery() {
     guest.wait_md("host", FULL_LABEL, &md, LONG);
 }
 
-/// Our client and server against torch's, when a Python with torch is named.
-#[test]
-fn interop_with_torch_tcpstore() {
-    let Some(python) = std::env::var_os("FERRY_TEST_TORCH_PYTHON") else {
-        eprintln!(
-            "skipping: FERRY_TEST_TORCH_PYTHON is not set (a python with torch runs this test)"
-        );
-        return;
-    };
-    let script = r#"
+const TORCH_SCRIPT: &str = r#"
 import sys, datetime, torch.distributed as dist
-mode, port = sys.argv[1], int(sys.argv[2])
+mode, port, libuv = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
 t = datetime.timedelta(seconds=20)
 if mode == "server":
-    s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=t)
+    s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=t, use_libuv=libuv)
     print(s.port, flush=True)
     s.set("from-torch", b"hello ferry")
     print(s.get("from-ferry").decode(), flush=True)   # waits for our client
@@ -307,54 +298,136 @@ else:
     s.set("torch-client", b"hi")
     print(s.get("from-ferry-server").decode(), flush=True)
     print(s.add("counter", 3), flush=True)
+    print(s.check(["torch-client", "nope"]), flush=True)
+    print(s.delete_key("torch-client"), flush=True)
+    print(s.num_keys(), flush=True)
 "#;
-    use std::io::BufRead;
-    use std::process::{Command, Stdio};
-    // 1. Ferry's client against torch's server.
-    let mut child = Command::new(&python)
-        .args(["-c", script, "server", "0"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("start the torch python");
-    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    out.read_line(&mut line).unwrap();
-    let port: u16 = line.trim().parse().expect("torch printed its port");
-    let addr: SocketAddr = ([127, 0, 0, 1], port).into();
-    let mut c = client(addr);
-    assert!(c.wait(&[user_key("from-torch").as_bytes()], LONG).unwrap());
-    assert_eq!(
-        c.get(user_key("from-torch").as_bytes()).unwrap(),
-        b"hello ferry"
-    );
-    assert!(!c
-        .wait(
-            &[user_key("nothing").as_bytes()],
-            Duration::from_millis(100)
-        )
-        .unwrap());
-    c.set(user_key("from-ferry").as_bytes(), b"hello torch")
-        .unwrap();
-    line.clear();
-    out.read_line(&mut line).unwrap();
-    assert_eq!(line.trim(), "hello torch");
-    let _unused = child.kill();
-    let _unused = child.wait();
 
-    // 2. torch's client against Ferry's server.
+/// A python with torch, if `FERRY_TEST_TORCH_PYTHON` names one.
+fn torch_python() -> Option<std::ffi::OsString> {
+    let python = std::env::var_os("FERRY_TEST_TORCH_PYTHON");
+    if python.is_none() {
+        eprintln!(
+            "skipping: FERRY_TEST_TORCH_PYTHON is not set (a python with torch runs this test)"
+        );
+    }
+    python
+}
+
+/// A torch `TCPStore` master (libuv or legacy server) in a child process; killed on drop.
+struct TorchServer {
+    child: std::process::Child,
+    out: std::io::BufReader<std::process::ChildStdout>,
+    addr: SocketAddr,
+}
+
+impl TorchServer {
+    fn start(python: &std::ffi::OsStr, libuv: bool) -> TorchServer {
+        use std::io::BufRead;
+        use std::process::{Command, Stdio};
+        let mut child = Command::new(python)
+            .args([
+                "-c",
+                TORCH_SCRIPT,
+                "server",
+                "0",
+                if libuv { "1" } else { "0" },
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start the torch python");
+        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        let port: u16 = line.trim().parse().expect("torch printed its port");
+        TorchServer {
+            child,
+            out,
+            addr: ([127, 0, 0, 1], port).into(),
+        }
+    }
+
+    fn line(&mut self) -> String {
+        use std::io::BufRead;
+        let mut line = String::new();
+        self.out.read_line(&mut line).unwrap();
+        line.trim().to_owned()
+    }
+}
+
+impl Drop for TorchServer {
+    fn drop(&mut self) {
+        let _unused = self.child.kill();
+        let _unused = self.child.wait();
+    }
+}
+
+/// Ferry's client against torch's servers (libuv, the default since 2.4, and legacy),
+/// and two managers discovering each other through them.
+#[test]
+fn interop_ferry_client_with_torch_servers() {
+    let Some(python) = torch_python() else { return };
+    for libuv in [true, false] {
+        let mut torch = TorchServer::start(&python, libuv);
+        let mut c = client(torch.addr);
+        assert!(c.wait(&[user_key("from-torch").as_bytes()], LONG).unwrap());
+        assert_eq!(
+            c.get(user_key("from-torch").as_bytes()).unwrap(),
+            b"hello ferry"
+        );
+        assert!(!c
+            .wait(
+                &[user_key("nothing").as_bytes()],
+                Duration::from_millis(100)
+            )
+            .unwrap());
+        assert!(c.check(&[user_key("from-torch").as_bytes()]).unwrap());
+        assert_eq!(c.add(user_key("n").as_bytes(), 2).unwrap(), 2);
+        c.set(user_key("from-ferry").as_bytes(), b"hello torch")
+            .unwrap();
+        assert_eq!(torch.line(), "hello torch", "libuv={libuv}");
+
+        // Discovery through torch's server, fetch before publish included.
+        let cfg = store_config(torch.addr, "interop");
+        let mut a = FakeAgent::new(&format!("ta-{libuv}"), cfg.clone());
+        let mut b = FakeAgent::new(&format!("tb-{libuv}"), cfg);
+        let name_a = a.manager.agent_name().to_owned();
+        b.manager
+            .fetch_remote_md(&name_a, Via::Store, None)
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(150));
+        let md = blob(&name_a, 100_000);
+        a.manager.set_local_md(md.clone());
+        a.manager.send_local_md(Via::Store).unwrap();
+        b.wait_md(&name_a, FULL_LABEL, &md, LONG);
+        a.manager.invalidate_local_md(Via::Store).unwrap();
+        b.wait_invalidated(&name_a, LONG);
+        a.pump();
+        assert!(
+            a.send_failures.is_empty() && b.send_failures.is_empty(),
+            "libuv={libuv}"
+        );
+    }
+}
+
+/// torch's client against Ferry's server.
+#[test]
+fn interop_torch_client_with_ferry_server() {
+    let Some(python) = torch_python() else { return };
     let server = serve("127.0.0.1:0".parse().unwrap(), ServerConfig::default()).unwrap();
     let mut c = client(server.local_addr());
     c.set(user_key("from-ferry-server").as_bytes(), b"served by ferry")
         .unwrap();
-    let output = Command::new(&python)
+    let output = std::process::Command::new(&python)
         .args([
             "-c",
-            script,
+            TORCH_SCRIPT,
             "client",
             &server.local_addr().port().to_string(),
+            "1",
         ])
-        .stdin(Stdio::null())
+        .stdin(std::process::Stdio::null())
         .output()
         .expect("run the torch client");
     let stdout = String::from_utf8_lossy(&output.stdout);
@@ -364,6 +437,9 @@ else:
         String::from_utf8_lossy(&output.stderr)
     );
     let lines: Vec<&str> = stdout.lines().collect();
-    assert_eq!(lines, ["served by ferry", "3"]);
-    assert_eq!(c.get(user_key("torch-client").as_bytes()).unwrap(), b"hi");
+    // get, add, check (a missing key: False), delete_key (True), num_keys (from-ferry-server,
+    // counter).
+    assert_eq!(lines, ["served by ferry", "3", "False", "True", "2"]);
+    assert!(!c.check(&[user_key("torch-client").as_bytes()]).unwrap());
+    assert_eq!(c.get(user_key("counter").as_bytes()).unwrap(), b"3");
 }

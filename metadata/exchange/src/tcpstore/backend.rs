@@ -66,6 +66,7 @@ pub(crate) fn start(shared: Arc<Shared>, config: &TcpStoreConfig) -> Result<Stor
         watched: Vec::new(),
         watch_interval: config.watch_interval,
         watch_outage: false,
+        get_first: true,
     };
     let spawned = std::thread::Builder::new()
         .name(format!("ferry-tcpstore-fetch-{}", shared.agent))
@@ -299,6 +300,9 @@ struct Fetcher {
     watched: Vec<(String, Vec<u8>)>,
     watch_interval: Duration,
     watch_outage: bool,
+    /// Try a plain GET before waiting. Turned off for good when the server closes the
+    /// connection on a GET of a missing key (torch's legacy server does).
+    get_first: bool,
 }
 
 impl Fetcher {
@@ -385,13 +389,28 @@ impl Fetcher {
     fn step(&mut self, mut fetch: PendingFetch) {
         let others_pending = !self.pending.is_empty();
         let reused = self.client.is_some();
+        let get_first = self.get_first;
         let client = match self.client() {
             Ok(c) => c,
             Err(e) => return self.fail(fetch, e),
         };
-        let found = if !fetch.tried_get {
+        let found = if !fetch.tried_get && get_first {
             fetch.tried_get = true;
-            client.get(&fetch.key)
+            match client.get(&fetch.key) {
+                Ok(v) => Ok(v),
+                Err(e) => {
+                    // Legacy torch servers close the connection on a GET of a missing
+                    // key: from now on wait first, then GET.
+                    log::info!(
+                        "tcpstore: {} closed on GET ({e}); waiting before every GET from now on",
+                        self.endpoint
+                    );
+                    self.get_first = false;
+                    self.client = None;
+                    self.pending.push_front(fetch);
+                    return;
+                }
+            }
         } else {
             let remaining = fetch.deadline.saturating_duration_since(Instant::now());
             let slice = if others_pending {
