@@ -39,6 +39,9 @@ fn md_blob(agent: &str, regions: usize) -> Arc<[u8]> {
     Arc::from(w.finish().expect("valid metadata"))
 }
 
+/// A named way to take one sample.
+type Path<'a> = (&'static str, Box<dyn FnMut() -> Duration + 'a>);
+
 struct Stats {
     median: Duration,
     p90: Duration,
@@ -46,7 +49,7 @@ struct Stats {
 
 #[cfg(feature = "etcd")]
 fn measure(iterations: usize, sample: impl FnMut() -> Duration) -> Stats {
-    let mut paths: Vec<(&str, Box<dyn FnMut() -> Duration>)> = vec![("one", Box::new(sample))];
+    let mut paths: Vec<Path<'_>> = vec![("one", Box::new(sample))];
     interleaved(iterations, &mut paths).remove(0)
 }
 
@@ -100,10 +103,7 @@ fn bare_round_trip(len_bytes: usize) -> impl FnMut() -> Duration {
 
 /// Run `paths` in interleaved rounds (one sample of each per round), so that a change
 /// of machine load hits every path alike; returns each path's stats.
-fn interleaved(
-    rounds: usize,
-    paths: &mut [(&str, Box<dyn FnMut() -> Duration + '_>)],
-) -> Vec<Stats> {
+fn interleaved(rounds: usize, paths: &mut [Path<'_>]) -> Vec<Stats> {
     let mut samples: Vec<Vec<Duration>> = vec![Vec::with_capacity(rounds); paths.len()];
     let warm_up = rounds.div_ceil(10);
     if std::env::var("FERRY_BENCH_SEQUENTIAL").is_ok_and(|v| v == "1") {
@@ -188,7 +188,7 @@ fn main() {
         ts_a.send_local_md(Via::Store).unwrap();
         let ts_b = Manager::new("bench-b", cfg).unwrap();
 
-        let mut paths: Vec<(&str, Box<dyn FnMut() -> Duration>)> = vec![
+        let mut paths: Vec<Path<'_>> = vec![
             ("bare_tcp", Box::new(bare_round_trip(len))),
             ("p2p", Box::new(|| fetch_once(&p2p_b, "bench-a", to, len))),
             (
