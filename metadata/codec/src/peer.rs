@@ -154,7 +154,8 @@ impl PeerMd {
         let end = desc.end()?;
         let position = self.section_position(backend, kind)?;
         let section = &self.md().sections[position];
-        let at_or_before = partition_point(section, |dev, addr| (dev, addr) <= (desc.dev, desc.addr));
+        let at_or_before =
+            partition_point(section, |dev, addr| (dev, addr) <= (desc.dev, desc.addr));
         let i = at_or_before.checked_sub(1)?;
         if section.devs[i].to_native() != desc.dev {
             return None;

@@ -350,7 +350,11 @@ fn sorted_order(devs: &[u64], addrs: &[u64]) -> Vec<u32> {
         (mask >> (8 * (d % 8))) & 0xff != 0
     });
     let digit_of = |i: u32, d: u32| -> usize {
-        let value = if d < 8 { addrs[i as usize] } else { devs[i as usize] };
+        let value = if d < 8 {
+            addrs[i as usize]
+        } else {
+            devs[i as usize]
+        };
         ((value >> (8 * (d % 8))) & 0xff) as usize
     };
     let mut order: Vec<u32> = (0..count as u32).collect();
