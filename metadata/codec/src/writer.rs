@@ -247,6 +247,8 @@ impl MdWriter {
             .sections
             .iter()
             .zip(&orders)
+            // A section only reserved, never filled, is left out (none is empty).
+            .filter(|(section, _)| !section.addrs.is_empty())
             .map(|(section, order)| {
                 let order = order.as_deref();
                 WireSectionOut {

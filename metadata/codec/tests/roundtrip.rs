@@ -308,3 +308,25 @@ fn sorted_and_reversed_input_encode_identically() {
         assert_eq!((view.desc, view.public_md), (*desc, &public_md[..]));
     }
 }
+
+#[test]
+fn reserve_is_only_a_hint() {
+    let mut w = MdWriter::new("a", 1);
+    let ucx = w.backend("UCX", None);
+    w.reserve(ucx, MemKind::Vram, 100, 1000); // never filled
+    w.reserve(7, MemKind::Dram, 100, 1000); // unknown backend: ignored
+    w.reserve(ucx, MemKind::Dram, 2, 3);
+    w.region(ucx, MemKind::Dram, Desc::new(0x2000, 16, 0), b"b");
+    w.region(ucx, MemKind::Dram, Desc::new(0x1000, 16, 0), b"a");
+    w.region(
+        ucx,
+        MemKind::Dram,
+        Desc::new(0x3000, 16, 0),
+        b"more than reserved",
+    );
+    let md = PeerMd::from_bytes(&w.finish().unwrap()).unwrap();
+    assert_eq!(md.region_count(), 3);
+    assert_eq!(md.find(ucx, MemKind::Vram, Desc::new(0x1000, 1, 0)), None);
+    let mds: Vec<&[u8]> = md.regions().map(|r| r.public_md).collect();
+    assert_eq!(mds, [&b"a"[..], b"b", b"more than reserved"]);
+}
