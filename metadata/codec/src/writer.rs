@@ -370,18 +370,6 @@ fn sorted_order(devs: &[u64], addrs: &[u64]) -> Vec<u32> {
     };
     let (addr_varying, dev_varying) = (varying(addrs), varying(devs));
     // Digits from least to most significant: addr bytes 0..8, then dev bytes 0..8.
-<<<<<<< HEAD
-    let digits = (0..16u32).filter(|&d| {
-        let mask = if d < 8 { addr_varying } else { dev_varying };
-        (mask >> (8 * (d % 8))) & 0xff != 0
-    });
-    let digit_of = |i: u32, d: u32| -> usize {
-        let value = if d < 8 {
-            addrs[i as usize]
-        } else {
-            devs[i as usize]
-        };
-=======
     let digits: Vec<u32> = (0..16u32)
         .filter(|&d| {
             let mask = if d < 8 { addr_varying } else { dev_varying };
@@ -390,7 +378,6 @@ fn sorted_order(devs: &[u64], addrs: &[u64]) -> Vec<u32> {
         .collect();
     let digit_of = |i: usize, d: u32| -> usize {
         let value = if d < 8 { addrs[i] } else { devs[i] };
->>>>>>> md-codec
         ((value >> (8 * (d % 8))) & 0xff) as usize
     };
     // Every digit's histogram in one sequential pass (they do not depend on order).
