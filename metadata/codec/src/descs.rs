@@ -54,7 +54,7 @@ pub fn decode_descs(bytes: &[u8]) -> Result<(MemKind, Vec<Desc>), Error> {
     header::check(Format::Descs, bytes)?;
     let payload = &bytes[HEADER_LEN_BYTES..];
     // The archive needs 8-byte alignment; copy only when the caller's bytes lack it.
-    if (payload.as_ptr() as usize) % 8 == 0 {
+    if payload.as_ptr().align_offset(8) == 0 {
         decode_payload(payload)
     } else {
         let mut aligned = AlignedVec::<16>::with_capacity(payload.len());

@@ -95,6 +95,29 @@ impl MdWriter {
         index
     }
 
+    /// Make room for `regions` more regions with `public_md_len_bytes` more bytes of
+    /// public metadata in section (`backend`, `kind`), so adding them does not regrow
+    /// the section's columns. Only a hint: an unknown backend index is ignored here
+    /// (and reported by `region`).
+    pub fn reserve(
+        &mut self,
+        backend: u8,
+        kind: MemKind,
+        regions: usize,
+        public_md_len_bytes: usize,
+    ) {
+        if usize::from(backend) >= self.backends.len() {
+            return;
+        }
+        let position = self.section_position(backend, kind);
+        let section = &mut self.sections[position];
+        section.addrs.reserve(regions);
+        section.lens.reserve(regions);
+        section.devs.reserve(regions);
+        section.md_offsets.reserve(regions);
+        section.md_bytes.reserve(public_md_len_bytes);
+    }
+
     /// Add one region to the section (`backend`, `kind`), with its public metadata.
     /// Any order: [`MdWriter::finish`] sorts.
     ///
@@ -224,6 +247,8 @@ impl MdWriter {
             .sections
             .iter()
             .zip(&orders)
+            // A section only reserved, never filled, is left out (none is empty).
+            .filter(|(section, _)| !section.addrs.is_empty())
             .map(|(section, order)| {
                 let order = order.as_deref();
                 WireSectionOut {
@@ -345,35 +370,36 @@ fn sorted_order(devs: &[u64], addrs: &[u64]) -> Vec<u32> {
     };
     let (addr_varying, dev_varying) = (varying(addrs), varying(devs));
     // Digits from least to most significant: addr bytes 0..8, then dev bytes 0..8.
-    let digits = (0..16u32).filter(|&d| {
-        let mask = if d < 8 { addr_varying } else { dev_varying };
-        (mask >> (8 * (d % 8))) & 0xff != 0
-    });
-    let digit_of = |i: u32, d: u32| -> usize {
-        let value = if d < 8 {
-            addrs[i as usize]
-        } else {
-            devs[i as usize]
-        };
+    let digits: Vec<u32> = (0..16u32)
+        .filter(|&d| {
+            let mask = if d < 8 { addr_varying } else { dev_varying };
+            (mask >> (8 * (d % 8))) & 0xff != 0
+        })
+        .collect();
+    let digit_of = |i: usize, d: u32| -> usize {
+        let value = if d < 8 { addrs[i] } else { devs[i] };
         ((value >> (8 * (d % 8))) & 0xff) as usize
     };
-    let mut order: Vec<u32> = (0..count as u32).collect();
-    let mut scratch = vec![0u32; count];
-    for d in digits {
-        let mut starts = [0usize; 256];
-        for &i in &order {
-            starts[digit_of(i, d)] += 1;
+    // Every digit's histogram in one sequential pass (they do not depend on order).
+    let mut starts = vec![[0u32; 256]; digits.len()];
+    for i in 0..count {
+        for (histogram, &d) in starts.iter_mut().zip(&digits) {
+            histogram[digit_of(i, d)] += 1;
         }
+    }
+    let mut order: Vec<u32> = (0..count as u32).collect();
+    let mut scratch = vec![0u32; if digits.is_empty() { 0 } else { count }];
+    for (histogram, &d) in starts.iter_mut().zip(&digits) {
         let mut running = 0;
-        for slot in starts.iter_mut() {
+        for slot in histogram.iter_mut() {
             let n = *slot;
             *slot = running;
             running += n;
         }
         for &i in &order {
-            let bucket = digit_of(i, d);
-            scratch[starts[bucket]] = i;
-            starts[bucket] += 1;
+            let bucket = digit_of(i as usize, d);
+            scratch[histogram[bucket] as usize] = i;
+            histogram[bucket] += 1;
         }
         std::mem::swap(&mut order, &mut scratch);
     }

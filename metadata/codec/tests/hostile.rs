@@ -34,7 +34,7 @@ fn exercise(md: &PeerMd) {
     );
     for b in 0..=u8::MAX {
         if let Some((name, _)) = md.backend(b) {
-            assert_eq!(md.backend_index(name).is_some(), true);
+            assert_eq!(md.backend_index(name), Some(b));
         }
     }
     let views: Vec<_> = md.regions().collect();

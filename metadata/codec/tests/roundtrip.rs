@@ -6,15 +6,15 @@ use proptest::prelude::*;
 
 const NAMES: [&str; 4] = ["LOOPBACK", "UCX", "POSIX", "GDS"];
 
+/// A random region: (backend, kind byte, dev, addr, len, public md).
+type RawRegion = (u8, u8, u64, u64, u64, Vec<u8>);
+
 /// One region the model accepted: (backend, kind, desc, public md).
 type ModelRegion = (u8, MemKind, Desc, Vec<u8>);
 
 /// Build a writer from random inputs, keeping only regions that do not overlap an
 /// accepted one of the same section (the model).
-fn build(
-    backends: &[Option<Vec<u8>>],
-    raw: &[(u8, u8, u64, u64, u64, Vec<u8>)],
-) -> (MdWriter, Vec<ModelRegion>) {
+fn build(backends: &[Option<Vec<u8>>], raw: &[RawRegion]) -> (MdWriter, Vec<ModelRegion>) {
     let mut writer = MdWriter::new("agent-under-test", 42);
     for (i, conn) in backends.iter().enumerate() {
         assert_eq!(writer.backend(NAMES[i], conn.as_deref()), i as u8);
@@ -50,7 +50,7 @@ fn covers(region: &RegionView<'_>, backend: u8, kind: MemKind, q: Desc) -> bool 
             .is_some_and(|end| end <= region.desc.addr + region.desc.len)
 }
 
-fn raw_regions() -> impl Strategy<Value = Vec<(u8, u8, u64, u64, u64, Vec<u8>)>> {
+fn raw_regions() -> impl Strategy<Value = Vec<RawRegion>> {
     proptest::collection::vec(
         (
             0u8..4,
@@ -276,4 +276,57 @@ fn region_at_top_of_address_space_is_found() {
     );
     assert_eq!(md.exact(0, MemKind::Object, top), Some(0));
     assert_eq!(md.region(0).unwrap().public_md, b"top");
+}
+
+#[test]
+fn sorted_and_reversed_input_encode_identically() {
+    let regions: Vec<(Desc, Vec<u8>)> = (0..1000u64)
+        .map(|i| {
+            (
+                Desc::new(0x10_0000 + (i / 2) * 0x2000, 0x1000, i % 2),
+                vec![i as u8; (i % 7) as usize],
+            )
+        })
+        .collect();
+    let mut sorted = regions.clone();
+    sorted.sort_by_key(|(d, _)| (d.dev, d.addr));
+    let encode = |input: &[(Desc, Vec<u8>)]| {
+        let mut w = MdWriter::new("a", 9);
+        let b = w.backend("UCX", Some(b"addr"));
+        for (desc, md) in input {
+            w.region(b, MemKind::Dram, *desc, md);
+        }
+        w.finish().unwrap()
+    };
+    let from_sorted = encode(&sorted);
+    let reversed: Vec<_> = sorted.iter().rev().cloned().collect();
+    assert_eq!(encode(&reversed), from_sorted);
+    assert_eq!(encode(&regions), from_sorted);
+    let md = PeerMd::from_bytes(&from_sorted).unwrap();
+    for (i, (desc, public_md)) in sorted.iter().enumerate() {
+        let view = md.region(i as u32).unwrap();
+        assert_eq!((view.desc, view.public_md), (*desc, &public_md[..]));
+    }
+}
+
+#[test]
+fn reserve_is_only_a_hint() {
+    let mut w = MdWriter::new("a", 1);
+    let ucx = w.backend("UCX", None);
+    w.reserve(ucx, MemKind::Vram, 100, 1000); // never filled
+    w.reserve(7, MemKind::Dram, 100, 1000); // unknown backend: ignored
+    w.reserve(ucx, MemKind::Dram, 2, 3);
+    w.region(ucx, MemKind::Dram, Desc::new(0x2000, 16, 0), b"b");
+    w.region(ucx, MemKind::Dram, Desc::new(0x1000, 16, 0), b"a");
+    w.region(
+        ucx,
+        MemKind::Dram,
+        Desc::new(0x3000, 16, 0),
+        b"more than reserved",
+    );
+    let md = PeerMd::from_bytes(&w.finish().unwrap()).unwrap();
+    assert_eq!(md.region_count(), 3);
+    assert_eq!(md.find(ucx, MemKind::Vram, Desc::new(0x1000, 1, 0)), None);
+    let mds: Vec<&[u8]> = md.regions().map(|r| r.public_md).collect();
+    assert_eq!(mds, [&b"a"[..], b"b", b"more than reserved"]);
 }
