@@ -10,7 +10,8 @@
 //! path back to back instead (threads stay hot: the best case of each path).
 //!
 //! One sample = `fetch_remote_md` on agent B, then polling B's manager (as the
-//! agent's `check_remote_md` would) until the metadata event arrives. Metadata blobs
+//! agent's `check_remote_md` would, sleeping in `Manager::wait` in between) until the
+//! metadata event arrives. Metadata blobs
 //! are real codec blobs of 1 and 15,000 regions (32 bytes of public metadata each).
 //! The bare round trip sends a small request on a kept-open loopback TCP connection
 //! and reads a reply of the blob's size.
@@ -53,7 +54,8 @@ fn measure(iterations: usize, sample: impl FnMut() -> Duration) -> Stats {
     interleaved(iterations, &mut paths).remove(0)
 }
 
-/// One fetch through `b`, polled until loaded.
+/// One fetch through `b`, then poll (blocking in `Manager::wait` between polls, as a
+/// caller with nothing else to do would) until loaded.
 fn fetch_once(b: &Manager, agent: &str, via: Via, len_bytes: usize) -> Duration {
     let t = Instant::now();
     b.fetch_remote_md(agent, via, None).expect("queued");
@@ -68,7 +70,7 @@ fn fetch_once(b: &Manager, agent: &str, via: Via, len_bytes: usize) -> Duration 
             _ => {}
         });
         if !done {
-            std::thread::yield_now();
+            b.wait(Duration::from_secs(10));
         }
     }
     t.elapsed()

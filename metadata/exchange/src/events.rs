@@ -86,6 +86,10 @@ pub(crate) struct EventQueue {
     waiting_producers: AtomicUsize,
     space_lock: Mutex<()>,
     space: Condvar,
+    /// Consumers blocked in [`EventQueue::wait`].
+    waiting_consumers: AtomicUsize,
+    ready_lock: Mutex<()>,
+    ready: Condvar,
 }
 
 /// How long a producer sleeps at most before looking at the queue again, in case a
@@ -99,14 +103,52 @@ impl EventQueue {
             waiting_producers: AtomicUsize::new(0),
             space_lock: Mutex::new(()),
             space: Condvar::new(),
+            waiting_consumers: AtomicUsize::new(0),
+            ready_lock: Mutex::new(()),
+            ready: Condvar::new(),
         }
+    }
+
+    fn pushed(&self) {
+        if self.waiting_consumers.load(Ordering::SeqCst) > 0 {
+            // Taking the lock orders this wake-up after the waiter's emptiness check.
+            drop(self.ready_lock.lock().unwrap_or_else(|e| e.into_inner()));
+            self.ready.notify_all();
+        }
+    }
+
+    /// Block until an event is queued or `timeout` passes; returns whether one is.
+    pub(crate) fn wait(&self, timeout: Duration) -> bool {
+        if !self.queue.is_empty() {
+            return true;
+        }
+        let deadline = std::time::Instant::now() + timeout;
+        self.waiting_consumers.fetch_add(1, Ordering::SeqCst);
+        let mut guard = self.ready_lock.lock().unwrap_or_else(|e| e.into_inner());
+        while self.queue.is_empty() {
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                break;
+            }
+            guard = self
+                .ready
+                .wait_timeout(guard, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        drop(guard);
+        self.waiting_consumers.fetch_sub(1, Ordering::SeqCst);
+        !self.queue.is_empty()
     }
 
     /// Push `event`, waiting for space while the queue is full. Returns `false` (and
     /// drops the event) only when `stop` is raised while waiting.
     pub(crate) fn push(&self, event: Event, stop: &AtomicBool) -> bool {
         let mut event = match self.queue.push(event) {
-            Ok(()) => return true,
+            Ok(()) => {
+                self.pushed();
+                return true;
+            }
             Err(event) => event,
         };
         self.waiting_producers.fetch_add(1, Ordering::SeqCst);
@@ -125,6 +167,9 @@ impl EventQueue {
                 .unwrap_or_else(|e| e.into_inner());
         };
         self.waiting_producers.fetch_sub(1, Ordering::SeqCst);
+        if pushed {
+            self.pushed();
+        }
         pushed
     }
 
@@ -178,6 +223,26 @@ mod tests {
         }
         assert!(producer.join().unwrap());
         assert_eq!(names, ["a0", "a1", "a2", "a3", "a4"]);
+    }
+
+    #[test]
+    fn wait_returns_when_an_event_arrives_or_the_time_is_up() {
+        let queue = Arc::new(EventQueue::new(4));
+        let stop = AtomicBool::new(false);
+        let t = std::time::Instant::now();
+        assert!(!queue.wait(Duration::from_millis(30)));
+        assert!(t.elapsed() >= Duration::from_millis(30));
+        let producer = {
+            let queue = queue.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(20));
+                queue.push(invalidate(0), &AtomicBool::new(false))
+            })
+        };
+        assert!(queue.wait(Duration::from_secs(10)));
+        assert!(producer.join().unwrap());
+        assert!(queue.push(invalidate(1), &stop));
+        assert!(queue.wait(Duration::ZERO), "already queued");
     }
 
     #[test]

@@ -303,6 +303,13 @@ impl Manager {
         self.shared.events.drain(&mut each)
     }
 
+    /// Block until an event is queued or `timeout` passes; returns whether one is. For
+    /// callers with nothing else to do (start-up, tools, benchmarks); a scheduler loop
+    /// polls instead.
+    pub fn wait(&self, timeout: std::time::Duration) -> bool {
+        self.shared.events.wait(timeout)
+    }
+
     fn p2p(&self, cmd: P2pCmd) -> Result<(), Error> {
         let mut client = lock(&self.p2p_client);
         if client.is_none() {

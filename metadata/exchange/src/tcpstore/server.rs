@@ -26,6 +26,9 @@ use super::proto::{self, op};
 use crate::util::{io_error, nonzero};
 
 const BACKEND: &str = "tcpstore-server";
+/// Values up to this size are copied into the reply; larger ones are written from the
+/// store's shared buffer.
+const INLINE_VALUE_MAX_BYTES: usize = 16 << 10;
 
 /// Limits of the server.
 #[derive(Clone, Debug)]
@@ -422,10 +425,15 @@ fn request(conn: &mut Conn<'_>, opcode: u8) -> io::Result<()> {
         op::GET => {
             let key = conn.key()?;
             let state = lock_checked(conn, opcode)?;
-            let value = state.kv.get(&key).cloned();
-            let len_bytes = value.as_ref().map_or(0, |v| v.len());
-            proto::put_u64(&mut conn.reply, len_bytes as u64);
-            conn.reply_tail = value;
+            match state.kv.get(&key) {
+                // Large values are written from the shared buffer after the lock is
+                // released; small ones go in the same write as their length.
+                Some(v) if v.len() > INLINE_VALUE_MAX_BYTES => {
+                    proto::put_u64(&mut conn.reply, v.len() as u64);
+                    conn.reply_tail = Some(v.clone());
+                }
+                v => proto::put_bytes(&mut conn.reply, v.map(|v| &v[..]).unwrap_or_default()),
+            }
             conn.answer(state, Vec::new())
         }
         op::ADD => {
