@@ -8,6 +8,8 @@
 //! machine hit them alike (and every sample starts from sleeping threads, as an
 //! occasional fetch in a scheduler loop does). `FERRY_BENCH_SEQUENTIAL=1` runs each
 //! path back to back instead (threads stay hot: the best case of each path).
+//! `FERRY_BENCH_SPIN=1` makes the fetching caller poll without sleeping (a busy
+//! scheduler loop) instead of blocking in `Manager::wait` between polls.
 //!
 //! One sample = `fetch_remote_md` on agent B, then polling B's manager (as the
 //! agent's `check_remote_md` would, sleeping in `Manager::wait` in between) until the
@@ -54,6 +56,13 @@ fn measure(iterations: usize, sample: impl FnMut() -> Duration) -> Stats {
     interleaved(iterations, &mut paths).remove(0)
 }
 
+/// Whether the caller polls without sleeping (`FERRY_BENCH_SPIN=1`), as a busy scheduler
+/// loop does, instead of blocking in `Manager::wait` between polls.
+fn spin() -> bool {
+    static SPIN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SPIN.get_or_init(|| std::env::var("FERRY_BENCH_SPIN").is_ok_and(|v| v == "1"))
+}
+
 /// One fetch through `b`, then poll (blocking in `Manager::wait` between polls, as a
 /// caller with nothing else to do would) until loaded.
 fn fetch_once(b: &Manager, agent: &str, via: Via, len_bytes: usize) -> Duration {
@@ -70,7 +79,11 @@ fn fetch_once(b: &Manager, agent: &str, via: Via, len_bytes: usize) -> Duration 
             _ => {}
         });
         if !done {
-            b.wait(Duration::from_secs(10));
+            if spin() {
+                std::thread::yield_now();
+            } else {
+                b.wait(Duration::from_secs(10));
+            }
         }
     }
     t.elapsed()

@@ -13,7 +13,7 @@
 //! loopback or a private network), the pre-2.2 opcode numbering.
 
 use std::collections::{HashMap, VecDeque};
-use std::io::{self, Write};
+use std::io::{self, BufReader, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -288,7 +288,8 @@ impl State {
 /// Reads of one connection, with the limits of the server.
 struct Conn<'a> {
     id: u64,
-    stream: TcpStream,
+    /// Buffered, so a whole small request costs one read system call.
+    stream: BufReader<TcpStream>,
     writer: Writer,
     shared: &'a Shared,
     reply: Vec<u8>,
@@ -334,10 +335,13 @@ impl Conn<'_> {
 fn serve_connection(id: u64, stream: TcpStream, shared: &Shared) -> io::Result<()> {
     stream.set_nodelay(true)?;
     stream.set_write_timeout(Some(nonzero(shared.config.write_timeout)))?;
+    // One read timeout for everything: inside a request it bounds a half-sent request;
+    // between requests it only makes the thread look at the stop flag now and then.
+    stream.set_read_timeout(Some(nonzero(shared.config.request_timeout)))?;
     let writer = Arc::new(Mutex::new(stream.try_clone()?));
     let mut conn = Conn {
         id,
-        stream,
+        stream: BufReader::with_capacity(64 << 10, stream),
         writer,
         shared,
         reply: Vec::with_capacity(64),
@@ -345,17 +349,21 @@ fn serve_connection(id: u64, stream: TcpStream, shared: &Shared) -> io::Result<(
     };
     let mut validated = false;
     loop {
-        conn.stream.set_read_timeout(None)?;
         let opcode = match proto::read_u8(&mut conn.stream) {
             Ok(b) => b,
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
+            // Idle between requests: torch's servers never close idle connections.
+            Err(e) if crate::util::is_timeout(&e) => {
+                if shared.stop.load(Ordering::Acquire) {
+                    return Ok(());
+                }
+                continue;
+            }
             Err(e) => return Err(e),
         };
         if shared.stop.load(Ordering::Acquire) {
             return Ok(());
         }
-        conn.stream
-            .set_read_timeout(Some(nonzero(shared.config.request_timeout)))?;
         if !validated {
             if opcode != op::VALIDATE {
                 return Err(bad(format!(
