@@ -202,9 +202,18 @@ impl Agent {
     /// Run every recorded command of `cmds` (see the crate docs for the phase order).
     /// Outcomes, statuses and drained notifications are read from `cmds` afterwards.
     pub fn flush(&self, cmds: &mut CommandBuffer) -> FlushSummary {
-        let mut state = self.lock();
-        let AgentState { world, md, .. } = &mut *state;
-        flush(world, md, cmds)
+        let exchange = self.exchange_slot().is_started();
+        self.run_exchange_commands(cmds);
+        let summary = {
+            let mut state = self.lock();
+            let AgentState { world, md, .. } = &mut *state;
+            flush(world, md, cmds)
+        };
+        if exchange {
+            // Keep what P2P peers get from "send me yours" current with registrations.
+            let _ = self.refresh_snapshot();
+        }
+        summary
     }
 
     /// Flush one command with the reused scratch buffer and give its outcome.

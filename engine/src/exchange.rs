@@ -34,6 +34,7 @@ use ferry_exchange::{Event, Manager};
 use ferry_storage::{Desc, Error, MemKind, RegionId, Result, Subject, MAX_BACKENDS};
 
 use crate::Agent;
+use ferry_schedules::{Command, CommandBuffer, ExchangeCmd, MdRoute, Outcome};
 
 pub use ferry_exchange::{
     check_agent_name, check_label, config, p2p, tcpstore, EtcdConfig, ExchangeConfig, P2pConfig,
@@ -62,6 +63,11 @@ struct Inner {
 }
 
 impl ExchangeSlot {
+    /// Whether `Agent::start_exchange` ran.
+    pub(crate) fn is_started(&self) -> bool {
+        self.manager.get().is_some()
+    }
+
     fn inner(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -120,7 +126,7 @@ impl Agent {
 
     /// Give the manager a fresh snapshot of our full metadata if regions or backends
     /// changed since the last one.
-    fn refresh_snapshot(&self) -> Result<()> {
+    pub(crate) fn refresh_snapshot(&self) -> Result<()> {
         let manager = self.manager()?;
         let now = {
             let state = self.lock();
@@ -259,6 +265,51 @@ impl Agent {
             .iter()
             .all(|&d| (0..MAX_BACKENDS as u8).any(|b| view.find(b, kind, d).is_some()));
         Ok(covered)
+    }
+
+    /// Run the metadata-exchange commands of `cmds` (the agent's pre-phase; see
+    /// `ferry_schedules::executor`). Commands of other kinds are left alone.
+    pub(crate) fn run_exchange_commands(&self, cmds: &mut CommandBuffer) {
+        for i in 0..cmds.len() {
+            let Command::Exchange(op) = cmds.commands()[i] else {
+                continue;
+            };
+            let via = |route: MdRoute| match route {
+                MdRoute::Store => Via::Store,
+                MdRoute::Peer(addr) => Via::Peer(addr),
+            };
+            let result = match op {
+                ExchangeCmd::SendLocal { route } => {
+                    self.send_local_md(via(route)).map(|()| Outcome::Done)
+                }
+                ExchangeCmd::SendPartial {
+                    regions,
+                    label,
+                    route,
+                } => {
+                    let regions = cmds.exchange_regions(regions).to_vec();
+                    let label = cmds.exchange_text(label).to_owned();
+                    self.send_local_partial_md(&regions, &label, via(route))
+                        .map(|()| Outcome::Done)
+                }
+                ExchangeCmd::Fetch {
+                    agent,
+                    label,
+                    route,
+                } => {
+                    let label = label.map(|l| cmds.exchange_text(l).to_owned());
+                    self.fetch_remote_md(cmds.exchange_text(agent), via(route), label.as_deref())
+                        .map(|()| Outcome::Done)
+                }
+                ExchangeCmd::InvalidateLocal { route } => {
+                    self.invalidate_local_md(via(route)).map(|()| Outcome::Done)
+                }
+                ExchangeCmd::Check { agent } => self
+                    .check_remote_md(cmds.exchange_text(agent), None)
+                    .map(Outcome::MdReady),
+            };
+            cmds.set_outcome(i as u32, result.unwrap_or_else(Outcome::Failed));
+        }
     }
 
     /// Failed sends, publishes and invalidations since the last call (at most the 64

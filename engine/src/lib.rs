@@ -48,8 +48,8 @@ pub use ferry_backend_api::{
     Backend, BackendFactory, Capabilities, FileMode, ParamSpec, Params, QueryResult,
 };
 pub use ferry_schedules::{
-    Bounds, Command, CommandBuffer, Created, FlushSummary, MakeBuilder, Outcome, Ref, Side,
-    Telemetry, Ticket, XferStatus,
+    Bounds, Command, CommandBuffer, Created, ExchangeCmd, FlushSummary, MakeBuilder, MdRoute,
+    Outcome, Ref, Side, Telemetry, Ticket, XferStatus,
 };
 pub use ferry_storage::{
     BackendId, BackendMask, Desc, Endpoint, Error, MemKind, NotifId, Op, PeerId, PrepId, RegionId,

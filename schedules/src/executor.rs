@@ -1,6 +1,8 @@
 //! The executor: one flush runs these phases, in this order, each a plain function over
 //! the world's tables (the order is written here and nowhere else):
 //!
+//! (−1. **exchange** – metadata-exchange commands, run by the agent before the
+//!      executor: send / fetch / check through its exchange manager, no network wait)
 //! 0. **classify**   – bucket command indices by phase (arena scratch)
 //! 1. **metadata**   – load / invalidate peer metadata
 //! 2. **register**   – register regions with backends, index them in sections
@@ -59,7 +61,7 @@ pub struct FlushSummary {
     pub notifications: u32,
 }
 
-const PHASES: usize = 8;
+const PHASES: usize = 9;
 
 fn phase_of(command: &Command) -> usize {
     match command {
@@ -71,6 +73,7 @@ fn phase_of(command: &Command) -> usize {
         Command::Check { .. } => 5,
         Command::Notify { .. } | Command::DrainNotifications => 6,
         Command::Release { .. } | Command::Deregister { .. } => 7,
+        Command::Exchange(_) => 8,
     }
 }
 
@@ -95,6 +98,15 @@ pub fn flush(
         summary.completed = phase_progress(world, cmds, &posted, &buckets[5]);
         summary.notifications = phase_notify(world, cmds, &buckets[6]);
         phase_retire(world, cmds, &buckets[7]);
+        for &i in buckets[8].iter() {
+            // Exchange commands are the agent's; a buffer flushed without one says so.
+            if cmds.outcomes[i as usize] == Outcome::Pending {
+                cmds.outcomes[i as usize] = Outcome::Failed(Error::NotSupported {
+                    backend: "executor".into(),
+                    what: "metadata-exchange commands run in Agent::flush".into(),
+                });
+            }
+        }
     }
     world.arena = arena;
     cmds.flushed = true;

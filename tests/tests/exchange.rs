@@ -246,3 +246,78 @@ fn fetching_a_missing_agent_times_out_with_a_clear_error() {
     assert!(e.to_string().contains("no metadata store"), "{e}");
     assert!(!c.exchange_workers_running());
 }
+
+#[test]
+fn command_buffer_exchange_commands_discover_then_transfer() {
+    // The same discovery as above, recorded into command buffers and flushed.
+    use ferry::{CommandBuffer, MdRoute, Outcome, Side};
+    let server = tcpstore::serve(
+        "127.0.0.1:0".parse().unwrap(),
+        tcpstore::ServerConfig::default(),
+    )
+    .unwrap();
+    let cfg = tcpstore_config(server.local_addr());
+    let mut rng = Rng::new(17);
+    let src = Buffer::random(64 << 10, &mut rng);
+    let dst = Buffer::zeroed(64 << 10);
+    let a = loopback_agent("cba");
+    let b = loopback_agent("cbb");
+    let region = register(&a, &src);
+    register(&b, &dst);
+
+    // Before the exchange starts, its commands fail alone with a clear error.
+    let mut cmds = CommandBuffer::with_capacity(8);
+    let early = cmds.send_local_md(MdRoute::Store);
+    let notify_self = cmds.notify(Side::Local, b"still runs");
+    a.flush(&mut cmds);
+    assert!(
+        matches!(cmds.outcome(early).error(), Some(Error::NotAllowed { .. })),
+        "{:?}",
+        cmds.outcome(early)
+    );
+    assert_eq!(cmds.outcome(notify_self), &Outcome::Done);
+
+    a.start_exchange(cfg.clone()).unwrap();
+    b.start_exchange(cfg).unwrap();
+    cmds.clear();
+    let sent = cmds.send_local_md(MdRoute::Store);
+    let partial = cmds.send_local_partial_md(&[region], "blocks", MdRoute::Store);
+    a.flush(&mut cmds);
+    assert_eq!(cmds.outcome(sent), &Outcome::Done);
+    assert_eq!(cmds.outcome(partial), &Outcome::Done);
+
+    let mut bcmds = CommandBuffer::with_capacity(8);
+    let fetch = bcmds.fetch_remote_md(a.name(), None, MdRoute::Store);
+    b.flush(&mut bcmds);
+    assert_eq!(bcmds.outcome(fetch), &Outcome::Done);
+    let deadline = Instant::now() + LONG;
+    loop {
+        bcmds.clear();
+        let ready = bcmds.check_remote_md(a.name());
+        b.flush(&mut bcmds);
+        match bcmds.outcome(ready) {
+            Outcome::MdReady(true) => break,
+            Outcome::MdReady(false) => {}
+            other => panic!("check failed: {other:?}"),
+        }
+        assert!(
+            Instant::now() < deadline,
+            "A's metadata did not arrive in time"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let peer = b.peer(a.name()).unwrap();
+    let x = b
+        .create(
+            Op::Read,
+            MemKind::Dram,
+            &[dst.whole()],
+            peer,
+            MemKind::Dram,
+            &[src.whole()],
+            None,
+        )
+        .unwrap();
+    assert_eq!(b.post(x).unwrap(), XferStatus::Done);
+    assert_eq!(dst.bytes(), src.bytes());
+}

@@ -7,6 +7,8 @@
 //!                                      control-path ns per descriptor (median of rounds)
 //! ferry backends                       backend types, parameters, availability
 //! ferry inspect FILE                   summarize a metadata blob
+//! ferry store serve [--listen ADDR]    Ferry's own TCPStore server (c10d wire protocol),
+//!                                      for name-based discovery without torch or etcd
 //! ```
 // Reason: the tool registers its own buffers, which is the caller-side promise
 // `Agent::register` asks for; each block says why it holds.
@@ -20,7 +22,7 @@ use std::process::ExitCode;
 
 fn usage() -> ExitCode {
     eprintln!(
-        "usage:\n  ferry demo [--mib N]\n  ferry bench control [--batch N] [--shuffled] [--path prepared|full] [--seconds S]\n  ferry backends\n  ferry inspect FILE"
+        "usage:\n  ferry demo [--mib N]\n  ferry bench control [--batch N] [--shuffled] [--path prepared|full] [--seconds S]\n  ferry backends\n  ferry inspect FILE\n  ferry store serve [--listen 127.0.0.1:29500]"
     );
     ExitCode::from(2)
 }
@@ -60,6 +62,9 @@ fn main() -> ExitCode {
             Ok(())
         }
         Some("inspect") => inspect(&args[1..]),
+        Some("store") if args.get(1).map(String::as_str) == Some("serve") => {
+            store_serve(&args[2..])
+        }
         _ => return usage(),
     };
     match result {
@@ -106,4 +111,22 @@ fn inspect(args: &[String]) -> Result<(), String> {
         println!("  … {} more", md.region_count() - 20);
     }
     Ok(())
+}
+
+fn store_serve(args: &[String]) -> Result<(), String> {
+    let listen: std::net::SocketAddr =
+        opt(args, "--listen")?.unwrap_or_else(|| ([127, 0, 0, 1], 29500).into());
+    if listen.ip().is_unspecified() {
+        eprintln!("ferry: warning: listening on every interface ({listen}); the TCPStore protocol has no authentication");
+    }
+    let server = ferry::exchange::tcpstore::serve(
+        listen,
+        ferry::exchange::tcpstore::ServerConfig::default(),
+    )
+    .map_err(|e| e.to_string())?;
+    println!("ferry TCPStore server listening on {}", server.local_addr());
+    // Serve until killed.
+    loop {
+        std::thread::park();
+    }
 }
