@@ -441,6 +441,71 @@ fn desc_subject(index: usize, d: Desc) -> Subject {
     }
 }
 
+/// Resolve `descs` against the backend slots of `mask`: `lookup(slot, desc)` gives the
+/// target (region tag or peer token) and the covering region's range. Each entry gets
+/// the target of the lowest slot that covers every descriptor (the list's first slot);
+/// slots that miss a descriptor leave the mask. Consecutive descriptors in the same
+/// region cost one range check per slot, not a search.
+///
+/// `Err(None)` means every descriptor was covered by some slot but no one slot covers
+/// them all.
+fn resolve_descs(
+    descs: &[Desc],
+    mut mask: BackendMask,
+    out: &mut Vec<PrepEntry>,
+    lookup: impl Fn(usize, Desc) -> Option<(u64, Desc)>,
+) -> Result<BackendMask, Option<Error>> {
+    out.reserve(descs.len());
+    let start = out.len();
+    let Some(mut recorded) = mask.first() else {
+        return Err(None);
+    };
+    let mut hits = [Hit::NONE; MAX_BACKENDS];
+    for (i, &d) in descs.iter().enumerate() {
+        if d.len == 0 || d.end().is_none() {
+            return Err(Some(Error::invalid(
+                desc_subject(i, d),
+                "empty or wrapping descriptor",
+            )));
+        }
+        let mut target = None;
+        for slot in mask.iter() {
+            if !hits[slot].covers(d) {
+                match lookup(slot, d) {
+                    Some((value, region)) => {
+                        hits[slot] = Hit {
+                            dev: region.dev,
+                            start: region.addr,
+                            end: region.addr.saturating_add(region.len),
+                            value,
+                        };
+                    }
+                    None => {
+                        mask.remove(slot);
+                        continue;
+                    }
+                }
+            }
+            target.get_or_insert(hits[slot].value);
+        }
+        let Some(target) = target else {
+            return Err(Some(Error::NotFound {
+                subject: desc_subject(i, d),
+            }));
+        };
+        if mask.first() != Some(recorded) {
+            // The slot whose targets were recorded so far dropped out: re-resolve the
+            // earlier entries for the new first slot (rare: mixed coverage).
+            recorded = mask.first().expect("a slot covered this descriptor");
+            for entry in &mut out[start..] {
+                entry.target = lookup(recorded, entry.desc).map(|(v, _)| v).ok_or(None)?;
+            }
+        }
+        out.push(PrepEntry { desc: d, target });
+    }
+    Ok(mask)
+}
+
 impl World {
     /// Resolve `descs` (all of `kind`) against the local sections (`peer` = None) or a
     /// peer's published sections, once.
@@ -503,66 +568,20 @@ impl World {
                 mask.insert(slot);
             }
         }
-        out.reserve(descs.len());
-        let single = mask.first().filter(|&s| mask == BackendMask::single(s));
-        let mut hit = Hit::NONE;
-        for (i, &d) in descs.iter().enumerate() {
-            if d.len == 0 || d.end().is_none() {
-                return Err(Error::invalid(
-                    desc_subject(i, d),
-                    "empty or wrapping descriptor",
-                ));
-            }
-            if let Some(slot) = single {
-                // One candidate backend: remember the last region hit, most lists walk
-                // through few regions.
-                if !hit.covers(d) {
-                    let (region, dev, start, end) = self.sections[slot][kind as usize]
-                        .covering_bounds(d)
-                        .ok_or(Error::NotFound {
-                            subject: desc_subject(i, d),
-                        })?;
-                    hit = Hit {
-                        dev,
-                        start,
-                        end,
-                        value: handle_to_tag(region),
-                    };
-                }
-                out.push(PrepEntry {
-                    desc: d,
-                    target: hit.value,
-                });
-                continue;
-            }
-            let mut found = None;
-            for slot in mask.iter() {
-                match self.sections[slot][kind as usize].covering(d) {
-                    Some(region) => {
-                        found.get_or_insert(region);
-                    }
-                    None => mask.remove(slot),
-                }
-            }
-            let Some(region) = found else {
-                return Err(Error::NotFound {
-                    subject: desc_subject(i, d),
-                });
-            };
-            out.push(PrepEntry {
-                desc: d,
-                target: handle_to_tag(region),
-            });
-        }
-        if mask.is_empty() {
-            // Every descriptor was covered by some backend, but no one backend covers all.
-            return Err(Error::NotFound {
+        resolve_descs(descs, mask, out, |slot, d| {
+            self.sections[slot][kind as usize].covering_bounds(d).map(
+                |(region, dev, start, end)| {
+                    (handle_to_tag(region), Desc::new(start, end - start, dev))
+                },
+            )
+        })
+        .map_err(|e| {
+            e.unwrap_or_else(|| Error::NotFound {
                 subject: Subject::Named(
                     format!("a single backend whose {kind} regions cover every descriptor").into(),
                 ),
-            });
-        }
-        Ok(mask)
+            })
+        })
     }
 
     fn resolve_peer(
@@ -596,64 +615,20 @@ impl World {
                 mask.insert(slot);
             }
         }
-        let first = mask.first();
-        out.reserve(descs.len());
-        let single = first.filter(|&s| mask == BackendMask::single(s));
-        let mut hit = Hit::NONE;
-        for (i, &d) in descs.iter().enumerate() {
-            if d.len == 0 || d.end().is_none() {
-                return Err(Error::invalid(
-                    desc_subject(i, d),
-                    "empty or wrapping descriptor",
-                ));
-            }
-            if let Some(slot) = single {
-                if !hit.covers(d) {
-                    let index = slot_map[slot].expect("mask only holds mapped slots");
-                    let (token, region) =
-                        view.find_bounds(index, kind, d).ok_or(Error::NotFound {
-                            subject: desc_subject(i, d),
-                        })?;
-                    hit = Hit {
-                        dev: region.dev,
-                        start: region.addr,
-                        end: region.addr + region.len,
-                        value: token,
-                    };
-                }
-                out.push(PrepEntry {
-                    desc: d,
-                    target: hit.value,
-                });
-                continue;
-            }
-            let mut token = None;
-            for slot in mask.iter() {
-                let index = slot_map[slot].expect("mask only holds mapped slots");
-                match view.find(index, kind, d) {
-                    Some(t) => {
-                        if Some(slot) == first {
-                            token = Some(t);
-                        }
-                    }
-                    None => mask.remove(slot),
-                }
-            }
-            let Some(target) = token.or_else(|| {
-                mask.first()
-                    .and_then(|s| view.find(slot_map[s].expect("mapped"), kind, d))
-            }) else {
-                return Err(Error::NotFound {
-                    subject: desc_subject(i, d),
-                });
-            };
-            out.push(PrepEntry { desc: d, target });
-        }
-        if mask.is_empty() {
-            return Err(Error::NotFound {
-                subject: Subject::Named(format!("a backend shared with peer '{}' whose {kind} sections cover every descriptor", self.peers.names[row]).into()),
-            });
-        }
+        let mask = resolve_descs(descs, mask, out, |slot, d| {
+            view.find_bounds(slot_map[slot]?, kind, d)
+        })
+        .map_err(|e| {
+            e.unwrap_or_else(|| Error::NotFound {
+                subject: Subject::Named(
+                    format!(
+                        "a backend shared with peer '{}' whose {kind} sections cover every descriptor",
+                        self.peers.names[row]
+                    )
+                    .into(),
+                ),
+            })
+        })?;
         Ok((
             PrepSide::Peer {
                 peer,
