@@ -1,1 +1,1 @@
-//! Ferry criterion benchmarks.
+//! Ferry's criterion benchmarks live in `benches/`; this library is empty.

@@ -6,8 +6,12 @@ use std::collections::HashSet;
 use std::path::Path;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
-use ferry_backend_api::{effective_params, BackendInit, Capabilities, FileMode, NotifSink, Params, QueryResult};
-use ferry_schedules::{flush, Bounds, CommandBuffer, FlushSummary, Side, Telemetry, World, XferStatus};
+use ferry_backend_api::{
+    effective_params, BackendInit, Capabilities, FileMode, NotifSink, Params, QueryResult,
+};
+use ferry_schedules::{
+    flush, Bounds, CommandBuffer, FlushSummary, Side, Telemetry, World, XferStatus,
+};
 use ferry_storage::{
     BackendId, Desc, Error, MemKind, Op, PeerId, PrepId, RegionId, Result, Subject, XferId,
 };
@@ -64,6 +68,8 @@ pub(crate) struct AgentState {
 pub struct Agent {
     name: String,
     state: Mutex<AgentState>,
+    /// Metadata exchange (hook for `crate::exchange`; empty until `start_exchange`).
+    exchange: crate::exchange::ExchangeSlot,
 }
 
 fn names_in_use() -> &'static Mutex<HashSet<String>> {
@@ -77,13 +83,18 @@ impl Drop for Agent {
         if let Ok(mut state) = self.state.lock() {
             state.md.peers.clear();
         }
-        names_in_use().lock().unwrap_or_else(|e| e.into_inner()).remove(&self.name);
+        names_in_use()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.name);
     }
 }
 
 impl std::fmt::Debug for Agent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Agent").field("name", &self.name).finish_non_exhaustive()
+        f.debug_struct("Agent")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
     }
 }
 
@@ -91,9 +102,16 @@ impl Agent {
     /// Make an agent. Fails if another live agent of this process has the same name.
     pub fn new(config: AgentConfig) -> Result<Agent> {
         if config.name.is_empty() {
-            return Err(Error::invalid(Subject::Named("agent name".into()), "must not be empty"));
+            return Err(Error::invalid(
+                Subject::Named("agent name".into()),
+                "must not be empty",
+            ));
         }
-        if !names_in_use().lock().unwrap_or_else(|e| e.into_inner()).insert(config.name.clone()) {
+        if !names_in_use()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(config.name.clone())
+        {
             return Err(Error::NotAllowed {
                 subject: Subject::PeerName(config.name),
                 reason: "an agent with this name already exists in this process".into(),
@@ -108,12 +126,18 @@ impl Agent {
                 scratch: CommandBuffer::with_capacity(4),
             }),
             name: config.name,
+            exchange: crate::exchange::ExchangeSlot::default(),
         })
     }
 
     /// The agent's name.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// The metadata-exchange state (see `crate::exchange`).
+    pub(crate) fn exchange_slot(&self) -> &crate::exchange::ExchangeSlot {
+        &self.exchange
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, AgentState> {
@@ -130,7 +154,8 @@ impl Agent {
     /// Create a backend of type `name` with `params` (unknown keys are refused; missing
     /// ones take their defaults).
     pub fn create_backend(&self, name: &str, params: &Params) -> Result<BackendId> {
-        let factory = registry::factory(name).ok_or_else(|| Error::not_found(Subject::BackendName(name.to_string())))?;
+        let factory = registry::factory(name)
+            .ok_or_else(|| Error::not_found(Subject::BackendName(name.to_string())))?;
         if let Err(reason) = factory.available() {
             return Err(Error::NotSupported {
                 backend: factory.name().into(),
@@ -143,7 +168,11 @@ impl Agent {
             params: &params,
         })?;
         let mut state = self.lock();
-        if state.world.backend_ids().any(|id| state.world.backend(id).map(|b| b.name()) == Ok(factory.name())) {
+        if state
+            .world
+            .backend_ids()
+            .any(|id| state.world.backend(id).map(|b| b.name()) == Ok(factory.name()))
+        {
             return Err(Error::NotAllowed {
                 subject: Subject::BackendName(factory.name().to_string()),
                 reason: "this agent already has a backend of this type".into(),
@@ -173,29 +202,33 @@ impl Agent {
     /// Run every recorded command of `cmds` (see the crate docs for the phase order).
     /// Outcomes, statuses and drained notifications are read from `cmds` afterwards.
     pub fn flush(&self, cmds: &mut CommandBuffer) -> FlushSummary {
-        let mut state = self.lock();
-        let AgentState { world, md, .. } = &mut *state;
-        let deregs_before = world.regions().len();
-        let summary = flush(world, md, cmds);
-        if world.regions().len() < deregs_before {
-            md.note_deregistration();
+        let exchange = self.exchange_slot().is_started();
+        self.run_exchange_commands(cmds);
+        let summary = {
+            let mut state = self.lock();
+            let AgentState { world, md, .. } = &mut *state;
+            flush(world, md, cmds)
+        };
+        if exchange {
+            // Keep what P2P peers get from "send me yours" current with registrations.
+            let _ = self.refresh_snapshot();
         }
         summary
     }
 
     /// Flush one command with the reused scratch buffer and give its outcome.
-    fn one<T>(&self, record: impl FnOnce(&mut CommandBuffer) -> u32, read: impl FnOnce(&CommandBuffer, u32) -> Result<T>) -> Result<T> {
+    fn one<T>(
+        &self,
+        record: impl FnOnce(&mut CommandBuffer) -> u32,
+        read: impl FnOnce(&CommandBuffer, u32) -> Result<T>,
+    ) -> Result<T> {
         let mut state = self.lock();
         let mut scratch = std::mem::take(&mut state.scratch);
         scratch.clear();
         let index = record(&mut scratch);
         {
             let AgentState { world, md, .. } = &mut *state;
-            let regions_before = world.regions().len();
             flush(world, md, &mut scratch);
-            if world.regions().len() < regions_before {
-                md.note_deregistration();
-            }
         }
         let result = read(&scratch, index);
         state.scratch = scratch;
@@ -213,13 +246,19 @@ impl Agent {
     #[allow(unsafe_code)]
     pub unsafe fn register(&self, kind: MemKind, desc: Desc) -> Result<RegionId> {
         // SAFETY: the caller made the promise `CommandBuffer::register` asks for.
-        self.one(|c| unsafe { c.register(kind, desc) }.index(), |c, i| c.created(ferry_schedules::Ticket::<RegionId>::at(i)))
+        self.one(
+            |c| unsafe { c.register(kind, desc) }.index(),
+            |c, i| c.created(ferry_schedules::Ticket::<RegionId>::at(i)),
+        )
     }
 
     /// Register a FILE region by path (opened with `mode` by the backend, closed at
     /// deregistration). See [`CommandBuffer::register_file`].
     pub fn register_file(&self, path: &Path, mode: FileMode, desc: Desc) -> Result<RegionId> {
-        self.one(|c| c.register_file(path, mode, desc).index(), |c, i| c.created(ferry_schedules::Ticket::<RegionId>::at(i)))
+        self.one(
+            |c| c.register_file(path, mode, desc).index(),
+            |c, i| c.created(ferry_schedules::Ticket::<RegionId>::at(i)),
+        )
     }
 
     /// Deregister a region. Refused while a request using it is in flight.
@@ -230,11 +269,22 @@ impl Agent {
     /// Prepare a descriptor list once (local, or a peer's).
     pub fn prep(&self, side: impl Into<Side>, kind: MemKind, descs: &[Desc]) -> Result<PrepId> {
         let side = side.into();
-        self.one(|c| c.prep(side, kind, descs).index(), |c, i| c.created(ferry_schedules::Ticket::<PrepId>::at(i)))
+        self.one(
+            |c| c.prep(side, kind, descs).index(),
+            |c, i| c.created(ferry_schedules::Ticket::<PrepId>::at(i)),
+        )
     }
 
     /// Build a request from prepared lists and index lists (empty = all, in order).
-    pub fn make(&self, op: Op, local: PrepId, local_idx: &[u32], remote: PrepId, remote_idx: &[u32], notif: Option<&[u8]>) -> Result<XferId> {
+    pub fn make(
+        &self,
+        op: Op,
+        local: PrepId,
+        local_idx: &[u32],
+        remote: PrepId,
+        remote_idx: &[u32],
+        notif: Option<&[u8]>,
+    ) -> Result<XferId> {
         self.one(
             |c| {
                 let b = c.make(op, local, local_idx, remote, remote_idx);
@@ -250,7 +300,16 @@ impl Agent {
 
     /// Build a request in one shot from raw descriptor lists.
     #[allow(clippy::too_many_arguments)]
-    pub fn create(&self, op: Op, local_kind: MemKind, local: &[Desc], remote_side: impl Into<Side>, remote_kind: MemKind, remote: &[Desc], notif: Option<&[u8]>) -> Result<XferId> {
+    pub fn create(
+        &self,
+        op: Op,
+        local_kind: MemKind,
+        local: &[Desc],
+        remote_side: impl Into<Side>,
+        remote_kind: MemKind,
+        remote: &[Desc],
+        notif: Option<&[u8]>,
+    ) -> Result<XferId> {
         let side = remote_side.into();
         self.one(
             |c| {
@@ -267,12 +326,18 @@ impl Agent {
 
     /// Post (or repost) a request; gives its status after one progress pass.
     pub fn post(&self, xfer: XferId) -> Result<XferStatus> {
-        self.one(|c| c.post(xfer).index(), |c, i| c.status(ferry_schedules::Ticket::<XferStatus>::at(i)))
+        self.one(
+            |c| c.post(xfer).index(),
+            |c, i| c.status(ferry_schedules::Ticket::<XferStatus>::at(i)),
+        )
     }
 
     /// Drive backends once and give the request's status.
     pub fn check(&self, xfer: XferId) -> Result<XferStatus> {
-        self.one(|c| c.check(xfer).index(), |c, i| c.status(ferry_schedules::Ticket::<XferStatus>::at(i)))
+        self.one(
+            |c| c.check(xfer).index(),
+            |c, i| c.status(ferry_schedules::Ticket::<XferStatus>::at(i)),
+        )
     }
 
     /// Release a request (an in-flight one only if its backend can cancel it).
@@ -329,9 +394,15 @@ impl Agent {
     }
 
     /// Partial metadata: only `regions`, with or without connection info.
-    pub fn local_partial_md(&self, regions: &[RegionId], include_conn_info: bool) -> Result<Vec<u8>> {
+    pub fn local_partial_md(
+        &self,
+        regions: &[RegionId],
+        include_conn_info: bool,
+    ) -> Result<Vec<u8>> {
         let state = self.lock();
-        state.md.encode_local(&state.world, Some(regions), include_conn_info)
+        state
+            .md
+            .encode_local(&state.world, Some(regions), include_conn_info)
     }
 
     /// Validate and load a peer's metadata blob (idempotent for identical content;
@@ -356,8 +427,17 @@ impl Agent {
     }
 
     /// Ask backend `backend` about memory or files (one result per descriptor).
-    pub fn query(&self, backend: BackendId, kind: MemKind, descs: &[Desc], paths: &[Option<&Path>]) -> Result<Vec<QueryResult>> {
-        self.lock().world.backend_mut(backend)?.query(kind, descs, paths)
+    pub fn query(
+        &self,
+        backend: BackendId,
+        kind: MemKind,
+        descs: &[Desc],
+        paths: &[Option<&Path>],
+    ) -> Result<Vec<QueryResult>> {
+        self.lock()
+            .world
+            .backend_mut(backend)?
+            .query(kind, descs, paths)
     }
 
     /// Live (requests, prepared lists, regions, peers).

@@ -39,6 +39,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod agent;
+pub mod exchange;
 mod md;
 mod registry;
 
@@ -47,8 +48,8 @@ pub use ferry_backend_api::{
     Backend, BackendFactory, Capabilities, FileMode, ParamSpec, Params, QueryResult,
 };
 pub use ferry_schedules::{
-    Bounds, Command, CommandBuffer, Created, FlushSummary, MakeBuilder, Outcome, Ref, Side, Ticket,
-    Telemetry, XferStatus,
+    Bounds, Command, CommandBuffer, Created, ExchangeCmd, FlushSummary, MakeBuilder, MdRoute,
+    Outcome, Ref, Side, Telemetry, Ticket, XferStatus,
 };
 pub use ferry_storage::{
     BackendId, BackendMask, Desc, Endpoint, Error, MemKind, NotifId, Op, PeerId, PrepId, RegionId,

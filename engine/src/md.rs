@@ -63,7 +63,9 @@ impl PeerMdSet {
     fn compare(&self, new: &PeerMd) -> Result<bool, Error> {
         let mut adds = false;
         for i in 0..new.backend_count() {
-            let Some((name, conn)) = new.backend(i as u8) else { continue };
+            let Some((name, conn)) = new.backend(i as u8) else {
+                continue;
+            };
             let known = self.names.iter().position(|n| n == name);
             match (known, conn) {
                 (None, _) => adds = true,
@@ -71,7 +73,10 @@ impl PeerMdSet {
                     Some(old) if old != conn => {
                         return Err(Error::Mismatch {
                             subject: Subject::PeerName(self.agent.clone()),
-                            reason: format!("connection info for backend {name} differs from the loaded one").into(),
+                            reason: format!(
+                                "connection info for backend {name} differs from the loaded one"
+                            )
+                            .into(),
                         })
                     }
                     Some(_) => {}
@@ -81,7 +86,9 @@ impl PeerMdSet {
             }
         }
         for region in new.regions() {
-            let Some((name, _)) = new.backend(region.backend) else { continue };
+            let Some((name, _)) = new.backend(region.backend) else {
+                continue;
+            };
             let Some(v) = self.names.iter().position(|n| n == name) else {
                 adds = true;
                 continue;
@@ -90,8 +97,17 @@ impl PeerMdSet {
             if let Some(token) = self.exact(v, region.kind, region.desc) {
                 if self.public_md(token) != Some(region.public_md) {
                     return Err(Error::Mismatch {
-                        subject: Subject::Descriptor { index: 0, addr: region.desc.addr, len: region.desc.len, dev: region.desc.dev },
-                        reason: format!("peer '{}' already published this region with different metadata", self.agent).into(),
+                        subject: Subject::Descriptor {
+                            index: 0,
+                            addr: region.desc.addr,
+                            len: region.desc.len,
+                            dev: region.desc.dev,
+                        },
+                        reason: format!(
+                            "peer '{}' already published this region with different metadata",
+                            self.agent
+                        )
+                        .into(),
                     });
                 }
                 continue;
@@ -99,10 +115,21 @@ impl PeerMdSet {
             let d = region.desc;
             let first = Desc::new(d.addr, 1, d.dev);
             let last = Desc::new(d.addr + d.len - 1, 1, d.dev);
-            if self.find(v, region.kind, first).is_some() || self.find(v, region.kind, last).is_some() {
+            if self.find(v, region.kind, first).is_some()
+                || self.find(v, region.kind, last).is_some()
+            {
                 return Err(Error::Mismatch {
-                    subject: Subject::Descriptor { index: 0, addr: d.addr, len: d.len, dev: d.dev },
-                    reason: format!("overlaps a region peer '{}' published differently", self.agent).into(),
+                    subject: Subject::Descriptor {
+                        index: 0,
+                        addr: d.addr,
+                        len: d.len,
+                        dev: d.dev,
+                    },
+                    reason: format!(
+                        "overlaps a region peer '{}' published differently",
+                        self.agent
+                    )
+                    .into(),
                 });
             }
             adds = true;
@@ -113,7 +140,8 @@ impl PeerMdSet {
     fn exact(&self, backend: u8, kind: MemKind, desc: Desc) -> Option<u64> {
         let per = self.per_blob.get(usize::from(backend))?;
         per.iter().enumerate().find_map(|(b, idx)| {
-            idx.and_then(|i| self.blobs[b].exact(i, kind, desc)).map(|r| Self::token(b, r))
+            idx.and_then(|i| self.blobs[b].exact(i, kind, desc))
+                .map(|r| Self::token(b, r))
         })
     }
 }
@@ -138,11 +166,17 @@ impl PeerView for PeerMdSet {
     fn conn_info(&self, index: u8) -> Option<&[u8]> {
         let per = self.per_blob.get(usize::from(index))?;
         // The latest blob that carries connection info wins (they agree; see `compare`).
-        per.iter()
-            .enumerate()
-            .rev()
-            .find_map(|(b, idx)| idx.and_then(|i| self.blobs[b].backend(i)).and_then(|(_, c)| c))
+        per.iter().enumerate().rev().find_map(|(b, idx)| {
+            idx.and_then(|i| self.blobs[b].backend(i))
+                .and_then(|(_, c)| c)
+        })
     }
+    fn find_bounds(&self, backend: u8, kind: MemKind, desc: Desc) -> Option<(u64, Desc)> {
+        let token = self.find(backend, kind, desc)?;
+        let (blob, region) = Self::split(token);
+        Some((token, self.blobs[blob].region(region)?.desc))
+    }
+
     #[inline]
     fn find(&self, backend: u8, kind: MemKind, desc: Desc) -> Option<u64> {
         let per = self.per_blob.get(usize::from(backend))?;
@@ -151,7 +185,8 @@ impl PeerView for PeerMdSet {
             return self.blobs[0].find(i, kind, desc).map(|r| Self::token(0, r));
         }
         per.iter().enumerate().find_map(|(b, idx)| {
-            idx.and_then(|i| self.blobs[b].find(i, kind, desc)).map(|r| Self::token(b, r))
+            idx.and_then(|i| self.blobs[b].find(i, kind, desc))
+                .map(|r| Self::token(b, r))
         })
     }
 }
@@ -159,10 +194,10 @@ impl PeerView for PeerMdSet {
 /// Engine-side metadata state: every peer's current blob set, and our generation.
 pub(crate) struct MdState {
     pub(crate) peers: HashMap<PeerId, Arc<PeerMdSet>>,
-    /// Our published generation: a per-instance epoch in the high half, the number of
-    /// deregistrations in the low half (registering only adds, so it keeps the
+    /// Per-instance epoch: the high half of our published generation. The low half is
+    /// the number of deregistrations (registering only adds, so it keeps the
     /// generation and partial metadata accumulates at peers).
-    pub(crate) generation: u64,
+    epoch: u64,
 }
 
 impl MdState {
@@ -174,28 +209,38 @@ impl MdState {
         let epoch = (nanos ^ (u64::from(std::process::id()) << 17)) as u32 | 1;
         MdState {
             peers: HashMap::new(),
-            generation: u64::from(epoch) << 32,
+            epoch: u64::from(epoch) << 32,
         }
     }
 
-    pub(crate) fn note_deregistration(&mut self) {
-        self.generation = self.generation.wrapping_add(1);
+    /// The generation our metadata carries now.
+    pub(crate) fn generation(&self, world: &World) -> u64 {
+        self.epoch | (world.deregistrations() & 0xffff_ffff)
     }
 
     /// Serialize our metadata: every region of every remote-capable backend (or only
     /// `regions`, as partial metadata, with or without connection info).
-    pub(crate) fn encode_local(&self, world: &World, regions: Option<&[RegionId]>, include_conn_info: bool) -> Result<Vec<u8>, Error> {
-        let mut writer = MdWriter::new(&world.name, self.generation);
+    pub(crate) fn encode_local(
+        &self,
+        world: &World,
+        regions: Option<&[RegionId]>,
+        include_conn_info: bool,
+    ) -> Result<Vec<u8>, Error> {
+        let mut writer = MdWriter::new(&world.name, self.generation(world));
         if regions.is_some() {
             writer.partial();
         }
         let mut index = [None; MAX_BACKENDS];
         for (slot, entry) in index.iter_mut().enumerate() {
-            let Some(name) = world.slot_name(slot) else { continue };
+            let Some(name) = world.slot_name(slot) else {
+                continue;
+            };
             if !world.slot_capabilities(slot).is_some_and(|c| c.remote) {
                 continue;
             }
-            let conn = include_conn_info.then(|| world.slot_conn_info(slot)).flatten();
+            let conn = include_conn_info
+                .then(|| world.slot_conn_info(slot))
+                .flatten();
             *entry = Some(writer.backend(name, conn.as_deref()));
         }
         let table = world.regions();
@@ -210,7 +255,9 @@ impl MdState {
             None => (0..table.len()).for_each(|row| add_row(row, &mut writer)),
             Some(ids) => {
                 for &id in ids {
-                    let row = table.row(id).ok_or_else(|| Error::not_found(Subject::Region(id)))?;
+                    let row = table
+                        .row(id)
+                        .ok_or_else(|| Error::not_found(Subject::Region(id)))?;
                     add_row(row, &mut writer);
                 }
             }
@@ -223,9 +270,13 @@ impl MetadataLoader for MdState {
     fn load(&mut self, world: &mut World, blob: &[u8]) -> Result<PeerId, Error> {
         let md = Arc::new(PeerMd::from_bytes(blob)?);
         let name = md.agent().to_string();
-        let known = world.peer_by_name(&name).and_then(|p| self.peers.get(&p).map(|s| (p, s.clone())));
+        let known = world
+            .peer_by_name(&name)
+            .and_then(|p| self.peers.get(&p).map(|s| (p, s.clone())));
         let (set, kind) = match known {
-            Some((peer, set)) if set.generation == md.generation() && world.peer_view(peer)?.0.is_some() => {
+            Some((peer, set))
+                if set.generation == md.generation() && world.peer_view(peer)?.0.is_some() =>
+            {
                 if !set.compare(&md)? {
                     return Ok(peer); // identical content: idempotent
                 }

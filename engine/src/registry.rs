@@ -25,7 +25,9 @@ pub fn factories() -> Vec<&'static dyn BackendFactory> {
 
 /// The factory of backend type `name` (case-insensitive).
 pub fn factory(name: &str) -> Option<&'static dyn BackendFactory> {
-    factories().into_iter().find(|f| f.name().eq_ignore_ascii_case(name))
+    factories()
+        .into_iter()
+        .find(|f| f.name().eq_ignore_ascii_case(name))
 }
 
 /// Describe every compiled-in backend type.

@@ -2,6 +2,7 @@
 //! the executor can validate, bucket, sort and trace them.
 
 use std::marker::PhantomData;
+use std::net::SocketAddr;
 use std::path::Path;
 
 use ferry_backend_api::FileMode;
@@ -99,6 +100,55 @@ pub enum Releasable {
     Prep(Ref<PrepId>),
     /// A transfer request.
     Xfer(Ref<XferId>),
+}
+
+/// Where a metadata-exchange command goes: the configured store (etcd or TCPStore), or
+/// the P2P listener of a peer at an address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MdRoute {
+    /// The configured store.
+    Store,
+    /// A peer's P2P listener.
+    Peer(SocketAddr),
+}
+
+/// A metadata-exchange command. The agent runs these itself, before the executor's
+/// phases, through its exchange manager (nothing waits on the network).
+#[derive(Clone, Copy, Debug)]
+pub enum ExchangeCmd {
+    /// Send or publish our full metadata.
+    SendLocal {
+        /// Where.
+        route: MdRoute,
+    },
+    /// Send or publish partial metadata of some regions under a label.
+    SendPartial {
+        /// Regions (span of the buffer's region array).
+        regions: Span,
+        /// Label (bytes span, UTF-8).
+        label: Span,
+        /// Where.
+        route: MdRoute,
+    },
+    /// Ask for an agent's metadata (full, or partial under a label).
+    Fetch {
+        /// Agent name (bytes span, UTF-8).
+        agent: Span,
+        /// Label, if partial.
+        label: Option<Span>,
+        /// Where.
+        route: MdRoute,
+    },
+    /// Withdraw our metadata.
+    InvalidateLocal {
+        /// Where.
+        route: MdRoute,
+    },
+    /// Whether an agent's metadata is loaded (outcome [`Outcome::MdReady`]).
+    Check {
+        /// Agent name (bytes span, UTF-8).
+        agent: Span,
+    },
 }
 
 /// One recorded command. Bulk data (descriptors, indices, bytes) lives in the buffer's
@@ -202,6 +252,8 @@ pub enum Command {
     },
     /// Collect inbound notifications into this buffer.
     DrainNotifications,
+    /// Metadata exchange (run by the agent before the executor's phases).
+    Exchange(ExchangeCmd),
 }
 
 /// Status of a transfer request.
@@ -241,6 +293,8 @@ pub enum Outcome {
     Status(XferStatus),
     /// Inbound notifications drained into the buffer (how many).
     Drained(u32),
+    /// Whether the asked-for agent's metadata is loaded.
+    MdReady(bool),
     /// Failed, alone.
     Failed(Error),
 }
@@ -276,6 +330,7 @@ pub struct CommandBuffer {
     pub(crate) descs: Vec<Desc>,
     pub(crate) indices: Vec<u32>,
     pub(crate) bytes: Vec<u8>,
+    pub(crate) regions: Vec<RegionId>,
     pub(crate) notifs: Vec<NotifEntry>,
     pub(crate) notif_bytes: Vec<u8>,
     pub(crate) flushed: bool,
@@ -320,6 +375,7 @@ impl CommandBuffer {
             descs: Vec::with_capacity(commands),
             indices: Vec::with_capacity(commands),
             bytes: Vec::with_capacity(256),
+            regions: Vec::new(),
             notifs: Vec::with_capacity(64),
             notif_bytes: Vec::with_capacity(1024),
             flushed: false,
@@ -333,6 +389,7 @@ impl CommandBuffer {
         self.descs.clear();
         self.indices.clear();
         self.bytes.clear();
+        self.regions.clear();
         self.notifs.clear();
         self.notif_bytes.clear();
         self.flushed = false;
@@ -440,7 +497,12 @@ impl CommandBuffer {
     // Reason: this only declares the caller's promise about the memory; no unsafe
     // operation happens here (backends do the raw-pointer work).
     #[allow(unsafe_code)]
-    pub unsafe fn register_with(&mut self, kind: MemKind, desc: Desc, hint: BackendMask) -> Ticket<RegionId> {
+    pub unsafe fn register_with(
+        &mut self,
+        kind: MemKind,
+        desc: Desc,
+        hint: BackendMask,
+    ) -> Ticket<RegionId> {
         Ticket::new(self.push(Command::Register {
             kind,
             desc,
@@ -577,6 +639,83 @@ impl CommandBuffer {
         Ticket::new(self.push(Command::DrainNotifications))
     }
 
+    /// Send our full metadata to a peer's listener, or publish it in the store.
+    pub fn send_local_md(&mut self, route: MdRoute) -> Ticket<()> {
+        Ticket::new(self.push(Command::Exchange(ExchangeCmd::SendLocal { route })))
+    }
+
+    /// Send or publish partial metadata (only `regions`, with connection info) under
+    /// `label`.
+    pub fn send_local_partial_md(
+        &mut self,
+        regions: &[RegionId],
+        label: &str,
+        route: MdRoute,
+    ) -> Ticket<()> {
+        if self.flushed {
+            self.clear();
+        }
+        let start = self.regions.len() as u32;
+        self.regions.extend_from_slice(regions);
+        let regions = Span {
+            start,
+            len: regions.len() as u32,
+        };
+        let label = self.push_bytes(label.as_bytes());
+        Ticket::new(self.push(Command::Exchange(ExchangeCmd::SendPartial {
+            regions,
+            label,
+            route,
+        })))
+    }
+
+    /// Ask for `agent`'s metadata (full, or partial under `label`); record
+    /// [`CommandBuffer::check_remote_md`] in later flushes to see it arrive.
+    pub fn fetch_remote_md(
+        &mut self,
+        agent: &str,
+        label: Option<&str>,
+        route: MdRoute,
+    ) -> Ticket<()> {
+        let agent = self.push_bytes(agent.as_bytes());
+        let label = label.map(|l| self.push_bytes(l.as_bytes()));
+        Ticket::new(self.push(Command::Exchange(ExchangeCmd::Fetch {
+            agent,
+            label,
+            route,
+        })))
+    }
+
+    /// Withdraw our metadata from a peer or from the store.
+    pub fn invalidate_local_md(&mut self, route: MdRoute) -> Ticket<()> {
+        Ticket::new(self.push(Command::Exchange(ExchangeCmd::InvalidateLocal { route })))
+    }
+
+    /// Whether `agent`'s metadata has been loaded (outcome `MdReady`; the fetch's error
+    /// if it failed).
+    pub fn check_remote_md(&mut self, agent: &str) -> Ticket<bool> {
+        let agent = self.push_bytes(agent.as_bytes());
+        Ticket::new(self.push(Command::Exchange(ExchangeCmd::Check { agent })))
+    }
+
+    /// The regions recorded by a `SendPartial` command.
+    pub fn exchange_regions(&self, span: Span) -> &[RegionId] {
+        &self.regions[span.range()]
+    }
+
+    /// The UTF-8 text recorded at `span` (agent names, labels).
+    pub fn exchange_text(&self, span: Span) -> &str {
+        std::str::from_utf8(&self.bytes[span.range()]).unwrap_or("")
+    }
+
+    /// Set the outcome of command `index` (used by the agent for exchange commands,
+    /// which it runs before the executor).
+    pub fn set_outcome(&mut self, index: u32, outcome: Outcome) {
+        if let Some(slot) = self.outcomes.get_mut(index as usize) {
+            *slot = outcome;
+        }
+    }
+
     /// Outcome of the command behind `ticket`.
     pub fn outcome<H>(&self, ticket: Ticket<H>) -> &Outcome {
         &self.outcomes[ticket.index as usize]
@@ -627,7 +766,8 @@ impl CommandBuffer {
     /// Notifications drained by this buffer's last flush: (sender agent, payload).
     pub fn notifications(&self) -> impl Iterator<Item = (&str, &[u8])> {
         self.notifs.iter().map(|n| {
-            let from = std::str::from_utf8(&self.notif_bytes[n.from.range()]).unwrap_or("<non-utf8>");
+            let from =
+                std::str::from_utf8(&self.notif_bytes[n.from.range()]).unwrap_or("<non-utf8>");
             (from, &self.notif_bytes[n.payload.range()])
         })
     }

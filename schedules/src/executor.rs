@@ -1,6 +1,8 @@
 //! The executor: one flush runs these phases, in this order, each a plain function over
 //! the world's tables (the order is written here and nowhere else):
 //!
+//! (−1. **exchange** – metadata-exchange commands, run by the agent before the
+//!      executor: send / fetch / check through its exchange manager, no network wait)
 //! 0. **classify**   – bucket command indices by phase (arena scratch)
 //! 1. **metadata**   – load / invalidate peer metadata
 //! 2. **register**   – register regions with backends, index them in sections
@@ -26,11 +28,11 @@ use ferry_storage::{
 };
 
 use crate::command::{
-    Command, CommandBuffer, Created, FromCreated, NotifEntry, Outcome, Ref, Releasable, Side,
-    Span, XferStatus,
+    Command, CommandBuffer, Created, FromCreated, NotifEntry, Outcome, Ref, Releasable, Side, Span,
+    XferStatus,
 };
 use crate::merge::{dispatch_key, push_merged};
-use crate::world::{PrepEntry, PrepSide, World, XferState};
+use crate::world::{Hit, PrepEntry, PrepSide, World, XferState};
 
 macro_rules! phase_span {
     ($name:literal) => {
@@ -59,7 +61,7 @@ pub struct FlushSummary {
     pub notifications: u32,
 }
 
-const PHASES: usize = 8;
+const PHASES: usize = 9;
 
 fn phase_of(command: &Command) -> usize {
     match command {
@@ -71,11 +73,16 @@ fn phase_of(command: &Command) -> usize {
         Command::Check { .. } => 5,
         Command::Notify { .. } | Command::DrainNotifications => 6,
         Command::Release { .. } | Command::Deregister { .. } => 7,
+        Command::Exchange(_) => 8,
     }
 }
 
 /// Flush `cmds` against `world`. Outcomes land in the buffer.
-pub fn flush(world: &mut World, loader: &mut dyn MetadataLoader, cmds: &mut CommandBuffer) -> FlushSummary {
+pub fn flush(
+    world: &mut World,
+    loader: &mut dyn MetadataLoader,
+    cmds: &mut CommandBuffer,
+) -> FlushSummary {
     phase_span!("ferry::flush");
     let mut arena = std::mem::take(&mut world.arena);
     arena.reset();
@@ -91,6 +98,15 @@ pub fn flush(world: &mut World, loader: &mut dyn MetadataLoader, cmds: &mut Comm
         summary.completed = phase_progress(world, cmds, &posted, &buckets[5]);
         summary.notifications = phase_notify(world, cmds, &buckets[6]);
         phase_retire(world, cmds, &buckets[7]);
+        for &i in buckets[8].iter() {
+            // Exchange commands are the agent's; a buffer flushed without one says so.
+            if cmds.outcomes[i as usize] == Outcome::Pending {
+                cmds.outcomes[i as usize] = Outcome::Failed(Error::NotSupported {
+                    backend: "executor".into(),
+                    what: "metadata-exchange commands run in Agent::flush".into(),
+                });
+            }
+        }
     }
     world.arena = arena;
     cmds.flushed = true;
@@ -113,10 +129,16 @@ fn resolve<H: FromCreated + Copy>(outcomes: &[Outcome], r: Ref<H>) -> Result<H, 
         Ref::Handle(h) => Ok(h),
         Ref::Ticket(i) => match outcomes.get(i as usize) {
             Some(Outcome::Created(c)) => H::from_created(*c).ok_or_else(|| {
-                Error::invalid(Subject::Command(i), "ticket names a command that creates another kind of object")
+                Error::invalid(
+                    Subject::Command(i),
+                    "ticket names a command that creates another kind of object",
+                )
             }),
             Some(Outcome::Failed(_)) => Err(Error::DependencyFailed { command: i }),
-            _ => Err(Error::invalid(Subject::Command(i), "ticket does not name an earlier command")),
+            _ => Err(Error::invalid(
+                Subject::Command(i),
+                "ticket does not name an earlier command",
+            )),
         },
     }
 }
@@ -130,16 +152,21 @@ fn set(cmds: &mut CommandBuffer, index: u32, result: Result<Outcome, Error>) {
 
 // ---------------------------------------------------------------- 1. metadata
 
-fn phase_metadata(world: &mut World, loader: &mut dyn MetadataLoader, cmds: &mut CommandBuffer, bucket: &[u32]) {
+fn phase_metadata(
+    world: &mut World,
+    loader: &mut dyn MetadataLoader,
+    cmds: &mut CommandBuffer,
+    bucket: &[u32],
+) {
     phase_span!("ferry::metadata");
     for &i in bucket {
         let result = match cmds.commands[i as usize] {
-            Command::LoadMd { bytes } => {
-                loader.load(world, &cmds.bytes[bytes.range()]).map(|p| Outcome::Created(Created::Peer(p)))
-            }
-            Command::InvalidateMd { peer } => {
-                resolve(&cmds.outcomes, peer).and_then(|p| world.invalidate_peer(p)).map(|()| Outcome::Done)
-            }
+            Command::LoadMd { bytes } => loader
+                .load(world, &cmds.bytes[bytes.range()])
+                .map(|p| Outcome::Created(Created::Peer(p))),
+            Command::InvalidateMd { peer } => resolve(&cmds.outcomes, peer)
+                .and_then(|p| world.invalidate_peer(p))
+                .map(|()| Outcome::Done),
             _ => unreachable!("classified as metadata"),
         };
         set(cmds, i, result);
@@ -151,10 +178,21 @@ fn phase_metadata(world: &mut World, loader: &mut dyn MetadataLoader, cmds: &mut
 fn phase_register(world: &mut World, cmds: &mut CommandBuffer, bucket: &[u32]) {
     phase_span!("ferry::register");
     for &i in bucket {
-        let Command::Register { kind, desc, hint, path } = cmds.commands[i as usize] else {
+        let Command::Register {
+            kind,
+            desc,
+            hint,
+            path,
+        } = cmds.commands[i as usize]
+        else {
             unreachable!("classified as register")
         };
-        let path = path.map(|(span, mode)| (Path::new(std::ffi::OsStr::from_bytes(&cmds.bytes[span.range()])), mode));
+        let path = path.map(|(span, mode)| {
+            (
+                Path::new(std::ffi::OsStr::from_bytes(&cmds.bytes[span.range()])),
+                mode,
+            )
+        });
         let result = world
             .register_region(kind, desc, hint, path)
             .map(|id| Outcome::Created(Created::Region(id)));
@@ -172,7 +210,12 @@ impl World {
         hint: BackendMask,
         path: Option<(&Path, ferry_backend_api::FileMode)>,
     ) -> Result<RegionId, Error> {
-        let subject = || Subject::Descriptor { index: 0, addr: desc.addr, len: desc.len, dev: desc.dev };
+        let subject = || Subject::Descriptor {
+            index: 0,
+            addr: desc.addr,
+            len: desc.len,
+            dev: desc.dev,
+        };
         // A FILE region of length 0 means "unbounded": index it up to the end of the offset space.
         let indexed = if kind == MemKind::File && desc.len == 0 {
             Desc::new(desc.addr, u64::MAX - desc.addr, desc.dev)
@@ -186,7 +229,10 @@ impl World {
             return Err(Error::invalid(subject(), "range wraps the address space"));
         }
         if self.regions.len() >= self.bounds.regions_max {
-            return Err(Error::Capacity { what: "registered regions", limit: self.bounds.regions_max });
+            return Err(Error::Capacity {
+                what: "registered regions",
+                limit: self.bounds.regions_max,
+            });
         }
         let mut candidates = BackendMask::EMPTY;
         for slot in 0..MAX_BACKENDS {
@@ -207,7 +253,11 @@ impl World {
             let overlapping = probe_start.or_else(|| {
                 section
                     .iter()
-                    .find(|&(_, dev, start, end)| dev == indexed.dev && start < indexed.addr + indexed.len && indexed.addr < end)
+                    .find(|&(_, dev, start, end)| {
+                        dev == indexed.dev
+                            && start < indexed.addr + indexed.len
+                            && indexed.addr < end
+                    })
                     .map(|(id, ..)| id)
             });
             if let Some(other) = overlapping {
@@ -223,7 +273,9 @@ impl World {
         let mut accepted = BackendMask::EMPTY;
         let mut first_error = None;
         for slot in candidates.iter() {
-            let backend = self.backends.backends[slot].as_mut().expect("candidate slot is filled");
+            let backend = self.backends.backends[slot]
+                .as_mut()
+                .expect("candidate slot is filled");
             match backend.register(&spec) {
                 Ok(reg) => {
                     tokens[slot] = reg.token;
@@ -250,7 +302,10 @@ impl World {
     /// Deregister a region from every backend that holds it. Refused while an in-flight
     /// request uses it.
     pub fn deregister_region(&mut self, id: RegionId) -> Result<(), Error> {
-        let row = self.regions.row(id).ok_or_else(|| Error::not_found(Subject::Region(id)))?;
+        let row = self
+            .regions
+            .row(id)
+            .ok_or_else(|| Error::not_found(Subject::Region(id)))?;
         let kind = self.regions.kinds[row];
         let desc = self.regions.descs[row];
         let tag = handle_to_tag(id);
@@ -258,7 +313,11 @@ impl World {
         let backends = self.regions.backends[row];
         // In-flight check: a request's local ranges carry the region's token for its
         // slot, and its ranges lie inside the region's span.
-        let end = if kind == MemKind::File && desc.len == 0 { u64::MAX } else { desc.addr + desc.len };
+        let end = if kind == MemKind::File && desc.len == 0 {
+            u64::MAX
+        } else {
+            desc.addr + desc.len
+        };
         for x in 0..self.xfers.rows.len() {
             if self.xfers.states[x] != XferState::InProgress {
                 continue;
@@ -270,13 +329,24 @@ impl World {
             let (lk, rk) = self.xfers.kinds[x];
             let local_target = self.xfers.endpoints[x] == Endpoint::Local;
             let uses = self.xfers.ranges[x].iter().any(|r| {
-                (lk == kind && r.local_dev == desc.dev && r.local_addr >= desc.addr && r.local_addr < end)
-                    || (local_target && rk == kind && r.remote_dev == desc.dev && r.remote_addr >= desc.addr && r.remote_addr < end)
+                (lk == kind
+                    && r.local_dev == desc.dev
+                    && r.local_addr >= desc.addr
+                    && r.local_addr < end)
+                    || (local_target
+                        && rk == kind
+                        && r.remote_dev == desc.dev
+                        && r.remote_addr >= desc.addr
+                        && r.remote_addr < end)
             });
             if uses {
                 return Err(Error::NotAllowed {
                     subject: Subject::Region(id),
-                    reason: format!("transfer request {:?} using it is in flight", self.xfers.rows.key(x)).into(),
+                    reason: format!(
+                        "transfer request {:?} using it is in flight",
+                        self.xfers.rows.key(x)
+                    )
+                    .into(),
                 });
             }
         }
@@ -296,6 +366,7 @@ impl World {
             self.sections[slot][kind as usize].remove(indexed, id);
         }
         self.regions.remove(id);
+        self.deregistrations += 1;
         first_error.map_or(Ok(()), Err)
     }
 }
@@ -305,18 +376,36 @@ impl World {
 /// The temporary prepared lists of `create` commands: (command, local, remote).
 type CreatedPreps<'a> = BumpVec<'a, (u32, Result<(PrepId, PrepId), Error>)>;
 
-fn phase_prep<'a>(world: &mut World, arena: &'a bumpalo::Bump, cmds: &mut CommandBuffer, bucket: &[u32]) -> CreatedPreps<'a> {
+fn phase_prep<'a>(
+    world: &mut World,
+    arena: &'a bumpalo::Bump,
+    cmds: &mut CommandBuffer,
+    bucket: &[u32],
+) -> CreatedPreps<'a> {
     phase_span!("ferry::prep");
     let mut created = BumpVec::new_in(arena);
     for &i in bucket {
         match cmds.commands[i as usize] {
-            Command::Prep { side, kind, descs, hint } => {
+            Command::Prep {
+                side,
+                kind,
+                descs,
+                hint,
+            } => {
                 let result = resolve_side(&cmds.outcomes, side)
                     .and_then(|side| world.prep_list(side, kind, &cmds.descs[descs.range()], hint))
                     .map(|p| Outcome::Created(Created::Prep(p)));
                 set(cmds, i, result);
             }
-            Command::Create { local_kind, local, remote_side, remote_kind, remote, hint, .. } => {
+            Command::Create {
+                local_kind,
+                local,
+                remote_side,
+                remote_kind,
+                remote,
+                hint,
+                ..
+            } => {
                 let pair = (|| {
                     let side = resolve_side(&cmds.outcomes, remote_side)?;
                     let l = world.prep_list(None, local_kind, &cmds.descs[local.range()], hint)?;
@@ -344,23 +433,107 @@ fn resolve_side(outcomes: &[Outcome], side: Side) -> Result<Option<PeerId>, Erro
 }
 
 fn desc_subject(index: usize, d: Desc) -> Subject {
-    Subject::Descriptor { index: index as u32, addr: d.addr, len: d.len, dev: d.dev }
+    Subject::Descriptor {
+        index: index as u32,
+        addr: d.addr,
+        len: d.len,
+        dev: d.dev,
+    }
+}
+
+/// Resolve `descs` against the backend slots of `mask`: `lookup(slot, desc)` gives the
+/// target (region tag or peer token) and the covering region's range. Each entry gets
+/// the target of the lowest slot that covers every descriptor (the list's first slot);
+/// slots that miss a descriptor leave the mask. Consecutive descriptors in the same
+/// region cost one range check per slot, not a search.
+///
+/// `Err(None)` means every descriptor was covered by some slot but no one slot covers
+/// them all.
+fn resolve_descs(
+    descs: &[Desc],
+    mut mask: BackendMask,
+    out: &mut Vec<PrepEntry>,
+    lookup: impl Fn(usize, Desc) -> Option<(u64, Desc)>,
+) -> Result<BackendMask, Option<Error>> {
+    out.reserve(descs.len());
+    let start = out.len();
+    let Some(mut recorded) = mask.first() else {
+        return Err(None);
+    };
+    let mut hits = [Hit::NONE; MAX_BACKENDS];
+    for (i, &d) in descs.iter().enumerate() {
+        if d.len == 0 || d.end().is_none() {
+            return Err(Some(Error::invalid(
+                desc_subject(i, d),
+                "empty or wrapping descriptor",
+            )));
+        }
+        let mut target = None;
+        for slot in mask.iter() {
+            if !hits[slot].covers(d) {
+                match lookup(slot, d) {
+                    Some((value, region)) => {
+                        hits[slot] = Hit {
+                            dev: region.dev,
+                            start: region.addr,
+                            end: region.addr.saturating_add(region.len),
+                            value,
+                        };
+                    }
+                    None => {
+                        mask.remove(slot);
+                        continue;
+                    }
+                }
+            }
+            target.get_or_insert(hits[slot].value);
+        }
+        let Some(target) = target else {
+            return Err(Some(Error::NotFound {
+                subject: desc_subject(i, d),
+            }));
+        };
+        if mask.first() != Some(recorded) {
+            // The slot whose targets were recorded so far dropped out: re-resolve the
+            // earlier entries for the new first slot (rare: mixed coverage).
+            recorded = mask.first().expect("a slot covered this descriptor");
+            for entry in &mut out[start..] {
+                entry.target = lookup(recorded, entry.desc).map(|(v, _)| v).ok_or(None)?;
+            }
+        }
+        out.push(PrepEntry { desc: d, target });
+    }
+    Ok(mask)
 }
 
 impl World {
     /// Resolve `descs` (all of `kind`) against the local sections (`peer` = None) or a
     /// peer's published sections, once.
-    pub fn prep_list(&mut self, peer: Option<PeerId>, kind: MemKind, descs: &[Desc], hint: BackendMask) -> Result<PrepId, Error> {
+    pub fn prep_list(
+        &mut self,
+        peer: Option<PeerId>,
+        kind: MemKind,
+        descs: &[Desc],
+        hint: BackendMask,
+    ) -> Result<PrepId, Error> {
         if descs.len() > self.bounds.descs_per_list_max {
-            return Err(Error::Capacity { what: "descriptors per list", limit: self.bounds.descs_per_list_max });
+            return Err(Error::Capacity {
+                what: "descriptors per list",
+                limit: self.bounds.descs_per_list_max,
+            });
         }
         if self.preps.rows.len() >= self.bounds.preps_max {
-            return Err(Error::Capacity { what: "prepared lists", limit: self.bounds.preps_max });
+            return Err(Error::Capacity {
+                what: "prepared lists",
+                limit: self.bounds.preps_max,
+            });
         }
         let mut entries = self.preps.pool.pop().unwrap_or_default();
         entries.clear();
         let result = match peer {
-            None => self.resolve_local(kind, descs, hint, &mut entries).map(|mask| (PrepSide::Local, mask)),
+            None => self
+                .resolve_local(kind, descs, hint, &mut entries)
+                .map(|mask| (PrepSide::Local, mask)),
             Some(p) => self.resolve_peer(p, kind, descs, hint, &mut entries),
         };
         match result {
@@ -379,89 +552,99 @@ impl World {
         }
     }
 
-    fn resolve_local(&self, kind: MemKind, descs: &[Desc], hint: BackendMask, out: &mut Vec<PrepEntry>) -> Result<BackendMask, Error> {
+    fn resolve_local(
+        &self,
+        kind: MemKind,
+        descs: &[Desc],
+        hint: BackendMask,
+        out: &mut Vec<PrepEntry>,
+    ) -> Result<BackendMask, Error> {
         let mut mask = BackendMask::EMPTY;
         for slot in 0..MAX_BACKENDS {
-            if hint.contains(slot) && self.backends.caps[slot].is_some_and(|c| c.supports(kind)) && !self.sections[slot][kind as usize].is_empty() {
+            if hint.contains(slot)
+                && self.backends.caps[slot].is_some_and(|c| c.supports(kind))
+                && !self.sections[slot][kind as usize].is_empty()
+            {
                 mask.insert(slot);
             }
         }
-        out.reserve(descs.len());
-        for (i, &d) in descs.iter().enumerate() {
-            if d.len == 0 || d.end().is_none() {
-                return Err(Error::invalid(desc_subject(i, d), "empty or wrapping descriptor"));
-            }
-            let mut found = None;
-            for slot in mask.iter() {
-                match self.sections[slot][kind as usize].covering(d) {
-                    Some(region) => {
-                        found.get_or_insert(region);
-                    }
-                    None => mask.remove(slot),
-                }
-            }
-            let Some(region) = found else {
-                return Err(Error::NotFound { subject: desc_subject(i, d) });
-            };
-            out.push(PrepEntry { desc: d, target: handle_to_tag(region) });
-        }
-        if mask.is_empty() {
-            // Every descriptor was covered by some backend, but no one backend covers all.
-            return Err(Error::NotFound {
-                subject: Subject::Named(format!("a single backend whose {kind} regions cover every descriptor").into()),
-            });
-        }
-        Ok(mask)
+        resolve_descs(descs, mask, out, |slot, d| {
+            self.sections[slot][kind as usize].covering_bounds(d).map(
+                |(region, dev, start, end)| {
+                    (handle_to_tag(region), Desc::new(start, end - start, dev))
+                },
+            )
+        })
+        .map_err(|e| {
+            e.unwrap_or_else(|| Error::NotFound {
+                subject: Subject::Named(
+                    format!("a single backend whose {kind} regions cover every descriptor").into(),
+                ),
+            })
+        })
     }
 
-    fn resolve_peer(&self, peer: PeerId, kind: MemKind, descs: &[Desc], hint: BackendMask, out: &mut Vec<PrepEntry>) -> Result<(PrepSide, BackendMask), Error> {
-        let row = self.peers.rows.row(peer).ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
-        let view = self.peers.views[row].as_ref().ok_or_else(|| Error::NotFound {
-            subject: Subject::PeerName(format!("{} (metadata invalidated)", self.peers.names[row])),
-        })?;
+    fn resolve_peer(
+        &self,
+        peer: PeerId,
+        kind: MemKind,
+        descs: &[Desc],
+        hint: BackendMask,
+        out: &mut Vec<PrepEntry>,
+    ) -> Result<(PrepSide, BackendMask), Error> {
+        let row = self
+            .peers
+            .rows
+            .row(peer)
+            .ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
+        let view = self.peers.views[row]
+            .as_ref()
+            .ok_or_else(|| Error::NotFound {
+                subject: Subject::PeerName(format!(
+                    "{} (metadata invalidated)",
+                    self.peers.names[row]
+                )),
+            })?;
         let slot_map = &self.peers.slot_maps[row];
         let mut mask = BackendMask::EMPTY;
         for slot in self.peers.loaded[row].iter() {
-            if hint.contains(slot) && slot_map[slot].is_some() && self.backends.caps[slot].is_some_and(|c| c.remote && c.supports(kind)) {
+            if hint.contains(slot)
+                && slot_map[slot].is_some()
+                && self.backends.caps[slot].is_some_and(|c| c.remote && c.supports(kind))
+            {
                 mask.insert(slot);
             }
         }
-        let first = mask.first();
-        out.reserve(descs.len());
-        for (i, &d) in descs.iter().enumerate() {
-            if d.len == 0 || d.end().is_none() {
-                return Err(Error::invalid(desc_subject(i, d), "empty or wrapping descriptor"));
-            }
-            let mut token = None;
-            for slot in mask.iter() {
-                let index = slot_map[slot].expect("mask only holds mapped slots");
-                match view.find(index, kind, d) {
-                    Some(t) => {
-                        if Some(slot) == first {
-                            token = Some(t);
-                        }
-                    }
-                    None => mask.remove(slot),
-                }
-            }
-            let Some(target) = token.or_else(|| {
-                mask.first().and_then(|s| view.find(slot_map[s].expect("mapped"), kind, d))
-            }) else {
-                return Err(Error::NotFound { subject: desc_subject(i, d) });
-            };
-            out.push(PrepEntry { desc: d, target });
-        }
-        if mask.is_empty() {
-            return Err(Error::NotFound {
-                subject: Subject::Named(format!("a backend shared with peer '{}' whose {kind} sections cover every descriptor", self.peers.names[row]).into()),
-            });
-        }
-        Ok((PrepSide::Peer { peer, generation: self.peers.generations[row] }, mask))
+        let mask = resolve_descs(descs, mask, out, |slot, d| {
+            view.find_bounds(slot_map[slot]?, kind, d)
+        })
+        .map_err(|e| {
+            e.unwrap_or_else(|| Error::NotFound {
+                subject: Subject::Named(
+                    format!(
+                        "a backend shared with peer '{}' whose {kind} sections cover every descriptor",
+                        self.peers.names[row]
+                    )
+                    .into(),
+                ),
+            })
+        })?;
+        Ok((
+            PrepSide::Peer {
+                peer,
+                generation: self.peers.generations[row],
+            },
+            mask,
+        ))
     }
 
     /// Release a prepared list.
     pub fn release_prep(&mut self, id: PrepId) -> Result<(), Error> {
-        let row = self.preps.rows.remove(id).ok_or_else(|| Error::not_found(Subject::Prep(id)))?;
+        let row = self
+            .preps
+            .rows
+            .remove(id)
+            .ok_or_else(|| Error::not_found(Subject::Prep(id)))?;
         self.preps.sides.swap_remove(row);
         self.preps.kinds.swap_remove(row);
         self.preps.masks.swap_remove(row);
@@ -472,19 +655,32 @@ impl World {
 
     /// Number of descriptors in a prepared list.
     pub fn prep_len(&self, id: PrepId) -> Result<usize, Error> {
-        let row = self.preps.rows.row(id).ok_or_else(|| Error::not_found(Subject::Prep(id)))?;
+        let row = self
+            .preps
+            .rows
+            .row(id)
+            .ok_or_else(|| Error::not_found(Subject::Prep(id)))?;
         Ok(self.preps.entries[row].len())
     }
 }
 
 // ---------------------------------------------------------------- 4. make
 
-fn phase_make(world: &mut World, cmds: &mut CommandBuffer, makes: &[u32], preps: &[u32], created: &CreatedPreps<'_>) {
+fn phase_make(
+    world: &mut World,
+    cmds: &mut CommandBuffer,
+    makes: &[u32],
+    preps: &[u32],
+    created: &CreatedPreps<'_>,
+) {
     phase_span!("ferry::make");
     let _ = preps;
     // `create` commands: build from their temporary lists, then drop the lists.
     for (i, pair) in created.iter() {
-        let Command::Create { op, notif, hint, .. } = cmds.commands[*i as usize] else {
+        let Command::Create {
+            op, notif, hint, ..
+        } = cmds.commands[*i as usize]
+        else {
             unreachable!("created preps come from create commands")
         };
         let result = match pair {
@@ -500,14 +696,31 @@ fn phase_make(world: &mut World, cmds: &mut CommandBuffer, makes: &[u32], preps:
         set(cmds, *i, result);
     }
     for &i in makes {
-        let Command::Make { op, local, local_idx, remote, remote_idx, notif, hint } = cmds.commands[i as usize] else {
+        let Command::Make {
+            op,
+            local,
+            local_idx,
+            remote,
+            remote_idx,
+            notif,
+            hint,
+        } = cmds.commands[i as usize]
+        else {
             unreachable!("classified as make")
         };
         let result = (|| {
             let l = resolve(&cmds.outcomes, local)?;
             let r = resolve(&cmds.outcomes, remote)?;
             let notif = notif.map(|s| &cmds.bytes[s.range()]);
-            world.make_xfer(op, l, &cmds.indices[local_idx.range()], r, &cmds.indices[remote_idx.range()], notif, hint)
+            world.make_xfer(
+                op,
+                l,
+                &cmds.indices[local_idx.range()],
+                r,
+                &cmds.indices[remote_idx.range()],
+                notif,
+                hint,
+            )
         })()
         .map(|x| Outcome::Created(Created::Xfer(x)));
         set(cmds, i, result);
@@ -539,10 +752,21 @@ impl World {
         notif: Option<&[u8]>,
         hint: BackendMask,
     ) -> Result<XferId, Error> {
-        let lrow = self.preps.rows.row(local).ok_or_else(|| Error::not_found(Subject::Prep(local)))?;
-        let rrow = self.preps.rows.row(remote).ok_or_else(|| Error::not_found(Subject::Prep(remote)))?;
+        let lrow = self
+            .preps
+            .rows
+            .row(local)
+            .ok_or_else(|| Error::not_found(Subject::Prep(local)))?;
+        let rrow = self
+            .preps
+            .rows
+            .row(remote)
+            .ok_or_else(|| Error::not_found(Subject::Prep(remote)))?;
         if self.preps.sides[lrow] != PrepSide::Local {
-            return Err(Error::invalid(Subject::Prep(local), "the local list of a request must name local regions"));
+            return Err(Error::invalid(
+                Subject::Prep(local),
+                "the local list of a request must name local regions",
+            ));
         }
         let (endpoint, generation) = match self.preps.sides[rrow] {
             PrepSide::Local => (Endpoint::Local, 0),
@@ -555,8 +779,16 @@ impl World {
         let remote_len = self.preps.entries[rrow].len();
         check_indices(local_idx, local_len, "local")?;
         check_indices(remote_idx, remote_len, "remote")?;
-        let n = if local_idx.is_empty() { local_len } else { local_idx.len() };
-        let m = if remote_idx.is_empty() { remote_len } else { remote_idx.len() };
+        let n = if local_idx.is_empty() {
+            local_len
+        } else {
+            local_idx.len()
+        };
+        let m = if remote_idx.is_empty() {
+            remote_len
+        } else {
+            remote_idx.len()
+        };
         if n != m {
             return Err(Error::Mismatch {
                 subject: Subject::Prep(remote),
@@ -564,15 +796,24 @@ impl World {
             });
         }
         if n == 0 {
-            return Err(Error::invalid(Subject::Prep(local), "a request needs at least one descriptor"));
+            return Err(Error::invalid(
+                Subject::Prep(local),
+                "a request needs at least one descriptor",
+            ));
         }
         if let Some(payload) = notif {
             if payload.len() > self.bounds.notif_len_max {
-                return Err(Error::Capacity { what: "notification bytes", limit: self.bounds.notif_len_max });
+                return Err(Error::Capacity {
+                    what: "notification bytes",
+                    limit: self.bounds.notif_len_max,
+                });
             }
         }
         if self.xfers.rows.len() >= self.bounds.xfers_max {
-            return Err(Error::Capacity { what: "transfer requests", limit: self.bounds.xfers_max });
+            return Err(Error::Capacity {
+                what: "transfer requests",
+                limit: self.bounds.xfers_max,
+            });
         }
         // Pick the backend: first hinted one common to both lists, else the first common.
         let mut common = self.preps.masks[lrow].and(self.preps.masks[rrow]);
@@ -586,10 +827,14 @@ impl World {
                 common.remove(slot);
             }
         }
-        let slot = common.and(hint).first().or_else(|| common.first()).ok_or_else(|| Error::NotSupported {
-            backend: "agent".into(),
-            what: "no backend covers both lists for this kind of transfer".into(),
-        })?;
+        let slot = common
+            .and(hint)
+            .first()
+            .or_else(|| common.first())
+            .ok_or_else(|| Error::NotSupported {
+                backend: "agent".into(),
+                what: "no backend covers both lists for this kind of transfer".into(),
+            })?;
         let (lkind, rkind) = (self.preps.kinds[lrow], self.preps.kinds[rrow]);
         let lfirst = self.preps.masks[lrow].first();
         let rfirst = self.preps.masks[rrow].first();
@@ -598,21 +843,46 @@ impl World {
         ranges.clear();
         ranges.reserve(n);
         let mut bytes = 0u64;
+        // Consecutive descriptors mostly share a region: remember the last lookups.
+        let (mut last_local, mut last_remote) = ((u64::MAX, 0u64), (u64::MAX, 0u64));
         let built = (|| {
             for k in 0..n {
-                let li = if local_idx.is_empty() { k } else { local_idx[k] as usize };
-                let ri = if remote_idx.is_empty() { k } else { remote_idx[k] as usize };
+                let li = if local_idx.is_empty() {
+                    k
+                } else {
+                    local_idx[k] as usize
+                };
+                let ri = if remote_idx.is_empty() {
+                    k
+                } else {
+                    remote_idx[k] as usize
+                };
                 let le = self.preps.entries[lrow][li];
                 let re = self.preps.entries[rrow][ri];
                 if le.desc.len != re.desc.len {
                     return Err(Error::Mismatch {
                         subject: desc_subject(k, re.desc),
-                        reason: format!("length {} differs from the local descriptor's {}", re.desc.len, le.desc.len).into(),
+                        reason: format!(
+                            "length {} differs from the local descriptor's {}",
+                            re.desc.len, le.desc.len
+                        )
+                        .into(),
                     });
                 }
-                let local_token = self.region_token(le, slot, lkind, Some(slot) == lfirst, k)?;
+                let local_token = if le.target == last_local.0 {
+                    last_local.1
+                } else {
+                    let t = self.region_token(le, slot, lkind, Some(slot) == lfirst, k)?;
+                    last_local = (le.target, t);
+                    t
+                };
                 let remote_token = match endpoint {
-                    Endpoint::Local => self.region_token(re, slot, rkind, Some(slot) == rfirst, k)?,
+                    Endpoint::Local if re.target == last_remote.0 => last_remote.1,
+                    Endpoint::Local => {
+                        let t = self.region_token(re, slot, rkind, Some(slot) == rfirst, k)?;
+                        last_remote = (re.target, t);
+                        t
+                    }
                     Endpoint::Peer(peer) => {
                         if Some(slot) == rfirst {
                             re.target
@@ -668,7 +938,14 @@ impl World {
     }
 
     #[inline]
-    fn region_token(&self, entry: PrepEntry, slot: usize, kind: MemKind, first_slot: bool, k: usize) -> Result<u64, Error> {
+    fn region_token(
+        &self,
+        entry: PrepEntry,
+        slot: usize,
+        kind: MemKind,
+        first_slot: bool,
+        k: usize,
+    ) -> Result<u64, Error> {
         let region: RegionId = handle_from_tag(entry.target);
         let row = match self.regions.row(region) {
             Some(row) if self.regions.backends[row].contains(slot) => row,
@@ -676,27 +953,54 @@ impl World {
                 // Another region covers the descriptor for this backend.
                 let other = self.sections[slot][kind as usize]
                     .covering(entry.desc)
-                    .ok_or(Error::NotFound { subject: desc_subject(k, entry.desc) })?;
-                self.regions.row(other).ok_or(Error::NotFound { subject: Subject::Region(other) })?
+                    .ok_or(Error::NotFound {
+                        subject: desc_subject(k, entry.desc),
+                    })?;
+                self.regions.row(other).ok_or(Error::NotFound {
+                    subject: Subject::Region(other),
+                })?
             }
             _ => {
                 return Err(Error::NotFound {
-                    subject: Subject::Named(format!("region {region:?} of descriptor #{k} (deregistered after prep)").into()),
+                    subject: Subject::Named(
+                        format!("region {region:?} of descriptor #{k} (deregistered after prep)")
+                            .into(),
+                    ),
                 })
             }
         };
         Ok(self.regions.tokens[row][slot])
     }
 
-    fn peer_token(&self, peer: PeerId, slot: usize, kind: MemKind, desc: Desc, k: usize) -> Result<u64, Error> {
-        let row = self.peers.rows.row(peer).ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
-        let view = self.peers.views[row].as_ref().ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
-        let index = self.peers.slot_maps[row][slot].ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
-        view.find(index, kind, desc).ok_or(Error::NotFound { subject: desc_subject(k, desc) })
+    fn peer_token(
+        &self,
+        peer: PeerId,
+        slot: usize,
+        kind: MemKind,
+        desc: Desc,
+        k: usize,
+    ) -> Result<u64, Error> {
+        let row = self
+            .peers
+            .rows
+            .row(peer)
+            .ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
+        let view = self.peers.views[row]
+            .as_ref()
+            .ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
+        let index =
+            self.peers.slot_maps[row][slot].ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
+        view.find(index, kind, desc).ok_or(Error::NotFound {
+            subject: desc_subject(k, desc),
+        })
     }
 
     fn check_peer_generation(&self, peer: PeerId, generation: u32) -> Result<(), Error> {
-        let row = self.peers.rows.row(peer).ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
+        let row = self
+            .peers
+            .rows
+            .row(peer)
+            .ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
         if self.peers.generations[row] != generation || self.peers.views[row].is_none() {
             return Err(Error::NotFound {
                 subject: Subject::PeerName(format!(
@@ -727,14 +1031,25 @@ fn endpoint_rank(endpoint: Endpoint) -> u64 {
     }
 }
 
-fn phase_dispatch<'a>(world: &mut World, arena: &'a bumpalo::Bump, cmds: &mut CommandBuffer, bucket: &[u32]) -> BumpVec<'a, Posted> {
+fn phase_dispatch<'a>(
+    world: &mut World,
+    arena: &'a bumpalo::Bump,
+    cmds: &mut CommandBuffer,
+    bucket: &[u32],
+) -> BumpVec<'a, Posted> {
     phase_span!("ferry::dispatch");
     let mut posted: BumpVec<'a, Posted> = BumpVec::with_capacity_in(bucket.len(), arena);
     for &i in bucket {
-        let Command::Post { xfer } = cmds.commands[i as usize] else { unreachable!("classified as post") };
+        let Command::Post { xfer } = cmds.commands[i as usize] else {
+            unreachable!("classified as post")
+        };
         let accepted = (|| {
             let id = resolve(&cmds.outcomes, xfer)?;
-            let row = world.xfers.rows.row(id).ok_or_else(|| Error::not_found(Subject::Xfer(id)))?;
+            let row = world
+                .xfers
+                .rows
+                .row(id)
+                .ok_or_else(|| Error::not_found(Subject::Xfer(id)))?;
             if world.xfers.states[row] == XferState::InProgress {
                 return Err(Error::RepostActive { xfer: id });
             }
@@ -744,8 +1059,17 @@ fn phase_dispatch<'a>(world: &mut World, arena: &'a bumpalo::Bump, cmds: &mut Co
             if let Endpoint::Peer(peer) = world.xfers.endpoints[row] {
                 world.check_peer_generation(peer, world.xfers.generations[row])?;
             }
-            let key = dispatch_key(world.xfers.slots[row], endpoint_rank(world.xfers.endpoints[row]), world.xfers.ops[row] as u8);
-            Ok(Posted { key, command: i, xfer: id, row: row as u32 })
+            let key = dispatch_key(
+                world.xfers.slots[row],
+                endpoint_rank(world.xfers.endpoints[row]),
+                world.xfers.ops[row] as u8,
+            );
+            Ok(Posted {
+                key,
+                command: i,
+                xfer: id,
+                row: row as u32,
+            })
         })();
         match accepted {
             Ok(p) => posted.push(p),
@@ -779,7 +1103,9 @@ fn phase_dispatch<'a>(world: &mut World, arena: &'a bumpalo::Bump, cmds: &mut Co
             });
         }
         let t0 = telemetry.then(Instant::now);
-        let backend = world.backends.backends[slot].as_mut().expect("request slot is filled");
+        let backend = world.backends.backends[slot]
+            .as_mut()
+            .expect("request slot is filled");
         let result = backend.post(endpoint, &batch, &mut world.completions);
         drop(batch);
         let post_duration = t0.map(|t| t.elapsed()).unwrap_or_default();
@@ -808,7 +1134,12 @@ fn phase_dispatch<'a>(world: &mut World, arena: &'a bumpalo::Bump, cmds: &mut Co
 
 // ---------------------------------------------------------------- 6. progress
 
-fn phase_progress(world: &mut World, cmds: &mut CommandBuffer, posted: &[Posted], checks: &[u32]) -> u32 {
+fn phase_progress(
+    world: &mut World,
+    cmds: &mut CommandBuffer,
+    posted: &[Posted],
+    checks: &[u32],
+) -> u32 {
     phase_span!("ferry::progress");
     let routed = world.progress();
     for p in posted {
@@ -817,8 +1148,11 @@ fn phase_progress(world: &mut World, cmds: &mut CommandBuffer, posted: &[Posted]
         }
     }
     for &i in checks {
-        let Command::Check { xfer } = cmds.commands[i as usize] else { unreachable!("classified as check") };
-        let result = resolve(&cmds.outcomes, xfer).and_then(|id| world.xfer_state(id).map(status_outcome));
+        let Command::Check { xfer } = cmds.commands[i as usize] else {
+            unreachable!("classified as check")
+        };
+        let result =
+            resolve(&cmds.outcomes, xfer).and_then(|id| world.xfer_state(id).map(status_outcome));
         set(cmds, i, result);
     }
     routed
@@ -855,7 +1189,9 @@ impl World {
 
     fn route(&mut self, c: Completion, now: Option<Instant>) -> bool {
         let id: XferId = handle_from_tag(c.tag);
-        let Some(row) = self.xfers.rows.row(id) else { return false };
+        let Some(row) = self.xfers.rows.row(id) else {
+            return false;
+        };
         if self.xfers.states[row] != XferState::InProgress {
             return false;
         }
@@ -908,11 +1244,20 @@ struct BufferSink<'a> {
 
 impl NotifSink for BufferSink<'_> {
     fn deliver(&mut self, from: &str, payload: &[u8]) {
-        let f = Span { start: self.bytes.len() as u32, len: from.len() as u32 };
+        let f = Span {
+            start: self.bytes.len() as u32,
+            len: from.len() as u32,
+        };
         self.bytes.extend_from_slice(from.as_bytes());
-        let p = Span { start: self.bytes.len() as u32, len: payload.len() as u32 };
+        let p = Span {
+            start: self.bytes.len() as u32,
+            len: payload.len() as u32,
+        };
         self.bytes.extend_from_slice(payload);
-        self.notifs.push(NotifEntry { from: f, payload: p });
+        self.notifs.push(NotifEntry {
+            from: f,
+            payload: p,
+        });
         self.count += 1;
     }
 }
@@ -929,7 +1274,11 @@ fn phase_notify(world: &mut World, cmds: &mut CommandBuffer, bucket: &[u32]) -> 
                 set(cmds, i, result);
             }
             Command::DrainNotifications => {
-                let mut sink = BufferSink { notifs: &mut cmds.notifs, bytes: &mut cmds.notif_bytes, count: 0 };
+                let mut sink = BufferSink {
+                    notifs: &mut cmds.notifs,
+                    bytes: &mut cmds.notif_bytes,
+                    count: 0,
+                };
                 world.drain_notifications(&mut sink);
                 drained += sink.count;
                 cmds.outcomes[i as usize] = Outcome::Drained(sink.count);
@@ -945,15 +1294,25 @@ impl World {
     /// backend that supports notifications and knows the peer.
     pub fn send_notification(&mut self, peer: Option<PeerId>, payload: &[u8]) -> Result<(), Error> {
         if payload.len() > self.bounds.notif_len_max {
-            return Err(Error::Capacity { what: "notification bytes", limit: self.bounds.notif_len_max });
+            return Err(Error::Capacity {
+                what: "notification bytes",
+                limit: self.bounds.notif_len_max,
+            });
         }
         let (endpoint, mask) = match peer {
             None => (Endpoint::Local, BackendMask::ALL),
             Some(p) => {
-                let row = self.peers.rows.row(p).ok_or_else(|| Error::not_found(Subject::Peer(p)))?;
+                let row = self
+                    .peers
+                    .rows
+                    .row(p)
+                    .ok_or_else(|| Error::not_found(Subject::Peer(p)))?;
                 if self.peers.views[row].is_none() {
                     return Err(Error::NotFound {
-                        subject: Subject::PeerName(format!("{} (metadata invalidated)", self.peers.names[row])),
+                        subject: Subject::PeerName(format!(
+                            "{} (metadata invalidated)",
+                            self.peers.names[row]
+                        )),
                     });
                 }
                 (Endpoint::Peer(p), self.peers.loaded[row])
@@ -965,7 +1324,10 @@ impl World {
                 backend: "agent".into(),
                 what: "no backend that supports notifications reaches this peer".into(),
             })?;
-        self.backends.backends[slot].as_mut().expect("slot is filled").notify(endpoint, payload)
+        self.backends.backends[slot]
+            .as_mut()
+            .expect("slot is filled")
+            .notify(endpoint, payload)
     }
 
     /// Hand every inbound notification of every backend to `sink`.
@@ -984,9 +1346,15 @@ fn phase_retire(world: &mut World, cmds: &mut CommandBuffer, bucket: &[u32]) {
     phase_span!("ferry::retire");
     for &i in bucket {
         let result = match cmds.commands[i as usize] {
-            Command::Release { what: Releasable::Xfer(x) } => resolve(&cmds.outcomes, x).and_then(|x| world.release_xfer(x)),
-            Command::Release { what: Releasable::Prep(p) } => resolve(&cmds.outcomes, p).and_then(|p| world.release_prep(p)),
-            Command::Deregister { region } => resolve(&cmds.outcomes, region).and_then(|r| world.deregister_region(r)),
+            Command::Release {
+                what: Releasable::Xfer(x),
+            } => resolve(&cmds.outcomes, x).and_then(|x| world.release_xfer(x)),
+            Command::Release {
+                what: Releasable::Prep(p),
+            } => resolve(&cmds.outcomes, p).and_then(|p| world.release_prep(p)),
+            Command::Deregister { region } => {
+                resolve(&cmds.outcomes, region).and_then(|r| world.deregister_region(r))
+            }
             _ => unreachable!("classified as retire"),
         };
         set(cmds, i, result.map(|()| Outcome::Done));
@@ -997,10 +1365,16 @@ impl World {
     /// Release a request. An in-flight request is canceled if its backend can; otherwise
     /// the release is refused and the request stays.
     pub fn release_xfer(&mut self, id: XferId) -> Result<(), Error> {
-        let row = self.xfers.rows.row(id).ok_or_else(|| Error::not_found(Subject::Xfer(id)))?;
+        let row = self
+            .xfers
+            .rows
+            .row(id)
+            .ok_or_else(|| Error::not_found(Subject::Xfer(id)))?;
         if self.xfers.states[row] == XferState::InProgress {
             let slot = usize::from(self.xfers.slots[row]);
-            let backend = self.backends.backends[slot].as_mut().expect("request slot is filled");
+            let backend = self.backends.backends[slot]
+                .as_mut()
+                .expect("request slot is filled");
             if !backend.cancel(handle_to_tag(id))? {
                 return Err(Error::NotAllowed {
                     subject: Subject::Xfer(id),

@@ -10,8 +10,8 @@ pub use peers::LoadKind;
 pub mod world;
 
 pub use command::{
-    Command, CommandBuffer, Created, FromCreated, MakeBuilder, Outcome, Ref, Releasable, Side, Span,
-    Ticket, XferStatus,
+    Command, CommandBuffer, Created, ExchangeCmd, FromCreated, MakeBuilder, MdRoute, Outcome, Ref,
+    Releasable, Side, Span, Ticket, XferStatus,
 };
 pub use executor::{flush, FlushSummary, MetadataLoader};
 pub use world::{Bounds, PeerView, Telemetry, World, XferState};

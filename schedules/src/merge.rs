@@ -88,8 +88,18 @@ mod tests {
 
     #[test]
     fn different_tokens_or_devices_never_merge() {
-        let a = Range { local_addr: 0, remote_addr: 0, len: 8, ..Range::default() };
-        let mut b = Range { local_addr: 8, remote_addr: 8, len: 8, ..Range::default() };
+        let a = Range {
+            local_addr: 0,
+            remote_addr: 0,
+            len: 8,
+            ..Range::default()
+        };
+        let mut b = Range {
+            local_addr: 8,
+            remote_addr: 8,
+            len: 8,
+            ..Range::default()
+        };
         assert!(mergeable(&a, &b));
         b.remote_token = 1;
         assert!(!mergeable(&a, &b));

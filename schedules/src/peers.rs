@@ -23,12 +23,27 @@ impl World {
     /// Load (or refresh) peer `name` with `view`. Every local backend whose type the
     /// peer published takes the peer's connection info and regions; the load succeeds if
     /// at least one does (or if the view carries no connection info at all).
-    pub fn load_peer(&mut self, name: &str, view: Arc<dyn PeerView>, kind: LoadKind) -> Result<PeerId, Error> {
+    pub fn load_peer(
+        &mut self,
+        name: &str,
+        view: Arc<dyn PeerView>,
+        kind: LoadKind,
+    ) -> Result<PeerId, Error> {
         let (peer, row, is_new) = match self.peers.by_name.get(name) {
-            Some(&p) => (p, self.peers.rows.row(p).expect("name index points at live rows"), false),
+            Some(&p) => (
+                p,
+                self.peers
+                    .rows
+                    .row(p)
+                    .expect("name index points at live rows"),
+                false,
+            ),
             None => {
                 if self.peers.rows.len() >= self.bounds.peers_max {
-                    return Err(Error::Capacity { what: "peers", limit: self.bounds.peers_max });
+                    return Err(Error::Capacity {
+                        what: "peers",
+                        limit: self.bounds.peers_max,
+                    });
                 }
                 let (p, row) = self.peers.rows.push();
                 self.peers.names.push(name.to_string());
@@ -46,17 +61,29 @@ impl World {
             self.peers.generations[row] = self.peers.generations[row].wrapping_add(1);
         }
         let mut slot_map = [None; MAX_BACKENDS];
-        let mut loaded = if replace { BackendMask::EMPTY } else { self.peers.loaded[row] };
+        let mut loaded = if replace {
+            BackendMask::EMPTY
+        } else {
+            self.peers.loaded[row]
+        };
         let mut first_error = None;
         let mut any_conn = false;
-        for slot in 0..MAX_BACKENDS {
-            let Some(backend) = self.backends.backends[slot].as_mut() else { continue };
-            let Some(index) = view.backend_index(backend.name()) else { continue };
-            slot_map[slot] = Some(index);
+        for (slot, entry) in slot_map.iter_mut().enumerate() {
+            let Some(backend) = self.backends.backends[slot].as_mut() else {
+                continue;
+            };
+            let Some(index) = view.backend_index(backend.name()) else {
+                continue;
+            };
+            *entry = Some(index);
             let conn_info = view.conn_info(index).unwrap_or(&[]);
             any_conn |= !conn_info.is_empty();
             let regions: Arc<dyn PeerRegions> = view.clone();
-            let remote = RemoteAgent { name, conn_info, regions };
+            let remote = RemoteAgent {
+                name,
+                conn_info,
+                regions,
+            };
             match backend.load_remote(peer, remote) {
                 Ok(()) => loaded.insert(slot),
                 Err(e) => {
@@ -84,7 +111,11 @@ impl World {
     /// moves on, in-flight requests to it fail. The peer handle stays valid so a later
     /// load of the same agent reuses it.
     pub fn invalidate_peer(&mut self, peer: PeerId) -> Result<(), Error> {
-        let row = self.peers.rows.row(peer).ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
+        let row = self
+            .peers
+            .rows
+            .row(peer)
+            .ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
         self.unload_everywhere(peer, row, "invalidated");
         self.peers.generations[row] = self.peers.generations[row].wrapping_add(1);
         self.peers.views[row] = None;
@@ -95,13 +126,18 @@ impl World {
     fn unload_everywhere(&mut self, peer: PeerId, row: usize, why: &str) {
         // Requests in flight to the peer end now; a late completion is ignored.
         for x in 0..self.xfers.rows.len() {
-            if self.xfers.endpoints[x] == Endpoint::Peer(peer) && self.xfers.states[x] == XferState::InProgress {
+            if self.xfers.endpoints[x] == Endpoint::Peer(peer)
+                && self.xfers.states[x] == XferState::InProgress
+            {
                 let slot = usize::from(self.xfers.slots[x]);
                 if let Some(b) = self.backends.backends[slot].as_mut() {
                     let _ = b.cancel(handle_to_tag(self.xfers.rows.key(x)));
                 }
                 self.xfers.states[x] = XferState::Failed(Error::NotFound {
-                    subject: Subject::PeerName(format!("{} (metadata {why} while the request was in flight)", self.peers.names[row])),
+                    subject: Subject::PeerName(format!(
+                        "{} (metadata {why} while the request was in flight)",
+                        self.peers.names[row]
+                    )),
                 });
             }
         }

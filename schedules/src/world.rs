@@ -55,6 +55,36 @@ pub trait PeerView: PeerRegions {
     fn conn_info(&self, index: u8) -> Option<&[u8]>;
     /// Token of the peer region of (backend, kind) that covers all of `desc`.
     fn find(&self, backend: u8, kind: MemKind, desc: Desc) -> Option<u64>;
+    /// Like [`PeerView::find`], also giving the region's own range, so the caller can
+    /// test following descriptors against it without searching.
+    fn find_bounds(&self, backend: u8, kind: MemKind, desc: Desc) -> Option<(u64, Desc)>;
+}
+
+/// The last region a lookup hit: (dev, start, end) and what it resolved to.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Hit {
+    pub(crate) dev: u64,
+    pub(crate) start: u64,
+    pub(crate) end: u64,
+    pub(crate) value: u64,
+}
+
+impl Hit {
+    /// An impossible hit (matches nothing).
+    pub(crate) const NONE: Hit = Hit {
+        dev: u64::MAX,
+        start: 1,
+        end: 0,
+        value: 0,
+    };
+
+    /// Whether `desc` lies inside the remembered region.
+    #[inline]
+    pub(crate) fn covers(&self, desc: Desc) -> bool {
+        desc.dev == self.dev
+            && desc.addr >= self.start
+            && desc.len <= self.end.saturating_sub(desc.addr)
+    }
 }
 
 /// The backends of one agent, by slot.
@@ -210,6 +240,8 @@ pub struct World {
     pub(crate) completions: Completions,
     /// Per-flush scratch.
     pub(crate) arena: bumpalo::Bump,
+    /// Regions deregistered so far (part of the published metadata generation).
+    pub(crate) deregistrations: u64,
 }
 
 impl World {
@@ -230,6 +262,7 @@ impl World {
             peers: PeerTable::default(),
             completions: Completions::with_capacity(xfers),
             arena: bumpalo::Bump::with_capacity(64 * 1024),
+            deregistrations: 0,
             bounds,
         }
     }
@@ -264,13 +297,17 @@ impl World {
     /// The backend with handle `id`.
     pub fn backend(&self, id: BackendId) -> Result<&dyn Backend, Error> {
         let slot = self.backend_slot(id)?;
-        Ok(self.backends.backends[slot].as_deref().expect("slot of a live id is filled"))
+        Ok(self.backends.backends[slot]
+            .as_deref()
+            .expect("slot of a live id is filled"))
     }
 
     /// The backend with handle `id`, mutably.
     pub fn backend_mut(&mut self, id: BackendId) -> Result<&mut (dyn Backend + 'static), Error> {
         let slot = self.backend_slot(id)?;
-        Ok(self.backends.backends[slot].as_deref_mut().expect("slot of a live id is filled"))
+        Ok(self.backends.backends[slot]
+            .as_deref_mut()
+            .expect("slot of a live id is filled"))
     }
 
     /// Handles of all backends, in slot order.
@@ -309,19 +346,32 @@ impl World {
 
     /// Agent name of a peer.
     pub fn peer_name(&self, peer: PeerId) -> Result<&str, Error> {
-        let row = self.peers.rows.row(peer).ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
+        let row = self
+            .peers
+            .rows
+            .row(peer)
+            .ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
         Ok(&self.peers.names[row])
     }
 
     /// Current metadata view and generation of a peer.
+    #[allow(clippy::type_complexity)]
     pub fn peer_view(&self, peer: PeerId) -> Result<(Option<&Arc<dyn PeerView>>, u32), Error> {
-        let row = self.peers.rows.row(peer).ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
+        let row = self
+            .peers
+            .rows
+            .row(peer)
+            .ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
         Ok((self.peers.views[row].as_ref(), self.peers.generations[row]))
     }
 
     /// Telemetry of a request.
     pub fn telemetry(&self, xfer: XferId) -> Result<Telemetry, Error> {
-        let row = self.xfers.rows.row(xfer).ok_or_else(|| Error::not_found(Subject::Xfer(xfer)))?;
+        let row = self
+            .xfers
+            .rows
+            .row(xfer)
+            .ok_or_else(|| Error::not_found(Subject::Xfer(xfer)))?;
         let t = self.xfers.telemetry[row];
         if !self.bounds.telemetry || t.start.is_none() {
             return Err(Error::NoTelemetry { xfer });
@@ -331,7 +381,11 @@ impl World {
 
     /// State of a request.
     pub fn xfer_state(&self, xfer: XferId) -> Result<&XferState, Error> {
-        let row = self.xfers.rows.row(xfer).ok_or_else(|| Error::not_found(Subject::Xfer(xfer)))?;
+        let row = self
+            .xfers
+            .rows
+            .row(xfer)
+            .ok_or_else(|| Error::not_found(Subject::Xfer(xfer)))?;
         Ok(&self.xfers.states[row])
     }
 
@@ -347,12 +401,21 @@ impl World {
 
     /// Number of merged ranges of a request.
     pub fn xfer_range_count(&self, xfer: XferId) -> Result<usize, Error> {
-        let row = self.xfers.rows.row(xfer).ok_or_else(|| Error::not_found(Subject::Xfer(xfer)))?;
+        let row = self
+            .xfers
+            .rows
+            .row(xfer)
+            .ok_or_else(|| Error::not_found(Subject::Xfer(xfer)))?;
         Ok(self.xfers.ranges[row].len())
     }
 }
 
 impl World {
+    /// How many regions were deregistered so far.
+    pub fn deregistrations(&self) -> u64 {
+        self.deregistrations
+    }
+
     /// Capabilities of the backend in `slot`.
     pub fn slot_capabilities(&self, slot: usize) -> Option<Capabilities> {
         self.backends.caps.get(slot).copied().flatten()
@@ -360,7 +423,11 @@ impl World {
 
     /// Connection info of the backend in `slot`.
     pub fn slot_conn_info(&self, slot: usize) -> Option<Vec<u8>> {
-        self.backends.backends.get(slot)?.as_ref().map(|b| b.conn_info())
+        self.backends
+            .backends
+            .get(slot)?
+            .as_ref()
+            .map(|b| b.conn_info())
     }
 
     /// Slot of the backend in `id`'s position, with its handle.

@@ -85,6 +85,26 @@ impl SectionIndex {
         (self.starts[i].0 == desc.dev && end <= self.ends[i]).then(|| self.regions[i])
     }
 
+    /// The region that covers all of `desc`, with its (device, start, end), so callers
+    /// can test the next descriptor against it before searching again.
+    #[inline]
+    pub fn covering_bounds(&self, desc: Desc) -> Option<(RegionId, u64, u64, u64)> {
+        let end = desc.end()?;
+        let pos = self.starts.partition_point(|&s| s <= (desc.dev, desc.addr));
+        if pos == 0 {
+            return None;
+        }
+        let i = pos - 1;
+        (self.starts[i].0 == desc.dev && end <= self.ends[i]).then(|| {
+            (
+                self.regions[i],
+                self.starts[i].0,
+                self.starts[i].1,
+                self.ends[i],
+            )
+        })
+    }
+
     /// The region registered with exactly `desc` (same start, length and device).
     pub fn exact(&self, desc: Desc) -> Option<RegionId> {
         let pos = self.starts.partition_point(|&s| s < (desc.dev, desc.addr));

@@ -58,7 +58,9 @@ pub struct Buffer {
 impl Buffer {
     /// `len` zero bytes.
     pub fn zeroed(len: usize) -> Buffer {
-        Buffer { bytes: vec![0u8; len].into_boxed_slice() }
+        Buffer {
+            bytes: vec![0u8; len].into_boxed_slice(),
+        }
     }
     /// `len` random bytes.
     pub fn random(len: usize, rng: &mut Rng) -> Buffer {
@@ -96,7 +98,9 @@ impl Buffer {
 /// An agent with a loopback backend.
 pub fn loopback_agent(prefix: &str) -> Agent {
     let agent = Agent::new(AgentConfig::named(unique(prefix))).expect("agent");
-    agent.create_backend("LOOPBACK", &Params::new()).expect("loopback backend");
+    agent
+        .create_backend("LOOPBACK", &Params::new())
+        .expect("loopback backend");
     agent
 }
 
@@ -126,9 +130,18 @@ pub fn pair(a_buf: &Buffer, b_buf: &Buffer) -> Pair {
     let b = loopback_agent("b");
     register(&a, a_buf);
     register(&b, b_buf);
-    let b_at_a = a.load_remote_md(&b.local_md().expect("md b")).expect("load b");
-    let a_at_b = b.load_remote_md(&a.local_md().expect("md a")).expect("load a");
-    Pair { a, b, b_at_a, a_at_b }
+    let b_at_a = a
+        .load_remote_md(&b.local_md().expect("md b"))
+        .expect("load b");
+    let a_at_b = b
+        .load_remote_md(&a.local_md().expect("md a"))
+        .expect("load a");
+    Pair {
+        a,
+        b,
+        b_at_a,
+        a_at_b,
+    }
 }
 
 /// Register an arbitrary descriptor and give the result (for tests of refusals).

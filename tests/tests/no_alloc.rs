@@ -31,7 +31,10 @@ fn steady_state_flushes_do_not_allocate() {
     // full path: prep + make + post + check + release every turn.
     let turn = |cmds: &mut CommandBuffer, peer_cmds: &mut CommandBuffer| {
         cmds.clear();
-        let x = cmds.make(Op::Write, local, &half, remote, &half).notify(b"turn").ticket();
+        let x = cmds
+            .make(Op::Write, local, &half, remote, &half)
+            .notify(b"turn")
+            .ticket();
         let posted = cmds.post(x);
         let checked = cmds.check(x);
         cmds.release(x);

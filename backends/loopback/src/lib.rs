@@ -85,7 +85,10 @@ impl Faults {
     pub fn clear(&self) {
         self.fail_next.store(0, Ordering::SeqCst);
         self.late_progress_calls.store(0, Ordering::SeqCst);
-        self.dropped.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.dropped
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
     }
     fn take_failure(&self) -> bool {
         self.fail_next
@@ -168,12 +171,16 @@ impl Loopback {
     /// Make an instance for agent `init.agent_name`.
     pub fn new(init: &BackendInit<'_>) -> Result<Loopback> {
         let params = effective_params(NAME, PARAMS, init.params)?;
-        let capacity: usize = params["notif_queue"].parse().ok().filter(|&n| n > 0).ok_or_else(|| {
-            Error::invalid(
-                Subject::Named("notif_queue".into()),
-                "must be a positive integer",
-            )
-        })?;
+        let capacity: usize = params["notif_queue"]
+            .parse()
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| {
+                Error::invalid(
+                    Subject::Named("notif_queue".into()),
+                    "must be a positive integer",
+                )
+            })?;
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         let inbox = Arc::new(Inbox {
             queue: ArrayQueue::new(capacity),
@@ -185,7 +192,8 @@ impl Loopback {
             dir.inboxes.retain(|_, w| w.strong_count() > 0);
             dir.faults.retain(|_, w| w.strong_count() > 0);
             dir.inboxes.insert(id, Arc::downgrade(&inbox));
-            dir.faults.insert(init.agent_name.to_string(), Arc::downgrade(&faults));
+            dir.faults
+                .insert(init.agent_name.to_string(), Arc::downgrade(&faults));
         }
         Ok(Loopback {
             params,
@@ -237,7 +245,12 @@ impl Loopback {
         })
     }
 
-    fn finish(&mut self, tag: u64, result: std::result::Result<(), Failure>, done: &mut Completions) {
+    fn finish(
+        &mut self,
+        tag: u64,
+        result: std::result::Result<(), Failure>,
+        done: &mut Completions,
+    ) {
         let late = self.faults.late_progress_calls.load(Ordering::Relaxed);
         if late == 0 {
             done.push(ferry_backend_api::Completion { tag, result });
@@ -385,7 +398,12 @@ impl Backend for Loopback {
         self.target_inbox(Endpoint::Peer(peer)).map(|_| ())
     }
 
-    fn post(&mut self, endpoint: Endpoint, batch: &[Post<'_>], done: &mut Completions) -> Result<()> {
+    fn post(
+        &mut self,
+        endpoint: Endpoint,
+        batch: &[Post<'_>],
+        done: &mut Completions,
+    ) -> Result<()> {
         let inbox = self.target_inbox(endpoint)?;
         for post in batch {
             if self.faults.take_failure() {
@@ -417,7 +435,9 @@ impl Backend for Loopback {
 
     fn progress(&mut self, done: &mut Completions) {
         for _ in 0..self.held.len() {
-            let Some(mut held) = self.held.pop_front() else { break };
+            let Some(mut held) = self.held.pop_front() else {
+                break;
+            };
             held.calls_left -= 1;
             if held.calls_left == 0 {
                 done.push(ferry_backend_api::Completion {

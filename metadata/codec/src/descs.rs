@@ -7,25 +7,40 @@ use rkyv::util::AlignedVec;
 
 use crate::header::{self, invalid, Format, HEADER_LEN_BYTES};
 use crate::wire::{ArchivedWireDescs, WireDescs};
+use crate::ARCHIVE_LEN_MAX_BYTES;
 
 /// Encode a descriptor list of memory kind `kind` (24 bytes per descriptor plus a
 /// few dozen bytes of header and archive).
 ///
-/// Fails with [`Error::InvalidParam`] only when the list is too large for the archive
-/// format (its columns must fit 32-bit relative offsets, about 89 million descriptors).
+/// Fails with [`Error::InvalidParam`] only when the encoding would exceed
+/// [`ARCHIVE_LEN_MAX_BYTES`] (about 44 million descriptors).
 pub fn encode_descs(kind: MemKind, descs: &[Desc]) -> Result<Vec<u8>, Error> {
+    let len_bytes = HEADER_LEN_BYTES + 64 + descs.len().saturating_mul(24);
+    if len_bytes > ARCHIVE_LEN_MAX_BYTES {
+        return Err(Error::invalid(
+            Subject::Named("descriptor list".into()),
+            format!(
+                "{} descriptors would take {len_bytes} bytes, more than the \
+                 {ARCHIVE_LEN_MAX_BYTES}-byte limit",
+                descs.len()
+            ),
+        ));
+    }
     let wire = WireDescs {
         kind: kind as u8,
         addrs: descs.iter().map(|d| d.addr).collect(),
         lens: descs.iter().map(|d| d.len).collect(),
         devs: descs.iter().map(|d| d.dev).collect(),
     };
-    let mut out = Vec::with_capacity(HEADER_LEN_BYTES + 64 + descs.len() * 24);
+    let mut out = Vec::with_capacity(len_bytes);
     out.extend_from_slice(&header::encode(Format::Descs, 0));
     rkyv::api::high::to_bytes_in::<_, RkyvError>(&wire, out).map_err(|e| {
         Error::invalid(
             Subject::Named("descriptor list".into()),
-            format!("{} descriptors do not fit the wire format: {e}", descs.len()),
+            format!(
+                "{} descriptors do not fit the wire format: {e}",
+                descs.len()
+            ),
         )
     })
 }
@@ -39,7 +54,7 @@ pub fn decode_descs(bytes: &[u8]) -> Result<(MemKind, Vec<Desc>), Error> {
     header::check(Format::Descs, bytes)?;
     let payload = &bytes[HEADER_LEN_BYTES..];
     // The archive needs 8-byte alignment; copy only when the caller's bytes lack it.
-    if (payload.as_ptr() as usize) % 8 == 0 {
+    if payload.as_ptr().align_offset(8) == 0 {
         decode_payload(payload)
     } else {
         let mut aligned = AlignedVec::<16>::with_capacity(payload.len());

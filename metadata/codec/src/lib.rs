@@ -36,5 +36,9 @@ pub use writer::MdWriter;
 /// The most backends one blob can name (backend indices are a `u8`).
 pub const BACKENDS_MAX: usize = 256;
 
+/// The largest blob or descriptor list this crate encodes (1 GiB): the archive's
+/// 32-bit relative offsets must reach across it.
+pub const ARCHIVE_LEN_MAX_BYTES: usize = 1 << 30;
+
 #[cfg(test)]
 mod tests;

@@ -154,10 +154,12 @@ impl PeerMd {
         let end = desc.end()?;
         let position = self.section_position(backend, kind)?;
         let section = &self.md().sections[position];
-        let (first, past) = device_range(section, desc.dev);
-        let addrs = &section.addrs[first..past];
-        let after = addrs.partition_point(|a| a.to_native() <= desc.addr);
-        let i = first + after.checked_sub(1)?;
+        let at_or_before =
+            partition_point(section, |dev, addr| (dev, addr) <= (desc.dev, desc.addr));
+        let i = at_or_before.checked_sub(1)?;
+        if section.devs[i].to_native() != desc.dev {
+            return None;
+        }
         // Validated: addrs[i] + lens[i] does not wrap.
         let region_end = section.addrs[i].to_native() + section.lens[i].to_native();
         (end <= region_end).then(|| self.section_firsts[position] + i as u32)
@@ -167,10 +169,9 @@ impl PeerMd {
     pub fn exact(&self, backend: u8, kind: MemKind, desc: Desc) -> Option<u32> {
         let position = self.section_position(backend, kind)?;
         let section = &self.md().sections[position];
-        let (first, past) = device_range(section, desc.dev);
-        let addrs = &section.addrs[first..past];
-        let i = first + addrs.partition_point(|a| a.to_native() < desc.addr);
-        let hit = i < past
+        let i = partition_point(section, |dev, addr| (dev, addr) < (desc.dev, desc.addr));
+        let hit = i < section.addrs.len()
+            && section.devs[i].to_native() == desc.dev
             && section.addrs[i].to_native() == desc.addr
             && section.lens[i].to_native() == desc.len;
         hit.then(|| self.section_firsts[position] + i as u32)
@@ -198,12 +199,21 @@ impl PeerMd {
     }
 }
 
-/// The positions `[first, past)` of `section`'s regions on device `dev`.
-fn device_range(section: &ArchivedWireSection, dev: u64) -> (usize, usize) {
-    let devs = section.devs.as_slice();
-    let first = devs.partition_point(|d| d.to_native() < dev);
-    let past = first + devs[first..].partition_point(|d| d.to_native() == dev);
-    (first, past)
+/// The number of leading regions of the sorted `section` whose (dev, addr) satisfies
+/// `before` (which must hold for a prefix): a binary search in the archived columns.
+fn partition_point(section: &ArchivedWireSection, before: impl Fn(u64, u64) -> bool) -> usize {
+    let (devs, addrs) = (section.devs.as_slice(), section.addrs.as_slice());
+    // Validated: both columns have the same length.
+    let (mut low, mut high) = (0, addrs.len().min(devs.len()));
+    while low < high {
+        let mid = low + (high - low) / 2;
+        if before(devs[mid].to_native(), addrs[mid].to_native()) {
+            low = mid + 1;
+        } else {
+            high = mid;
+        }
+    }
+    low
 }
 
 /// Region `i` of a validated `section`.

@@ -1,10 +1,17 @@
 //! The rkyv wire types. Sections are stored struct-of-arrays so the archive is compact
 //! and a section can be binary-searched in place.
 
-use rkyv::{Archive, Serialize};
+use rkyv::munge::munge;
+use rkyv::rancor::{Fallible, Source};
+use rkyv::ser::{Allocator, Writer, WriterExt};
+use rkyv::string::{ArchivedString, StringResolver};
+use rkyv::vec::{ArchivedVec, VecResolver};
+use rkyv::{Archive, Archived, Place, Serialize};
 
-/// One agent's metadata, as archived after the header.
+/// One agent's metadata, as archived after the header. The writer serializes its twin
+/// [`WireMdOut`]; this owned form defines the archived layout (and builds test blobs).
 #[derive(Archive, Serialize, Debug)]
+#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) struct WireMd {
     /// The agent's unique name (non-empty).
     pub(crate) agent: String,
@@ -30,7 +37,7 @@ pub(crate) struct WireBackend {
 /// Columns `addrs`, `lens`, `devs` are indexed by position in sort order;
 /// `md_offsets` has one more entry: region `i`'s public metadata is
 /// `md_bytes[md_offsets[i]..md_offsets[i + 1]]`.
-#[derive(Archive, Serialize, Debug)]
+#[derive(Archive, Serialize, Debug, Clone)]
 pub(crate) struct WireSection {
     /// Index into `WireMd::backends`.
     pub(crate) backend: u8,
@@ -59,4 +66,209 @@ pub(crate) struct WireDescs {
     pub(crate) lens: Vec<u64>,
     /// Device id of each descriptor.
     pub(crate) devs: Vec<u64>,
+}
+
+/// Serialize-side twin of [`WireMd`]: borrows the writer's columns and writes each
+/// section in sorted order straight into the output, with no sorted copy in between.
+/// Archives as [`ArchivedWireMd`] (implemented by hand: the derive cannot see through
+/// the borrowed fields).
+pub(crate) struct WireMdOut<'a> {
+    pub(crate) agent: &'a str,
+    pub(crate) generation: u64,
+    pub(crate) backends: &'a Vec<WireBackend>,
+    pub(crate) sections: Vec<WireSectionOut<'a>>,
+}
+
+/// Resolver of [`WireMdOut`].
+pub(crate) struct WireMdOutResolver {
+    agent: StringResolver,
+    backends: VecResolver,
+    sections: VecResolver,
+}
+
+impl Archive for WireMdOut<'_> {
+    type Archived = ArchivedWireMd;
+    type Resolver = WireMdOutResolver;
+
+    fn resolve(&self, resolver: WireMdOutResolver, out: Place<ArchivedWireMd>) {
+        munge!(let ArchivedWireMd { agent, generation, backends, sections } = out);
+        ArchivedString::resolve_from_str(self.agent, resolver.agent, agent);
+        self.generation.resolve((), generation);
+        self.backends.resolve(resolver.backends, backends);
+        self.sections.resolve(resolver.sections, sections);
+    }
+}
+
+impl<S> Serialize<S> for WireMdOut<'_>
+where
+    S: Fallible + Allocator + Writer + ?Sized,
+    S::Error: Source,
+{
+    fn serialize(&self, serializer: &mut S) -> Result<WireMdOutResolver, S::Error> {
+        Ok(WireMdOutResolver {
+            agent: ArchivedString::serialize_from_str(self.agent, serializer)?,
+            backends: self.backends.serialize(serializer)?,
+            sections: self.sections.serialize(serializer)?,
+        })
+    }
+}
+
+/// Serialize-side twin of [`WireSection`]: columns in call order plus the order that
+/// sorts them (`None`: already sorted). Archives as [`ArchivedWireSection`].
+pub(crate) struct WireSectionOut<'a> {
+    pub(crate) backend: u8,
+    pub(crate) kind: u8,
+    pub(crate) addrs: Gathered<'a>,
+    pub(crate) lens: Gathered<'a>,
+    pub(crate) devs: Gathered<'a>,
+    pub(crate) md_offsets: GatheredOffsets<'a>,
+    pub(crate) md_bytes: GatheredBytes<'a>,
+}
+
+/// Resolver of [`WireSectionOut`].
+pub(crate) struct WireSectionOutResolver {
+    addrs: VecResolver,
+    lens: VecResolver,
+    devs: VecResolver,
+    md_offsets: VecResolver,
+    md_bytes: VecResolver,
+}
+
+impl Archive for WireSectionOut<'_> {
+    type Archived = ArchivedWireSection;
+    type Resolver = WireSectionOutResolver;
+
+    fn resolve(&self, resolver: WireSectionOutResolver, out: Place<ArchivedWireSection>) {
+        munge!(let ArchivedWireSection { backend, kind, addrs, lens, devs, md_offsets, md_bytes } = out);
+        self.backend.resolve((), backend);
+        self.kind.resolve((), kind);
+        self.addrs.resolve(resolver.addrs, addrs);
+        self.lens.resolve(resolver.lens, lens);
+        self.devs.resolve(resolver.devs, devs);
+        self.md_offsets.resolve(resolver.md_offsets, md_offsets);
+        self.md_bytes.resolve(resolver.md_bytes, md_bytes);
+    }
+}
+
+impl<S: Fallible + Writer + ?Sized> Serialize<S> for WireSectionOut<'_> {
+    fn serialize(&self, serializer: &mut S) -> Result<WireSectionOutResolver, S::Error> {
+        Ok(WireSectionOutResolver {
+            addrs: self.addrs.serialize(serializer)?,
+            lens: self.lens.serialize(serializer)?,
+            devs: self.devs.serialize(serializer)?,
+            md_offsets: self.md_offsets.serialize(serializer)?,
+            md_bytes: self.md_bytes.serialize(serializer)?,
+        })
+    }
+}
+
+/// Bytes staged per `write` call when gathering a column.
+const CHUNK_LEN_BYTES: usize = 4096;
+
+/// A `u64` column written in `order` (position `k` of the output is
+/// `values[order[k]]`; `order` is a permutation of the column's positions).
+pub(crate) struct Gathered<'a> {
+    pub(crate) values: &'a [u64],
+    pub(crate) order: Option<&'a [u32]>,
+}
+
+impl Archive for Gathered<'_> {
+    type Archived = ArchivedVec<Archived<u64>>;
+    type Resolver = VecResolver;
+
+    fn resolve(&self, resolver: VecResolver, out: Place<Self::Archived>) {
+        ArchivedVec::resolve_from_len(self.values.len(), resolver, out);
+    }
+}
+
+impl<S: Fallible + Writer + ?Sized> Serialize<S> for Gathered<'_> {
+    fn serialize(&self, serializer: &mut S) -> Result<VecResolver, S::Error> {
+        let pos = serializer.align_for::<Archived<u64>>()?;
+        let mut chunk = [0u8; CHUNK_LEN_BYTES];
+        let mut filled = 0;
+        for k in 0..self.values.len() {
+            let i = self.order.map_or(k, |order| order[k] as usize);
+            chunk[filled..filled + 8].copy_from_slice(&self.values[i].to_le_bytes());
+            filled += 8;
+            if filled == CHUNK_LEN_BYTES {
+                serializer.write(&chunk)?;
+                filled = 0;
+            }
+        }
+        serializer.write(&chunk[..filled])?;
+        Ok(VecResolver::from_pos(pos))
+    }
+}
+
+/// Metadata offsets (`n + 1` of them, in call order) rewritten for `order`.
+pub(crate) struct GatheredOffsets<'a> {
+    pub(crate) offsets: &'a [u32],
+    pub(crate) order: Option<&'a [u32]>,
+}
+
+impl Archive for GatheredOffsets<'_> {
+    type Archived = ArchivedVec<Archived<u32>>;
+    type Resolver = VecResolver;
+
+    fn resolve(&self, resolver: VecResolver, out: Place<Self::Archived>) {
+        ArchivedVec::resolve_from_len(self.offsets.len(), resolver, out);
+    }
+}
+
+impl<S: Fallible + Writer + ?Sized> Serialize<S> for GatheredOffsets<'_> {
+    fn serialize(&self, serializer: &mut S) -> Result<VecResolver, S::Error> {
+        let pos = serializer.align_for::<Archived<u32>>()?;
+        let mut chunk = [0u8; CHUNK_LEN_BYTES];
+        let mut filled = 4; // the leading 0
+        let mut running = 0u32;
+        for k in 0..self.offsets.len().saturating_sub(1) {
+            let i = self.order.map_or(k, |order| order[k] as usize);
+            // The writer keeps offsets non-decreasing and the total within u32.
+            running += self.offsets[i + 1] - self.offsets[i];
+            chunk[filled..filled + 4].copy_from_slice(&running.to_le_bytes());
+            filled += 4;
+            if filled == CHUNK_LEN_BYTES {
+                serializer.write(&chunk)?;
+                filled = 0;
+            }
+        }
+        serializer.write(&chunk[..filled])?;
+        Ok(VecResolver::from_pos(pos))
+    }
+}
+
+/// Concatenated metadata (region `i` is `bytes[offsets[i]..offsets[i + 1]]`, call
+/// order) written in `order`.
+pub(crate) struct GatheredBytes<'a> {
+    pub(crate) bytes: &'a [u8],
+    pub(crate) offsets: &'a [u32],
+    pub(crate) order: Option<&'a [u32]>,
+}
+
+impl Archive for GatheredBytes<'_> {
+    type Archived = ArchivedVec<u8>;
+    type Resolver = VecResolver;
+
+    fn resolve(&self, resolver: VecResolver, out: Place<Self::Archived>) {
+        ArchivedVec::resolve_from_len(self.bytes.len(), resolver, out);
+    }
+}
+
+impl<S: Fallible + Writer + ?Sized> Serialize<S> for GatheredBytes<'_> {
+    fn serialize(&self, serializer: &mut S) -> Result<VecResolver, S::Error> {
+        let pos = serializer.pos();
+        match self.order {
+            None => serializer.write(self.bytes)?,
+            Some(order) => {
+                for &i in order {
+                    let (start, end) = (
+                        self.offsets[i as usize] as usize,
+                        self.offsets[i as usize + 1] as usize,
+                    );
+                    serializer.write(&self.bytes[start..end])?;
+                }
+            }
+        }
+        Ok(VecResolver::from_pos(pos))
+    }
 }

@@ -4,14 +4,18 @@ use ferry_storage::{Desc, Error, MemKind, Subject};
 use rkyv::rancor::Error as RkyvError;
 
 use crate::header::{self, Format, FLAG_PARTIAL, HEADER_LEN_BYTES};
-use crate::wire::{WireBackend, WireMd, WireSection};
-use crate::BACKENDS_MAX;
+use crate::wire::{
+    Gathered, GatheredBytes, GatheredOffsets, WireBackend, WireMdOut, WireSection, WireSectionOut,
+};
+use crate::{ARCHIVE_LEN_MAX_BYTES, BACKENDS_MAX};
 
 /// Builds one agent's metadata blob: backends, then regions in any order.
 ///
 /// Mistakes in `backend` and `region` calls are remembered and reported by
 /// [`MdWriter::finish`], which also sorts every section and refuses overlaps, so a
 /// blob it returns always passes [`PeerMd::from_bytes`](crate::PeerMd::from_bytes).
+/// The encoding is canonical: the same content gives the same bytes whatever the
+/// order of `region` calls.
 #[derive(Debug, Clone)]
 pub struct MdWriter {
     agent: String,
@@ -19,21 +23,17 @@ pub struct MdWriter {
     flags: u16,
     /// Backends, indexed by the index `backend` returned.
     backends: Vec<WireBackend>,
-    /// Regions, indexed by call order.
-    regions: Vec<PendingRegion>,
-    /// Public metadata of all regions, concatenated in call order.
-    md_bytes: Vec<u8>,
+    /// Sections in order of first use, columns in call order.
+    sections: Vec<WireSection>,
+    /// Runs of `region` calls into one section: (position in `sections`, call
+    /// count). Maps a section's region back to its call index for error messages.
+    section_runs: Vec<(usize, u32)>,
+    /// Position in `sections` of the section used last (regions come in runs).
+    last_section: usize,
+    /// Number of `region` calls so far.
+    region_calls: usize,
     /// The first mistake seen in a `backend` or `region` call.
     first_error: Option<Error>,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct PendingRegion {
-    backend: u8,
-    kind: MemKind,
-    desc: Desc,
-    md_start: usize,
-    md_end: usize,
 }
 
 impl MdWriter {
@@ -44,8 +44,10 @@ impl MdWriter {
             generation,
             flags: 0,
             backends: Vec::new(),
-            regions: Vec::new(),
-            md_bytes: Vec::new(),
+            sections: Vec::new(),
+            section_runs: Vec::new(),
+            last_section: 0,
+            region_calls: 0,
             first_error: None,
         }
     }
@@ -93,15 +95,40 @@ impl MdWriter {
         index
     }
 
+    /// Make room for `regions` more regions with `public_md_len_bytes` more bytes of
+    /// public metadata in section (`backend`, `kind`), so adding them does not regrow
+    /// the section's columns. Only a hint: an unknown backend index is ignored here
+    /// (and reported by `region`).
+    pub fn reserve(
+        &mut self,
+        backend: u8,
+        kind: MemKind,
+        regions: usize,
+        public_md_len_bytes: usize,
+    ) {
+        if usize::from(backend) >= self.backends.len() {
+            return;
+        }
+        let position = self.section_position(backend, kind);
+        let section = &mut self.sections[position];
+        section.addrs.reserve(regions);
+        section.lens.reserve(regions);
+        section.devs.reserve(regions);
+        section.md_offsets.reserve(regions);
+        section.md_bytes.reserve(public_md_len_bytes);
+    }
+
     /// Add one region to the section (`backend`, `kind`), with its public metadata.
     /// Any order: [`MdWriter::finish`] sorts.
     ///
-    /// An unknown backend index, an empty or wrapping range, or a range that
-    /// overlaps another region of the same section makes `finish` fail.
+    /// An unknown backend index, an empty or wrapping range, more than 4 GiB of
+    /// public metadata in one section, or a range that overlaps another region of
+    /// the same section makes `finish` fail.
     pub fn region(&mut self, backend: u8, kind: MemKind, desc: Desc, public_md: &[u8]) {
-        let call_index = self.regions.len();
+        let call_index = self.region_calls;
+        self.region_calls += 1;
         if usize::from(backend) >= self.backends.len() {
-            self.remember(Error::invalid(
+            return self.remember(Error::invalid(
                 region_subject(call_index, desc),
                 format!(
                     "names backend #{backend}, but only {} backends were added",
@@ -110,28 +137,86 @@ impl MdWriter {
             ));
         }
         if desc.len == 0 || desc.end().is_none() {
-            self.remember(Error::invalid(
+            return self.remember(Error::invalid(
                 region_subject(call_index, desc),
                 "region is empty or wraps the address space",
             ));
         }
-        let md_start = self.md_bytes.len();
-        self.md_bytes.extend_from_slice(public_md);
-        self.regions.push(PendingRegion {
-            backend,
-            kind,
-            desc,
-            md_start,
-            md_end: self.md_bytes.len(),
-        });
+        if u32::try_from(call_index).is_err() {
+            return self.remember(Error::invalid(
+                region_subject(call_index, desc),
+                "too many regions for one metadata blob",
+            ));
+        }
+        let position = self.section_position(backend, kind);
+        let section = &mut self.sections[position];
+        let md_end = section.md_bytes.len() + public_md.len();
+        let Ok(md_end) = u32::try_from(md_end) else {
+            return self.remember(Error::invalid(
+                region_subject(call_index, desc),
+                format!(
+                    "section (backend #{backend}, {kind}) would hold more than the 4 GiB of \
+                     public metadata a section can hold"
+                ),
+            ));
+        };
+        section.addrs.push(desc.addr);
+        section.lens.push(desc.len);
+        section.devs.push(desc.dev);
+        section.md_bytes.extend_from_slice(public_md);
+        section.md_offsets.push(md_end);
+        match self.section_runs.last_mut() {
+            Some((run_position, count)) if *run_position == position => *count += 1,
+            _ => self.section_runs.push((position, 1)),
+        }
+    }
+
+    /// The position in `sections` of section (`backend`, `kind`), created on first use.
+    fn section_position(&mut self, backend: u8, kind: MemKind) -> usize {
+        let wanted = (backend, kind as u8);
+        let key = |s: &WireSection| (s.backend, s.kind);
+        if self.sections.get(self.last_section).map(key) != Some(wanted) {
+            self.last_section = match self.sections.iter().position(|s| key(s) == wanted) {
+                Some(position) => position,
+                None => {
+                    self.sections.push(WireSection {
+                        backend,
+                        kind: kind as u8,
+                        addrs: Vec::new(),
+                        lens: Vec::new(),
+                        devs: Vec::new(),
+                        md_offsets: vec![0],
+                        md_bytes: Vec::new(),
+                    });
+                    self.sections.len() - 1
+                }
+            };
+        }
+        self.last_section
+    }
+
+    /// The `region` call index of region `local` (call order) of section `position`.
+    fn call_index(&self, position: usize, local: usize) -> usize {
+        let mut remaining = local;
+        let mut calls_before = 0;
+        for &(run_position, count) in &self.section_runs {
+            let count = count as usize;
+            if run_position == position {
+                if remaining < count {
+                    return calls_before + remaining;
+                }
+                remaining -= count;
+            }
+            calls_before += count;
+        }
+        calls_before
     }
 
     /// Encode the blob: header, then the rkyv archive.
     ///
     /// Fails with [`Error::InvalidParam`] on an empty agent name, on any mistake
-    /// remembered from `backend`/`region`, on overlapping regions within a section
-    /// (naming both, by call order), or when a section's public metadata exceeds
-    /// 4 GiB or the blob has more than `u32::MAX - 1` regions.
+    /// remembered from `backend`/`region`, or on overlapping regions within a section
+    /// (naming both by their `region` call order).
     pub fn finish(self) -> Result<Vec<u8>, Error> {
         if let Some(error) = self.first_error {
             return Err(error);
@@ -142,132 +227,183 @@ impl MdWriter {
                 "agent name is empty",
             ));
         }
-        if self.regions.len() >= u32::MAX as usize {
-            return Err(Error::invalid(
-                Subject::PeerName(self.agent),
-                "too many regions for one metadata blob",
-            ));
-        }
-        // Sort keys with the call index last, so equal starts stay detectable.
-        let mut order: Vec<(u8, MemKind, u64, u64, u32)> = self
-            .regions
+        let orders = self
+            .sections
             .iter()
-            .enumerate()
-            .map(|(i, r)| (r.backend, r.kind, r.desc.dev, r.desc.addr, i as u32))
-            .collect();
-        order.sort_unstable();
-
-        let mut sections: Vec<WireSection> = Vec::new();
-        let mut run_start = 0;
-        while run_start < order.len() {
-            let (backend, kind, ..) = order[run_start];
-            let run_len = order[run_start..]
-                .iter()
-                .take_while(|o| o.0 == backend && o.1 == kind)
-                .count();
-            let run = &order[run_start..run_start + run_len];
-            sections.push(self.section(backend, kind, run)?);
-            run_start += run_len;
+            .map(|section| {
+                let in_order = section
+                    .devs
+                    .iter()
+                    .zip(&section.addrs)
+                    .zip(section.devs.iter().zip(&section.addrs).skip(1))
+                    .all(|(a, b)| a <= b);
+                (!in_order).then(|| sorted_order(&section.devs, &section.addrs))
+            })
+            .collect::<Vec<Option<Vec<u32>>>>();
+        for (position, (section, order)) in self.sections.iter().zip(&orders).enumerate() {
+            self.check_no_overlap(position, section, order.as_deref())?;
         }
+        let mut sections: Vec<WireSectionOut<'_>> = self
+            .sections
+            .iter()
+            .zip(&orders)
+            // A section only reserved, never filled, is left out (none is empty).
+            .filter(|(section, _)| !section.addrs.is_empty())
+            .map(|(section, order)| {
+                let order = order.as_deref();
+                WireSectionOut {
+                    backend: section.backend,
+                    kind: section.kind,
+                    addrs: Gathered {
+                        values: &section.addrs,
+                        order,
+                    },
+                    lens: Gathered {
+                        values: &section.lens,
+                        order,
+                    },
+                    devs: Gathered {
+                        values: &section.devs,
+                        order,
+                    },
+                    md_offsets: GatheredOffsets {
+                        offsets: &section.md_offsets,
+                        order,
+                    },
+                    md_bytes: GatheredBytes {
+                        bytes: &section.md_bytes,
+                        offsets: &section.md_offsets,
+                        order,
+                    },
+                }
+            })
+            .collect();
+        sections.sort_unstable_by_key(|s| (s.backend, s.kind));
 
-        let wire = WireMd {
-            agent: self.agent,
-            generation: self.generation,
-            backends: self.backends,
-            sections,
-        };
-        let estimate_bytes = 256
-            + HEADER_LEN_BYTES
-            + wire.agent.len()
-            + wire
+        let len_bytes = HEADER_LEN_BYTES
+            + 256
+            + self.agent.len()
+            + self
                 .backends
                 .iter()
                 .map(|b| 32 + b.name.len() + b.conn_info.as_ref().map_or(0, Vec::len))
                 .sum::<usize>()
-            + wire
+            + self
                 .sections
                 .iter()
                 .map(|s| 64 + s.addrs.len() * 28 + s.md_bytes.len())
                 .sum::<usize>();
-        let mut out = Vec::with_capacity(estimate_bytes);
+        if len_bytes > ARCHIVE_LEN_MAX_BYTES {
+            return Err(Error::invalid(
+                Subject::PeerName(self.agent.clone()),
+                format!(
+                    "metadata would take about {len_bytes} bytes, more than the \
+                     {ARCHIVE_LEN_MAX_BYTES}-byte limit"
+                ),
+            ));
+        }
+        let wire = WireMdOut {
+            agent: &self.agent,
+            generation: self.generation,
+            backends: &self.backends,
+            sections,
+        };
+        let mut out = Vec::with_capacity(len_bytes);
         out.extend_from_slice(&header::encode(Format::Metadata, self.flags));
         rkyv::api::high::to_bytes_in::<_, RkyvError>(&wire, out).map_err(|e| {
             Error::invalid(
-                Subject::PeerName(wire.agent.clone()),
+                Subject::PeerName(self.agent.clone()),
                 format!("metadata does not fit the wire format: {e}"),
             )
         })
     }
 
-    /// Build the section for one sorted run of regions of (`backend`, `kind`).
-    fn section(
+    /// Refuse the first region of `section` (at `position`) that overlaps its
+    /// predecessor in sorted order.
+    fn check_no_overlap(
         &self,
-        backend: u8,
-        kind: MemKind,
-        run: &[(u8, MemKind, u64, u64, u32)],
-    ) -> Result<WireSection, Error> {
-        let mut section = WireSection {
-            backend,
-            kind: kind as u8,
-            addrs: Vec::with_capacity(run.len()),
-            lens: Vec::with_capacity(run.len()),
-            devs: Vec::with_capacity(run.len()),
-            md_offsets: Vec::with_capacity(run.len() + 1),
-            md_bytes: Vec::new(),
-        };
-        section.md_offsets.push(0);
-        let md_len_bytes: usize = run
-            .iter()
-            .map(|o| {
-                let r = &self.regions[o.4 as usize];
-                r.md_end - r.md_start
-            })
-            .sum();
-        if u32::try_from(md_len_bytes).is_err() {
-            return Err(Error::invalid(
-                Subject::Kind(kind),
-                format!(
-                    "section (backend #{backend}, {kind}) has {md_len_bytes} bytes of public \
-                     metadata, more than the 4 GiB a section can hold"
-                ),
-            ));
-        }
-        section.md_bytes.reserve_exact(md_len_bytes);
-        let mut previous: Option<(usize, Desc)> = None;
-        for o in run {
-            let call_index = o.4 as usize;
-            let region = &self.regions[call_index];
-            let desc = region.desc;
-            if let Some((previous_index, prev)) = previous {
-                // Validated non-wrapping in `region`.
-                let prev_end = prev.addr.saturating_add(prev.len);
-                if prev.dev == desc.dev && prev_end > desc.addr {
+        position: usize,
+        section: &WireSection,
+        order: Option<&[u32]>,
+    ) -> Result<(), Error> {
+        let mut previous: Option<usize> = None;
+        for k in 0..section.addrs.len() {
+            let i = order.map_or(k, |order| order[k] as usize);
+            if let Some(p) = previous {
+                // Regions were checked not to wrap in `region`.
+                let previous_end = section.addrs[p].saturating_add(section.lens[p]);
+                if section.devs[p] == section.devs[i] && previous_end > section.addrs[i] {
+                    let desc = Desc::new(section.addrs[i], section.lens[i], section.devs[i]);
+                    let kind = MemKind::from_u8(section.kind).map_or("?", MemKind::name);
                     return Err(Error::invalid(
-                        region_subject(call_index, desc),
+                        region_subject(self.call_index(position, i), desc),
                         format!(
-                            "overlaps region #{previous_index} (addr {:#x}, len {}, dev {}) in \
-                             section (backend #{backend}, {kind})",
-                            prev.addr, prev.len, prev.dev
+                            "overlaps region #{} (addr {:#x}, len {}, dev {}) in section \
+                             (backend #{}, {kind})",
+                            self.call_index(position, p),
+                            section.addrs[p],
+                            section.lens[p],
+                            section.devs[p],
+                            section.backend
                         ),
                     ));
                 }
             }
-            previous = Some((call_index, desc));
-            section.addrs.push(desc.addr);
-            section.lens.push(desc.len);
-            section.devs.push(desc.dev);
-            section
-                .md_bytes
-                .extend_from_slice(&self.md_bytes[region.md_start..region.md_end]);
-            // Fits: the section total was checked above.
-            section.md_offsets.push(section.md_bytes.len() as u32);
+            previous = Some(i);
         }
-        Ok(section)
+        Ok(())
     }
 
     fn remember(&mut self, error: Error) {
         self.first_error.get_or_insert(error);
     }
+}
+
+/// Positions of the regions in ascending (dev, addr) order; equal keys keep call
+/// order. An LSD radix sort over the bytes that differ between keys: registered
+/// ranges share most of their bytes, so this is a few linear passes.
+fn sorted_order(devs: &[u64], addrs: &[u64]) -> Vec<u32> {
+    let count = devs.len();
+    let varying = |column: &[u64]| {
+        let first = column.first().copied().unwrap_or(0);
+        column.iter().fold(0u64, |acc, &v| acc | (v ^ first))
+    };
+    let (addr_varying, dev_varying) = (varying(addrs), varying(devs));
+    // Digits from least to most significant: addr bytes 0..8, then dev bytes 0..8.
+    let digits: Vec<u32> = (0..16u32)
+        .filter(|&d| {
+            let mask = if d < 8 { addr_varying } else { dev_varying };
+            (mask >> (8 * (d % 8))) & 0xff != 0
+        })
+        .collect();
+    let digit_of = |i: usize, d: u32| -> usize {
+        let value = if d < 8 { addrs[i] } else { devs[i] };
+        ((value >> (8 * (d % 8))) & 0xff) as usize
+    };
+    // Every digit's histogram in one sequential pass (they do not depend on order).
+    let mut starts = vec![[0u32; 256]; digits.len()];
+    for i in 0..count {
+        for (histogram, &d) in starts.iter_mut().zip(&digits) {
+            histogram[digit_of(i, d)] += 1;
+        }
+    }
+    let mut order: Vec<u32> = (0..count as u32).collect();
+    let mut scratch = vec![0u32; if digits.is_empty() { 0 } else { count }];
+    for (histogram, &d) in starts.iter_mut().zip(&digits) {
+        let mut running = 0;
+        for slot in histogram.iter_mut() {
+            let n = *slot;
+            *slot = running;
+            running += n;
+        }
+        for &i in &order {
+            let bucket = digit_of(i as usize, d);
+            scratch[histogram[bucket] as usize] = i;
+            histogram[bucket] += 1;
+        }
+        std::mem::swap(&mut order, &mut scratch);
+    }
+    order
 }
 
 /// The subject naming region `call_index` (in `region` call order).
@@ -277,5 +413,26 @@ fn region_subject(call_index: usize, desc: Desc) -> Subject {
         addr: desc.addr,
         len: desc.len,
         dev: desc.dev,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sorted_order;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// The radix sort agrees with a stable comparison sort.
+        #[test]
+        fn radix_order_matches_stable_sort(keys in proptest::collection::vec(
+            (prop_oneof![Just(0u64), Just(3), any::<u64>()], prop_oneof![0u64..64, any::<u64>()]),
+            0..300,
+        )) {
+            let devs: Vec<u64> = keys.iter().map(|k| k.0).collect();
+            let addrs: Vec<u64> = keys.iter().map(|k| k.1).collect();
+            let mut want: Vec<u32> = (0..keys.len() as u32).collect();
+            want.sort_by_key(|&i| keys[i as usize]);
+            prop_assert_eq!(sorted_order(&devs, &addrs), want);
+        }
     }
 }

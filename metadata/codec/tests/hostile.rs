@@ -12,7 +12,12 @@ fn sample_blob() -> Vec<u8> {
     let ucx = w.backend("UCX", Some(&[9; 20]));
     let posix = w.backend("POSIX", None);
     for i in 0..6u64 {
-        w.region(ucx, MemKind::Dram, Desc::new(0x1000 * i, 0x800, i % 2), &[i as u8; 5]);
+        w.region(
+            ucx,
+            MemKind::Dram,
+            Desc::new(0x1000 * i, 0x800, i % 2),
+            &[i as u8; 5],
+        );
     }
     w.region(ucx, MemKind::Vram, Desc::new(0, 1 << 20, 1), b"rkey");
     w.region(posix, MemKind::File, Desc::new(0, 4096, 17), b"");
@@ -21,17 +26,24 @@ fn sample_blob() -> Vec<u8> {
 
 /// Use every accessor of a blob that validated, to prove lookups stay in bounds.
 fn exercise(md: &PeerMd) {
-    let _ = (md.agent(), md.generation(), md.is_partial(), md.as_bytes().len());
+    let _ = (
+        md.agent(),
+        md.generation(),
+        md.is_partial(),
+        md.as_bytes().len(),
+    );
     for b in 0..=u8::MAX {
         if let Some((name, _)) = md.backend(b) {
-            assert_eq!(md.backend_index(name).is_some(), true);
+            assert_eq!(md.backend_index(name), Some(b));
         }
     }
     let views: Vec<_> = md.regions().collect();
     assert_eq!(views.len(), md.region_count());
     for (i, view) in views.iter().enumerate() {
         assert_eq!(md.region(i as u32), Some(*view));
-        let found = md.find(view.backend, view.kind, view.desc).expect("own region");
+        let found = md
+            .find(view.backend, view.kind, view.desc)
+            .expect("own region");
         assert_eq!(found as usize, i);
         assert_eq!(md.exact(view.backend, view.kind, view.desc), Some(found));
     }
@@ -42,7 +54,10 @@ fn invalid_metadata(result: Result<impl std::fmt::Debug, Error>, words: &[&str])
     match result {
         Err(Error::InvalidMetadata { reason }) => {
             for word in words {
-                assert!(reason.contains(word), "{reason:?} does not mention {word:?}");
+                assert!(
+                    reason.contains(word),
+                    "{reason:?} does not mention {word:?}"
+                );
             }
         }
         other => panic!("expected InvalidMetadata mentioning {words:?}, got {other:?}"),
@@ -61,11 +76,17 @@ fn every_truncation_is_refused() {
     let blob = sample_blob();
     for len in 0..blob.len() {
         assert!(
-            matches!(PeerMd::from_bytes(&blob[..len]), Err(Error::InvalidMetadata { .. })),
+            matches!(
+                PeerMd::from_bytes(&blob[..len]),
+                Err(Error::InvalidMetadata { .. })
+            ),
             "prefix of {len} bytes accepted"
         );
     }
-    invalid_metadata(PeerMd::from_bytes(&blob[..5]), &["5 bytes", "8-byte header"]);
+    invalid_metadata(
+        PeerMd::from_bytes(&blob[..5]),
+        &["5 bytes", "8-byte header"],
+    );
 }
 
 #[test]
@@ -90,7 +111,10 @@ fn single_byte_corruptions_never_panic() {
         }
     }
     // Some flips land in addresses or metadata bytes and stay valid; most do not.
-    assert!(accepted > 0 && accepted < blob.len() * 6, "accepted {accepted}");
+    assert!(
+        accepted > 0 && accepted < blob.len() * 6,
+        "accepted {accepted}"
+    );
 }
 
 #[test]
@@ -101,8 +125,14 @@ fn header_errors_are_named() {
     invalid_metadata(PeerMd::from_bytes(&bad), &["bad magic", "agent metadata"]);
 
     let descs = encode_descs(MemKind::Dram, &[Desc::new(1, 2, 3)]).unwrap();
-    invalid_metadata(PeerMd::from_bytes(&descs), &["bad magic", "magic of a descriptor list"]);
-    invalid_metadata(decode_descs(&blob), &["bad magic", "magic of agent metadata"]);
+    invalid_metadata(
+        PeerMd::from_bytes(&descs),
+        &["bad magic", "magic of a descriptor list"],
+    );
+    invalid_metadata(
+        decode_descs(&blob),
+        &["bad magic", "magic of agent metadata"],
+    );
 
     let mut bad = blob.clone();
     bad[4..6].copy_from_slice(&(VERSION + 1).to_le_bytes());
@@ -131,7 +161,10 @@ fn descriptor_list_truncations_and_corruptions_never_panic() {
     let descs: Vec<Desc> = (0..20).map(|i| Desc::new(i * 4096, 4096, i % 3)).collect();
     let bytes = encode_descs(MemKind::Vram, &descs).unwrap();
     for len in 0..bytes.len() {
-        assert!(decode_descs(&bytes[..len]).is_err(), "prefix of {len} bytes accepted");
+        assert!(
+            decode_descs(&bytes[..len]).is_err(),
+            "prefix of {len} bytes accepted"
+        );
     }
     for pos in 0..bytes.len() {
         for flip in [0x01u8, 0x80, 0xff] {
@@ -146,7 +179,11 @@ fn descriptor_list_truncations_and_corruptions_never_panic() {
 
 #[test]
 fn wrapping_descriptor_is_refused() {
-    let bytes = encode_descs(MemKind::Dram, &[Desc::new(1, 1, 0), Desc::new(u64::MAX, 1, 0)]).unwrap();
+    let bytes = encode_descs(
+        MemKind::Dram,
+        &[Desc::new(1, 1, 0), Desc::new(u64::MAX, 1, 0)],
+    )
+    .unwrap();
     invalid_metadata(decode_descs(&bytes), &["descriptor #1", "wraps"]);
 }
 

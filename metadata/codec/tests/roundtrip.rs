@@ -6,15 +6,15 @@ use proptest::prelude::*;
 
 const NAMES: [&str; 4] = ["LOOPBACK", "UCX", "POSIX", "GDS"];
 
+/// A random region: (backend, kind byte, dev, addr, len, public md).
+type RawRegion = (u8, u8, u64, u64, u64, Vec<u8>);
+
 /// One region the model accepted: (backend, kind, desc, public md).
 type ModelRegion = (u8, MemKind, Desc, Vec<u8>);
 
 /// Build a writer from random inputs, keeping only regions that do not overlap an
 /// accepted one of the same section (the model).
-fn build(
-    backends: &[Option<Vec<u8>>],
-    raw: &[(u8, u8, u64, u64, u64, Vec<u8>)],
-) -> (MdWriter, Vec<ModelRegion>) {
+fn build(backends: &[Option<Vec<u8>>], raw: &[RawRegion]) -> (MdWriter, Vec<ModelRegion>) {
     let mut writer = MdWriter::new("agent-under-test", 42);
     for (i, conn) in backends.iter().enumerate() {
         assert_eq!(writer.backend(NAMES[i], conn.as_deref()), i as u8);
@@ -25,7 +25,11 @@ fn build(
         let kind = MemKind::from_u8(kind % 5).unwrap();
         let desc = Desc::new(*addr, *len, *dev);
         let overlaps = accepted.iter().any(|(b, k, d, _)| {
-            *b == backend && *k == kind && d.dev == *dev && d.addr < addr + len && *addr < d.addr + d.len
+            *b == backend
+                && *k == kind
+                && d.dev == *dev
+                && d.addr < addr + len
+                && *addr < d.addr + d.len
         });
         if !overlaps {
             writer.region(backend, kind, desc, md);
@@ -41,10 +45,12 @@ fn covers(region: &RegionView<'_>, backend: u8, kind: MemKind, q: Desc) -> bool 
         && region.desc.dev == q.dev
         && q.len > 0
         && region.desc.addr <= q.addr
-        && q.addr.checked_add(q.len).is_some_and(|end| end <= region.desc.addr + region.desc.len)
+        && q.addr
+            .checked_add(q.len)
+            .is_some_and(|end| end <= region.desc.addr + region.desc.len)
 }
 
-fn raw_regions() -> impl Strategy<Value = Vec<(u8, u8, u64, u64, u64, Vec<u8>)>> {
+fn raw_regions() -> impl Strategy<Value = Vec<RawRegion>> {
     proptest::collection::vec(
         (
             0u8..4,
@@ -228,7 +234,10 @@ fn writer_refuses_bad_input() {
     let mut w = MdWriter::new("a", 1);
     w.backend("UCX", None);
     w.region(3, MemKind::Dram, Desc::new(1, 1, 0), b"");
-    invalid_param(w.finish(), &["descriptor #0", "backend #3", "only 1 backends"]);
+    invalid_param(
+        w.finish(),
+        &["descriptor #0", "backend #3", "only 1 backends"],
+    );
 
     let mut w = MdWriter::new("a", 1);
     w.backend("UCX", None);
@@ -257,8 +266,67 @@ fn region_at_top_of_address_space_is_found() {
     w.region(0, MemKind::Object, top, b"top");
     let md = PeerMd::from_bytes(&w.finish().unwrap()).unwrap();
     assert_eq!(md.find(0, MemKind::Object, top), Some(0));
-    assert_eq!(md.find(0, MemKind::Object, Desc::new(u64::MAX - 1, 1, u64::MAX)), Some(0));
-    assert_eq!(md.find(0, MemKind::Object, Desc::new(u64::MAX - 1, 2, u64::MAX)), None);
+    assert_eq!(
+        md.find(0, MemKind::Object, Desc::new(u64::MAX - 1, 1, u64::MAX)),
+        Some(0)
+    );
+    assert_eq!(
+        md.find(0, MemKind::Object, Desc::new(u64::MAX - 1, 2, u64::MAX)),
+        None
+    );
     assert_eq!(md.exact(0, MemKind::Object, top), Some(0));
     assert_eq!(md.region(0).unwrap().public_md, b"top");
+}
+
+#[test]
+fn sorted_and_reversed_input_encode_identically() {
+    let regions: Vec<(Desc, Vec<u8>)> = (0..1000u64)
+        .map(|i| {
+            (
+                Desc::new(0x10_0000 + (i / 2) * 0x2000, 0x1000, i % 2),
+                vec![i as u8; (i % 7) as usize],
+            )
+        })
+        .collect();
+    let mut sorted = regions.clone();
+    sorted.sort_by_key(|(d, _)| (d.dev, d.addr));
+    let encode = |input: &[(Desc, Vec<u8>)]| {
+        let mut w = MdWriter::new("a", 9);
+        let b = w.backend("UCX", Some(b"addr"));
+        for (desc, md) in input {
+            w.region(b, MemKind::Dram, *desc, md);
+        }
+        w.finish().unwrap()
+    };
+    let from_sorted = encode(&sorted);
+    let reversed: Vec<_> = sorted.iter().rev().cloned().collect();
+    assert_eq!(encode(&reversed), from_sorted);
+    assert_eq!(encode(&regions), from_sorted);
+    let md = PeerMd::from_bytes(&from_sorted).unwrap();
+    for (i, (desc, public_md)) in sorted.iter().enumerate() {
+        let view = md.region(i as u32).unwrap();
+        assert_eq!((view.desc, view.public_md), (*desc, &public_md[..]));
+    }
+}
+
+#[test]
+fn reserve_is_only_a_hint() {
+    let mut w = MdWriter::new("a", 1);
+    let ucx = w.backend("UCX", None);
+    w.reserve(ucx, MemKind::Vram, 100, 1000); // never filled
+    w.reserve(7, MemKind::Dram, 100, 1000); // unknown backend: ignored
+    w.reserve(ucx, MemKind::Dram, 2, 3);
+    w.region(ucx, MemKind::Dram, Desc::new(0x2000, 16, 0), b"b");
+    w.region(ucx, MemKind::Dram, Desc::new(0x1000, 16, 0), b"a");
+    w.region(
+        ucx,
+        MemKind::Dram,
+        Desc::new(0x3000, 16, 0),
+        b"more than reserved",
+    );
+    let md = PeerMd::from_bytes(&w.finish().unwrap()).unwrap();
+    assert_eq!(md.region_count(), 3);
+    assert_eq!(md.find(ucx, MemKind::Vram, Desc::new(0x1000, 1, 0)), None);
+    let mds: Vec<&[u8]> = md.regions().map(|r| r.public_md).collect();
+    assert_eq!(mds, [&b"a"[..], b"b", b"more than reserved"]);
 }

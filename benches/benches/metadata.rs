@@ -1,0 +1,135 @@
+//! Metadata codec benchmarks: encode, validate + load and look up the metadata of an
+//! agent with 15,000 registered regions; encode and decode a 15,000-descriptor list.
+//!
+//! Run: `cargo bench -p ferry-benches --bench metadata -- --warm-up-time 1 --measurement-time 3`
+
+use std::hint::black_box;
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use ferry_metadata::{decode_descs, encode_descs, MdWriter, PeerMd};
+use ferry_storage::{Desc, MemKind};
+
+/// Regions (and descriptors) per agent, the size of the reference system's worst case.
+const REGION_COUNT: usize = 15_000;
+/// Lookups per `find` iteration.
+const LOOKUP_COUNT: usize = 1_000;
+
+/// A small deterministic generator (xorshift64), so runs are comparable.
+struct XorShift(u64);
+
+impl XorShift {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+/// One registered region and its public metadata.
+struct Region {
+    desc: Desc,
+    public_md: Vec<u8>,
+}
+
+/// 15,000 KV-cache-block-sized regions 2 MiB apart on two GPUs, in shuffled order
+/// (the writer has to sort), each with 16..32 bytes of public metadata.
+fn regions() -> Vec<Region> {
+    let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
+    let mut regions: Vec<Region> = (0..REGION_COUNT as u64)
+        .map(|i| Region {
+            desc: Desc::new(0x7f00_0000_0000 + (i / 2) * (2 << 20), 1 << 20, i % 2),
+            public_md: (0..16 + rng.next() % 17).map(|b| (b ^ i) as u8).collect(),
+        })
+        .collect();
+    for i in (1..regions.len()).rev() {
+        let j = (rng.next() % (i as u64 + 1)) as usize;
+        regions.swap(i, j);
+    }
+    regions
+}
+
+fn encode(regions: &[Region]) -> Vec<u8> {
+    let mut writer = MdWriter::new("prefill-worker-0", 1);
+    let ucx = writer.backend("UCX", Some(&[0xab; 64]));
+    // The engine knows its region count and metadata size, and says so.
+    let public_md_len_bytes = regions.iter().map(|r| r.public_md.len()).sum();
+    writer.reserve(ucx, MemKind::Vram, regions.len(), public_md_len_bytes);
+    for region in regions {
+        writer.region(ucx, MemKind::Vram, region.desc, &region.public_md);
+    }
+    writer.finish().expect("valid metadata")
+}
+
+fn bench_metadata(c: &mut Criterion) {
+    let regions = regions();
+    let blob = encode(&regions);
+    let public_md_bytes: usize = regions.iter().map(|r| r.public_md.len()).sum();
+    println!(
+        "metadata of {REGION_COUNT} regions: {} bytes ({public_md_bytes} of them public md, {:.1} bytes/region)",
+        blob.len(),
+        blob.len() as f64 / REGION_COUNT as f64
+    );
+
+    c.bench_function("metadata/encode_15k_regions", |b| {
+        b.iter(|| encode(black_box(&regions)))
+    });
+    // The usual case: regions registered in address order, so nothing is sorted.
+    let mut sorted_regions: Vec<Region> = regions
+        .iter()
+        .map(|r| Region {
+            desc: r.desc,
+            public_md: r.public_md.clone(),
+        })
+        .collect();
+    sorted_regions.sort_by_key(|r| (r.desc.dev, r.desc.addr));
+    c.bench_function("metadata/encode_15k_regions_sorted_input", |b| {
+        b.iter(|| encode(black_box(&sorted_regions)))
+    });
+    c.bench_function("metadata/validate_load_15k_regions", |b| {
+        b.iter(|| PeerMd::from_bytes(black_box(&blob)).expect("valid"))
+    });
+
+    let peer = PeerMd::from_bytes(&blob).expect("valid");
+    let mut rng = XorShift(7);
+    let queries: Vec<Desc> = (0..LOOKUP_COUNT)
+        .map(|_| {
+            let r = &regions[(rng.next() % REGION_COUNT as u64) as usize].desc;
+            let offset = rng.next() % (r.len / 2);
+            Desc::new(r.addr + offset, 4096, r.dev)
+        })
+        .collect();
+    c.bench_function("metadata/find_x1000", |b| {
+        b.iter(|| {
+            let mut hits = 0u32;
+            for q in &queries {
+                hits += u32::from(peer.find(0, MemKind::Vram, black_box(*q)).is_some());
+            }
+            assert_eq!(hits as usize, LOOKUP_COUNT);
+            hits
+        })
+    });
+
+    let descs: Vec<Desc> = regions.iter().map(|r| r.desc).collect();
+    let list = encode_descs(MemKind::Vram, &descs).expect("encodable");
+    println!(
+        "descriptor list of {REGION_COUNT} descriptors: {} bytes ({:.1} bytes/descriptor)",
+        list.len(),
+        list.len() as f64 / REGION_COUNT as f64
+    );
+    c.bench_function("descs/encode_15k", |b| {
+        b.iter(|| encode_descs(MemKind::Vram, black_box(&descs)).expect("encodable"))
+    });
+    c.bench_function("descs/decode_15k", |b| {
+        b.iter(|| decode_descs(black_box(&list)).expect("valid"))
+    });
+    c.bench_function("descs/encode_decode_15k", |b| {
+        b.iter(|| {
+            let bytes = encode_descs(MemKind::Vram, black_box(&descs)).expect("encodable");
+            decode_descs(&bytes).expect("valid")
+        })
+    });
+}
+
+criterion_group!(benches, bench_metadata);
+criterion_main!(benches);

@@ -1,0 +1,41 @@
+//! Ferry's metadata exchange: how agents find each other's metadata.
+//!
+//! The agent owns a [`Manager`]. Each call is routed by its [`Via`]: a peer address
+//! selects P2P (a direct socket to the peer's listener); [`Via::Store`] selects the
+//! configured store (etcd or TCPStore); neither gives a clear error.
+//!
+//! # The narrow interface to the agent
+//! Workers never touch agent state. The agent gives the manager snapshots of its
+//! serialized metadata ([`Manager::set_local_md`], [`Manager::send_local_partial_md`]),
+//! which the workers use to publish and to answer "send me yours". Everything that
+//! comes back (metadata to load, invalidations of a peer, failures) lands in a bounded
+//! queue of [`Event`]s that the agent drains with [`Manager::poll`] on its own thread,
+//! calling its normal load path. Metadata bytes are opaque to this crate.
+//!
+//! # Threads
+//! Each backend owns its own worker threads (no backend waits behind another); every
+//! blocking network operation has a timeout; no caller-facing method waits on the
+//! network (commands go through bounded queues; a full queue is an error).
+//! [`Manager::workers_running`] is the one answer to "does any worker thread exist".
+//!
+//! # Components
+//! - [`p2p`]: the listener and the framed, optionally HMAC-authenticated protocol.
+//! - [`tcpstore`]: a client of PyTorch's c10d TCPStore protocol and Ferry's own server.
+//! - `etcd` (cargo feature `etcd`): the etcd backend, with leases and watches.
+//!
+//! Configuration and its environment variables: [`config`].
+
+pub mod config;
+#[cfg(feature = "etcd")]
+mod etcd;
+mod events;
+mod local;
+mod manager;
+pub mod p2p;
+pub mod tcpstore;
+mod util;
+
+pub use config::{EtcdConfig, ExchangeConfig, P2pConfig, StoreConfig, TcpStoreConfig};
+pub use events::{Event, Route, FULL_LABEL};
+pub use local::{check_agent_name, check_label, NAME_LEN_MAX_BYTES};
+pub use manager::{Manager, Via};

@@ -1,0 +1,387 @@
+//! The agent-owned manager: routes each call to a backend, owns the workers and the
+//! event queue.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+use ferry_storage::{Error, Subject};
+
+use crate::config::{store_key, ExchangeConfig, StoreConfig, TcpStoreConfig};
+use crate::events::{Event, EventQueue, Route, FULL_LABEL};
+use crate::local::{check_agent_name, check_label, LocalMd};
+use crate::p2p::{self, ListenerStats, P2pCmd};
+use crate::tcpstore::{self, ServerConfig, ServerHandle};
+use crate::util::io_error;
+
+/// Where a call goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Via {
+    /// The P2P listener of a peer at this address.
+    Peer(SocketAddr),
+    /// The configured store (etcd or TCPStore), by agent name.
+    Store,
+}
+
+/// State shared by the manager and its workers. Workers read the local snapshots and
+/// push events; they hold nothing of the agent's.
+pub(crate) struct Shared {
+    pub(crate) agent: String,
+    pub(crate) local: LocalMd,
+    pub(crate) events: EventQueue,
+    pub(crate) stop: AtomicBool,
+    pub(crate) config: ExchangeConfig,
+    pub(crate) namespace: String,
+}
+
+impl Shared {
+    pub(crate) fn stopping(&self) -> bool {
+        self.stop.load(Ordering::Acquire)
+    }
+
+    /// Queue an event for the agent (waiting for space). False when shutting down.
+    pub(crate) fn emit(&self, event: Event) -> bool {
+        self.events.push(event, &self.stop)
+    }
+
+    /// Store key of `agent`'s metadata under `label`.
+    pub(crate) fn key(&self, agent: &str, label: &str) -> String {
+        store_key(&self.namespace, agent, label)
+    }
+}
+
+/// Work for a store backend.
+pub(crate) enum StoreCmd {
+    /// Publish our metadata under `label`.
+    Publish { label: String, blob: Arc<[u8]> },
+    /// Fetch `agent`'s metadata under `label`, waiting up to the fetch timeout.
+    Fetch { agent: String, label: String },
+    /// Delete everything we published.
+    Withdraw,
+}
+
+/// A running store backend: its command queues and threads.
+pub(crate) struct StoreWorker {
+    pub(crate) route: Route,
+    /// Where the store is, for error messages.
+    pub(crate) endpoint: String,
+    /// Publish and withdraw (and fetch when `fetches` is `None`).
+    pub(crate) ops: CmdSender,
+    /// Fetches, when the backend runs them on a thread of their own.
+    pub(crate) fetches: Option<CmdSender>,
+    pub(crate) threads: Vec<JoinHandle<()>>,
+}
+
+/// The sending end of a store backend's bounded command queue.
+pub(crate) enum CmdSender {
+    /// A thread blocked on a std channel.
+    Std(SyncSender<StoreCmd>),
+    /// An async task (etcd).
+    #[cfg(feature = "etcd")]
+    Tokio(tokio::sync::mpsc::Sender<StoreCmd>),
+}
+
+impl CmdSender {
+    fn try_send(&self, cmd: StoreCmd, limit: usize) -> Result<(), Error> {
+        const WHAT: &str = "store command queue";
+        match self {
+            CmdSender::Std(tx) => queue(tx, cmd, WHAT, limit),
+            #[cfg(feature = "etcd")]
+            CmdSender::Tokio(tx) => match tx.try_send(cmd) {
+                Ok(()) => Ok(()),
+                Err(tokio::sync::mpsc::error::TrySendError::Full(_)) => {
+                    Err(Error::Capacity { what: WHAT, limit })
+                }
+                Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) => Err(Error::backend(
+                    "exchange",
+                    format!("the worker behind the {WHAT} has stopped"),
+                )),
+            },
+        }
+    }
+}
+
+/// The agent's metadata-exchange manager. See the crate docs.
+pub struct Manager {
+    shared: Arc<Shared>,
+    listener: Option<p2p::Listener>,
+    p2p_client: Mutex<Option<(SyncSender<P2pCmd>, JoinHandle<()>)>>,
+    store: Option<StoreWorker>,
+    embedded: Option<ServerHandle>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Manager {
+    /// A manager for agent `agent`: starts the P2P listener, the embedded TCPStore server
+    /// and the store backend that `config` asks for. The P2P client worker starts on the
+    /// first call that names a peer address.
+    pub fn new(agent: &str, config: ExchangeConfig) -> Result<Manager, Error> {
+        check_agent_name(agent)?;
+        config.check()?;
+        let namespace = config.normalized_namespace()?;
+        let mut config = config;
+        let embedded = match config.embedded_store {
+            Some(addr) => {
+                let server = tcpstore::serve(addr, ServerConfig::default())?;
+                if matches!(config.store, StoreConfig::None) {
+                    config.store =
+                        StoreConfig::TcpStore(TcpStoreConfig::new(server.local_addr().to_string()));
+                }
+                Some(server)
+            }
+            None => None,
+        };
+        let shared = Arc::new(Shared {
+            agent: agent.to_owned(),
+            local: LocalMd::default(),
+            events: EventQueue::new(config.event_capacity),
+            stop: AtomicBool::new(false),
+            config,
+            namespace,
+        });
+        let mut manager = Manager {
+            shared: shared.clone(),
+            listener: None,
+            p2p_client: Mutex::new(None),
+            store: None,
+            embedded,
+        };
+        // From here on, an error drops `manager`, which stops what already started.
+        manager.store = match &shared.config.store {
+            StoreConfig::None => None,
+            StoreConfig::TcpStore(ts) => Some(tcpstore::backend::start(shared.clone(), ts)?),
+            #[cfg(feature = "etcd")]
+            StoreConfig::Etcd(etcd) => Some(crate::etcd::start(shared.clone(), etcd)?),
+            #[cfg(not(feature = "etcd"))]
+            StoreConfig::Etcd(_) => {
+                return Err(Error::NotSupported {
+                    backend: "exchange".into(),
+                    what: "the etcd metadata store: this build of ferry-exchange lacks its `etcd` cargo feature".into(),
+                })
+            }
+        };
+        if let Some(listen) = shared.config.p2p.listen {
+            manager.listener = Some(p2p::Listener::start(shared.clone(), listen)?);
+        }
+        Ok(manager)
+    }
+
+    /// This agent's name.
+    pub fn agent_name(&self) -> &str {
+        &self.shared.agent
+    }
+
+    /// Whether any worker thread of this manager exists (listener, P2P client, store
+    /// backend, embedded server). The one answer to that question: workers never touch
+    /// agent state, they only read the snapshots given to the manager and queue events.
+    pub fn workers_running(&self) -> bool {
+        self.listener.is_some()
+            || self.store.is_some()
+            || self.embedded.is_some()
+            || lock(&self.p2p_client).is_some()
+    }
+
+    /// Where the P2P listener listens, if it runs.
+    pub fn p2p_listen_addr(&self) -> Option<SocketAddr> {
+        self.listener.as_ref().map(p2p::Listener::local_addr)
+    }
+
+    /// Counters of the P2P listener, if it runs.
+    pub fn p2p_stats(&self) -> Option<&ListenerStats> {
+        self.listener.as_ref().map(|l| &*l.stats)
+    }
+
+    /// The store in use (`etcd` or `tcpstore`) and its endpoint, if any.
+    pub fn store(&self) -> Option<(Route, &str)> {
+        self.store.as_ref().map(|s| (s.route, s.endpoint.as_str()))
+    }
+
+    /// Where the embedded TCPStore server listens, if it runs.
+    pub fn embedded_store_addr(&self) -> Option<SocketAddr> {
+        self.embedded.as_ref().map(ServerHandle::local_addr)
+    }
+
+    /// Replace the snapshot of this agent's full serialized metadata, used to publish and
+    /// to answer peers that ask for it.
+    pub fn set_local_md(&self, blob: Arc<[u8]>) {
+        self.shared.local.set_full(blob);
+    }
+
+    /// Send the full metadata (set by [`Self::set_local_md`]) to a peer, or publish it
+    /// in the store. Returns once the work is queued.
+    pub fn send_local_md(&self, via: Via) -> Result<(), Error> {
+        let blob = self
+            .shared
+            .local
+            .get(FULL_LABEL)
+            .ok_or_else(|| Error::NotAllowed {
+                subject: Subject::PeerName(self.shared.agent.clone()),
+                reason: "no local metadata to send: call set_local_md first".into(),
+            })?;
+        self.send(FULL_LABEL, blob, via)
+    }
+
+    /// Keep `blob` (partial metadata, serialized by the agent for some regions) as the
+    /// snapshot under `label` and send it to a peer, or publish it under `label`.
+    pub fn send_local_partial_md(
+        &self,
+        label: &str,
+        blob: Arc<[u8]>,
+        via: Via,
+    ) -> Result<(), Error> {
+        check_label(label)?;
+        self.shared.local.set_partial(label, blob.clone());
+        self.send(label, blob, via)
+    }
+
+    fn send(&self, label: &str, blob: Arc<[u8]>, via: Via) -> Result<(), Error> {
+        if blob.is_empty() {
+            return Err(Error::invalid(
+                Subject::Named(format!("metadata '{label}'").into()),
+                "is empty",
+            ));
+        }
+        match via {
+            Via::Peer(to) => self.p2p(P2pCmd::Send {
+                to,
+                label: label.to_owned(),
+                blob,
+            }),
+            Via::Store => self.store_cmd(
+                StoreCmd::Publish {
+                    label: label.to_owned(),
+                    blob,
+                },
+                "send_local_md",
+            ),
+        }
+    }
+
+    /// Ask for `agent`'s metadata (full when `label` is `None`). The answer arrives as an
+    /// [`Event::Load`] (or [`Event::FetchFailed`]) from [`Self::poll`].
+    pub fn fetch_remote_md(&self, agent: &str, via: Via, label: Option<&str>) -> Result<(), Error> {
+        check_agent_name(agent)?;
+        let label = match label {
+            Some(l) => {
+                check_label(l)?;
+                l
+            }
+            None => FULL_LABEL,
+        };
+        match via {
+            Via::Peer(to) => self.p2p(P2pCmd::Fetch {
+                to,
+                agent: agent.to_owned(),
+                label: label.to_owned(),
+            }),
+            Via::Store => self.store_cmd(
+                StoreCmd::Fetch {
+                    agent: agent.to_owned(),
+                    label: label.to_owned(),
+                },
+                "fetch_remote_md",
+            ),
+        }
+    }
+
+    /// Withdraw this agent's metadata: tell the peer at an address to drop it, or delete
+    /// everything this agent published in the store (its watchers see the deletion).
+    pub fn invalidate_local_md(&self, via: Via) -> Result<(), Error> {
+        match via {
+            Via::Peer(to) => self.p2p(P2pCmd::Invalidate { to }),
+            Via::Store => self.store_cmd(StoreCmd::Withdraw, "invalidate_local_md"),
+        }
+    }
+
+    /// Hand every queued event to `each`, without blocking. Returns how many there were.
+    pub fn poll(&self, mut each: impl FnMut(Event)) -> usize {
+        self.shared.events.drain(&mut each)
+    }
+
+    /// Block until an event is queued or `timeout` passes; returns whether one is. For
+    /// callers with nothing else to do (start-up, tools, benchmarks); a scheduler loop
+    /// polls instead.
+    pub fn wait(&self, timeout: std::time::Duration) -> bool {
+        self.shared.events.wait(timeout)
+    }
+
+    fn p2p(&self, cmd: P2pCmd) -> Result<(), Error> {
+        let mut client = lock(&self.p2p_client);
+        if client.is_none() {
+            let (tx, rx) = sync_channel(self.shared.config.command_capacity);
+            let shared = self.shared.clone();
+            let thread = std::thread::Builder::new()
+                .name(format!("ferry-p2p-client-{}", self.shared.agent))
+                .spawn(move || p2p::client_loop(shared, rx))
+                .map_err(|e| io_error("p2p", "spawning the client worker", &e))?;
+            *client = Some((tx, thread));
+        }
+        let Some((tx, _)) = client.as_ref() else {
+            return Err(Error::backend("p2p", "the client worker did not start"));
+        };
+        queue(
+            tx,
+            cmd,
+            "p2p command queue",
+            self.shared.config.command_capacity,
+        )
+    }
+
+    fn store_cmd(&self, cmd: StoreCmd, what: &'static str) -> Result<(), Error> {
+        let Some(store) = &self.store else {
+            return Err(Error::NotSupported {
+                backend: "exchange".into(),
+                what: format!(
+                    "{what} by agent name: no metadata store is configured (set FERRY_ETCD_ENDPOINTS or \
+                     FERRY_TCPSTORE_ENDPOINT, or FERRY_TCPSTORE_SERVE, or give a peer address)"
+                )
+                .into(),
+            });
+        };
+        let tx = match (&cmd, &store.fetches) {
+            (StoreCmd::Fetch { .. }, Some(fetches)) => fetches,
+            _ => &store.ops,
+        };
+        tx.try_send(cmd, self.shared.config.command_capacity)
+    }
+}
+
+fn queue<T>(tx: &SyncSender<T>, cmd: T, what: &'static str, limit: usize) -> Result<(), Error> {
+    match tx.try_send(cmd) {
+        Ok(()) => Ok(()),
+        Err(TrySendError::Full(_)) => Err(Error::Capacity { what, limit }),
+        Err(TrySendError::Disconnected(_)) => Err(Error::backend(
+            "exchange",
+            format!("the worker behind the {what} has stopped"),
+        )),
+    }
+}
+
+impl Drop for Manager {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        self.shared.events.wake_all();
+        if let Some(mut listener) = self.listener.take() {
+            listener.stop();
+        }
+        if let Some((tx, thread)) = lock(&self.p2p_client).take() {
+            drop(tx);
+            let _unused = thread.join();
+        }
+        if let Some(store) = self.store.take() {
+            drop(store.ops);
+            drop(store.fetches);
+            for t in store.threads {
+                let _unused = t.join();
+            }
+        }
+        if let Some(server) = self.embedded.take() {
+            server.stop();
+        }
+    }
+}

@@ -1,0 +1,502 @@
+//! P2P exchange: a listener that peers connect to directly, and the client worker that
+//! connects to theirs. Wire format in [`frame`].
+//!
+//! Listener threads: one accept thread and one thread per connection (at most
+//! [`crate::P2pConfig::max_connections`]); every read has a timeout (idle timeout
+//! between frames, I/O timeout inside one). A malformed, oversized or unauthenticated
+//! frame closes only its own connection, with a log line, and counts in
+//! [`ListenerStats::connections_refused`].
+
+pub mod frame;
+
+use std::collections::HashMap;
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use ferry_storage::{Error, Subject};
+
+use crate::events::{Event, Route, FULL_LABEL};
+use crate::manager::Shared;
+use crate::util::{io_error, nonzero};
+use frame::{FramedConn, Kind, RecvError};
+
+const BACKEND: &str = "p2p";
+
+/// Counters of the listener, for tests and monitoring.
+#[derive(Debug, Default)]
+pub struct ListenerStats {
+    /// Connections accepted and served.
+    pub connections_accepted: AtomicU64,
+    /// Connections closed because of a bad hello or frame (malformed, oversized,
+    /// unauthenticated, out of sequence) or over the connection limit.
+    pub connections_refused: AtomicU64,
+    /// Frames handled (load, send-me, invalidate).
+    pub frames_served: AtomicU64,
+}
+
+/// The running listener.
+pub(crate) struct Listener {
+    addr: SocketAddr,
+    accept: Option<JoinHandle<()>>,
+    conns: Arc<Mutex<HashMap<u64, TcpStream>>>,
+    threads: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    pub(crate) stats: Arc<ListenerStats>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Listener {
+    pub(crate) fn start(shared: Arc<Shared>, listen: SocketAddr) -> Result<Listener, Error> {
+        let listener = TcpListener::bind(listen).map_err(|e| {
+            io_error(
+                BACKEND,
+                format_args!("binding the listener to {listen}"),
+                &e,
+            )
+        })?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| io_error(BACKEND, "reading the listener address", &e))?;
+        if addr.ip().is_unspecified() {
+            log::warn!(
+                "p2p listener of '{}' listens on all interfaces ({addr})",
+                shared.agent
+            );
+        }
+        let conns = Arc::new(Mutex::new(HashMap::new()));
+        let threads = Arc::new(Mutex::new(Vec::new()));
+        let stats = Arc::new(ListenerStats::default());
+        let accept = {
+            let (conns, threads, stats) = (conns.clone(), threads.clone(), stats.clone());
+            std::thread::Builder::new()
+                .name(format!("ferry-p2p-accept-{}", addr.port()))
+                .spawn(move || accept_loop(listener, shared, conns, threads, stats))
+                .map_err(|e| io_error(BACKEND, "spawning the accept thread", &e))?
+        };
+        Ok(Listener {
+            addr,
+            accept: Some(accept),
+            conns,
+            threads,
+            stats,
+        })
+    }
+
+    pub(crate) fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Stop accepting, close every connection, join every thread. The caller has
+    /// raised the stop flag.
+    pub(crate) fn stop(&mut self) {
+        let Some(accept) = self.accept.take() else {
+            return;
+        };
+        let _unused =
+            TcpStream::connect_timeout(&crate::util::wake_addr(self.addr), Duration::from_secs(1));
+        let _unused = accept.join();
+        for s in lock(&self.conns).values() {
+            let _unused = s.shutdown(Shutdown::Both);
+        }
+        let threads = std::mem::take(&mut *lock(&self.threads));
+        for t in threads {
+            let _unused = t.join();
+        }
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn accept_loop(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    conns: Arc<Mutex<HashMap<u64, TcpStream>>>,
+    threads: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    stats: Arc<ListenerStats>,
+) {
+    let mut next_id = 0u64;
+    for stream in listener.incoming() {
+        if shared.stopping() {
+            break;
+        }
+        let stream = match stream {
+            Ok(s) => s,
+            Err(e) => {
+                log::warn!("p2p listener: accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        let peer = stream
+            .peer_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_else(|_| "?".into());
+        lock(&threads).retain(|t| !t.is_finished());
+        if lock(&conns).len() >= shared.config.p2p.max_connections {
+            log::warn!(
+                "p2p listener: refusing {peer}: {} connections already (max_connections)",
+                shared.config.p2p.max_connections
+            );
+            stats.connections_refused.fetch_add(1, Ordering::Relaxed);
+            continue;
+        }
+        let Ok(clone) = stream.try_clone() else {
+            continue;
+        };
+        next_id += 1;
+        let id = next_id;
+        lock(&conns).insert(id, clone);
+        stats.connections_accepted.fetch_add(1, Ordering::Relaxed);
+        let (shared2, conns2, stats2) = (shared.clone(), conns.clone(), stats.clone());
+        let spawned = std::thread::Builder::new()
+            .name(format!("ferry-p2p-conn-{id}"))
+            .spawn(move || {
+                serve_connection(stream, &peer, &shared2, &stats2);
+                lock(&conns2).remove(&id);
+            });
+        match spawned {
+            Ok(t) => lock(&threads).push(t),
+            Err(e) => {
+                log::warn!("p2p listener: cannot spawn a connection thread: {e}");
+                if let Some(s) = lock(&conns).remove(&id) {
+                    let _unused = s.shutdown(Shutdown::Both);
+                }
+            }
+        }
+    }
+}
+
+fn serve_connection(stream: TcpStream, peer: &str, shared: &Shared, stats: &ListenerStats) {
+    let p2p = &shared.config.p2p;
+    let _unused = stream.set_nodelay(true);
+    let mut conn = match FramedConn::handshake(
+        stream,
+        p2p.secret.clone(),
+        p2p.max_frame_bytes,
+        shared.config.io_timeout,
+    ) {
+        Ok(c) => c,
+        Err(e) => {
+            if !shared.stopping() {
+                log::warn!("p2p listener: dropping connection from {peer}: hello: {e}");
+                stats.connections_refused.fetch_add(1, Ordering::Relaxed);
+            }
+            return;
+        }
+    };
+    loop {
+        let frame = match conn.recv(p2p.idle_timeout) {
+            Ok(f) => f,
+            Err(RecvError::Closed) => return,
+            Err(RecvError::Io(e)) => {
+                if !shared.stopping() && !crate::util::is_timeout(&e) {
+                    log::warn!("p2p listener: connection from {peer}: {e}");
+                }
+                return;
+            }
+            Err(RecvError::Refused(why)) => {
+                log::warn!("p2p listener: dropping connection from {peer}: {why}");
+                stats.connections_refused.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+        };
+        let kind = frame.kind;
+        let name = frame.name;
+        let label = frame.label;
+        let checked = crate::check_agent_name(&name).and_then(|()| {
+            if label == FULL_LABEL || kind == Kind::Invalidate {
+                Ok(())
+            } else {
+                crate::check_label(&label)
+            }
+        });
+        if let Err(e) = checked {
+            log::warn!("p2p listener: dropping connection from {peer}: {e}");
+            stats.connections_refused.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let reply = match kind {
+            Kind::Load => {
+                let event = Event::Load {
+                    agent: name,
+                    label,
+                    blob: frame.payload,
+                    route: Route::P2p,
+                };
+                if !shared.emit(event) {
+                    return;
+                }
+                conn.send(Kind::Ack, &shared.agent, "", &[])
+            }
+            Kind::Invalidate => {
+                if !shared.emit(Event::Invalidate {
+                    agent: name,
+                    route: Route::P2p,
+                }) {
+                    return;
+                }
+                conn.send(Kind::Ack, &shared.agent, "", &[])
+            }
+            Kind::SendMe => match shared.local.get(&label) {
+                Some(blob) => conn.send(Kind::Load, &shared.agent, &label, &blob),
+                None => {
+                    let why = format!(
+                        "agent '{}' has no metadata under label '{label}'",
+                        shared.agent
+                    );
+                    conn.send(Kind::Error, &shared.agent, &label, why.as_bytes())
+                }
+            },
+            Kind::Ack | Kind::Error => {
+                log::warn!(
+                    "p2p listener: dropping connection from {peer}: unsolicited {kind:?} frame"
+                );
+                stats.connections_refused.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+        };
+        stats.frames_served.fetch_add(1, Ordering::Relaxed);
+        if let Err(e) = reply {
+            if !shared.stopping() {
+                log::warn!("p2p listener: answering {peer}: {e}");
+            }
+            return;
+        }
+    }
+}
+
+/// Work for the P2P client worker.
+pub(crate) enum P2pCmd {
+    /// Push our metadata under `label` to the listener at `to`.
+    Send {
+        to: SocketAddr,
+        label: String,
+        blob: Arc<[u8]>,
+    },
+    /// Ask the listener at `to` for `agent`'s metadata under `label`.
+    Fetch {
+        to: SocketAddr,
+        agent: String,
+        label: String,
+    },
+    /// Tell the listener at `to` to drop our metadata.
+    Invalidate { to: SocketAddr },
+}
+
+/// Most outbound connections kept open for reuse.
+const CONN_CACHE_MAX: usize = 64;
+
+/// The P2P client worker's loop: one command at a time, every socket operation bounded
+/// by the I/O timeout.
+pub(crate) fn client_loop(shared: Arc<Shared>, commands: Receiver<P2pCmd>) {
+    let mut conns: HashMap<SocketAddr, FramedConn> = HashMap::new();
+    loop {
+        let cmd = match commands.recv_timeout(Duration::from_secs(1)) {
+            Ok(c) => c,
+            Err(RecvTimeoutError::Timeout) => {
+                if shared.stopping() {
+                    return;
+                }
+                continue;
+            }
+            Err(RecvTimeoutError::Disconnected) => return,
+        };
+        if shared.stopping() {
+            return;
+        }
+        match cmd {
+            P2pCmd::Send { to, label, blob } => {
+                let result = exchange(&shared, &mut conns, to, Kind::Load, &label, &blob)
+                    .and_then(|reply| expect_ack(reply, to));
+                if let Err(error) = result {
+                    shared.emit(Event::SendFailed {
+                        target: to.to_string(),
+                        what: label,
+                        error,
+                    });
+                }
+            }
+            P2pCmd::Invalidate { to } => {
+                let result = exchange(&shared, &mut conns, to, Kind::Invalidate, "", &[])
+                    .and_then(|reply| expect_ack(reply, to));
+                if let Err(error) = result {
+                    shared.emit(Event::SendFailed {
+                        target: to.to_string(),
+                        what: "invalidate".into(),
+                        error,
+                    });
+                }
+            }
+            P2pCmd::Fetch { to, agent, label } => {
+                let event = match exchange(&shared, &mut conns, to, Kind::SendMe, &label, &[]) {
+                    Ok(Reply {
+                        kind: Kind::Load,
+                        name,
+                        label: got,
+                        payload,
+                    }) => {
+                        if name != agent || got != label {
+                            Event::FetchFailed {
+                                error: Error::Mismatch {
+                                    subject: Subject::PeerName(agent.clone()),
+                                    reason: format!(
+                                        "the listener at {to} answered with agent '{name}' label '{got}'"
+                                    )
+                                    .into(),
+                                },
+                                agent,
+                                label,
+                            }
+                        } else {
+                            Event::Load {
+                                agent,
+                                label,
+                                blob: payload,
+                                route: Route::P2p,
+                            }
+                        }
+                    }
+                    Ok(Reply {
+                        kind: Kind::Error,
+                        payload,
+                        ..
+                    }) => Event::FetchFailed {
+                        error: Error::not_found(Subject::Named(
+                            format!(
+                                "metadata '{label}' at {to}: {}",
+                                String::from_utf8_lossy(&payload)
+                            )
+                            .into(),
+                        )),
+                        agent,
+                        label,
+                    },
+                    Ok(other) => Event::FetchFailed {
+                        error: Error::backend(
+                            BACKEND,
+                            format!("{to} answered a send-me with a {:?} frame", other.kind),
+                        ),
+                        agent,
+                        label,
+                    },
+                    Err(error) => Event::FetchFailed {
+                        agent,
+                        label,
+                        error,
+                    },
+                };
+                shared.emit(event);
+            }
+        }
+    }
+}
+
+struct Reply {
+    kind: Kind,
+    name: String,
+    label: String,
+    payload: Vec<u8>,
+}
+
+fn expect_ack(reply: Reply, to: SocketAddr) -> Result<(), Error> {
+    match reply.kind {
+        Kind::Ack => Ok(()),
+        Kind::Error => Err(Error::backend(
+            BACKEND,
+            format!("{to} refused: {}", String::from_utf8_lossy(&reply.payload)),
+        )),
+        other => Err(Error::backend(
+            BACKEND,
+            format!("{to} answered with a {other:?} frame"),
+        )),
+    }
+}
+
+/// Send one frame to `to` and read its reply, on a cached connection if there is one
+/// (retried once on a fresh connection, since the peer may have closed an idle one).
+fn exchange(
+    shared: &Shared,
+    conns: &mut HashMap<SocketAddr, FramedConn>,
+    to: SocketAddr,
+    kind: Kind,
+    label: &str,
+    payload: &[u8],
+) -> Result<Reply, Error> {
+    let io_timeout = shared.config.io_timeout;
+    let mut retried = false;
+    loop {
+        let cached = conns.contains_key(&to);
+        if !cached {
+            if conns.len() >= CONN_CACHE_MAX {
+                if let Some(victim) = conns.keys().next().copied() {
+                    conns.remove(&victim);
+                }
+            }
+            let stream = TcpStream::connect_timeout(&to, io_timeout)
+                .map_err(|e| io_error(BACKEND, format_args!("connecting to {to}"), &e))?;
+            let _unused = stream.set_nodelay(true);
+            let _unused = stream.set_write_timeout(Some(nonzero(io_timeout)));
+            let conn = FramedConn::handshake(
+                stream,
+                shared.config.p2p.secret.clone(),
+                shared.config.p2p.max_frame_bytes,
+                io_timeout,
+            )
+            .map_err(|e| recv_error(&e, to, "hello"))?;
+            conns.insert(to, conn);
+        }
+        let Some(conn) = conns.get_mut(&to) else {
+            return Err(Error::backend(
+                BACKEND,
+                format!("connection to {to} vanished"),
+            ));
+        };
+        let result = match conn.send(kind, &shared.agent, label, payload) {
+            Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => {
+                return Err(Error::invalid(
+                    Subject::Named(format!("p2p frame to {to}").into()),
+                    e.to_string(),
+                ))
+            }
+            Err(e) => Err(RecvError::Io(e)),
+            Ok(()) => conn.recv(io_timeout).map(|f| Reply {
+                kind: f.kind,
+                name: f.name,
+                label: f.label,
+                payload: f.payload,
+            }),
+        };
+        match result {
+            Ok(reply) => return Ok(reply),
+            Err(e) => {
+                conns.remove(&to);
+                let stale = matches!(e, RecvError::Closed)
+                    || matches!(&e, RecvError::Io(io) if !crate::util::is_timeout(io));
+                if !(cached && stale && !retried) {
+                    return Err(recv_error(&e, to, "reply"));
+                }
+                retried = true;
+            }
+        }
+    }
+}
+
+fn recv_error(e: &RecvError, to: SocketAddr, what: &str) -> Error {
+    match e {
+        RecvError::Io(io) => io_error(BACKEND, format_args!("{what} from {to}"), io),
+        RecvError::Closed => Error::RemoteDisconnect {
+            subject: Subject::Named(format!("p2p listener at {to} (closed the connection)").into()),
+        },
+        RecvError::Refused(why) => Error::backend(BACKEND, format!("{what} from {to}: {why}")),
+    }
+}

@@ -1,0 +1,519 @@
+//! The TCPStore metadata backend: two threads, each with its own connection.
+//!
+//! - The **ops** thread publishes (SET) and withdraws (DELETE_KEY). It remembers what it
+//!   published and, when the server comes back after an outage, publishes it again.
+//! - The **fetch** thread answers fetches and watches fetched peers. A fetch first tries
+//!   a GET (Ferry never publishes an empty value, so an empty reply means "missing");
+//!   when the key is missing it WAITs in short slices with a client-side deadline,
+//!   taking turns with other pending fetches, then GETs. So a key that appears just
+//!   after a check is never reported missing, and no fetch waits behind another one's
+//!   whole timeout. Fetched peers' keys are checked every watch interval; a deleted
+//!   key becomes an [`Event::Invalidate`].
+//!
+//! Keys go on the wire as torch's `TCPStore` sends user keys (`/` prepended), so torch
+//! code can read them with `store.get("<namespace>/<agent>/<label>")`.
+
+use std::collections::{BTreeSet, VecDeque};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, TryRecvError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferry_storage::Error;
+
+use super::client::{user_key, ClientOptions, TcpStoreClient};
+use crate::config::TcpStoreConfig;
+use crate::events::{Event, Route, FULL_LABEL};
+use crate::manager::{CmdSender, Shared, StoreCmd, StoreWorker};
+use crate::util::{io_error, timeout_error};
+
+const BACKEND: &str = "tcpstore";
+/// Longest single WAIT while other fetches may be pending.
+const WAIT_SLICE: Duration = Duration::from_millis(50);
+/// How often idle threads look at the stop flag.
+const IDLE_TICK: Duration = Duration::from_millis(500);
+
+pub(crate) fn start(shared: Arc<Shared>, config: &TcpStoreConfig) -> Result<StoreWorker, Error> {
+    let capacity = shared.config.command_capacity;
+    let (ops_tx, ops_rx) = sync_channel(capacity);
+    let (fetch_tx, fetch_rx) = sync_channel(capacity);
+    let options = ClientOptions {
+        io_timeout: shared.config.io_timeout,
+        ping: config.ping,
+        ..ClientOptions::default()
+    };
+    let mut threads = Vec::with_capacity(2);
+    let ops = Ops {
+        shared: shared.clone(),
+        endpoint: config.endpoint.clone(),
+        options: options.clone(),
+        client: None,
+        published: BTreeSet::new(),
+        outage: false,
+        retry_interval: config.watch_interval,
+    };
+    threads.push(
+        std::thread::Builder::new()
+            .name(format!("ferry-tcpstore-ops-{}", shared.agent))
+            .spawn(move || ops.run(ops_rx))
+            .map_err(|e| io_error(BACKEND, "spawning the ops worker", &e))?,
+    );
+    let fetcher = Fetcher {
+        shared: shared.clone(),
+        endpoint: config.endpoint.clone(),
+        options,
+        client: None,
+        pending: VecDeque::new(),
+        watched: Vec::new(),
+        watch_interval: config.watch_interval,
+        watch_outage: false,
+        get_first: true,
+    };
+    let spawned = std::thread::Builder::new()
+        .name(format!("ferry-tcpstore-fetch-{}", shared.agent))
+        .spawn(move || fetcher.run(fetch_rx));
+    match spawned {
+        Ok(t) => threads.push(t),
+        Err(e) => {
+            drop(ops_tx);
+            for t in threads {
+                let _unused = t.join();
+            }
+            return Err(io_error(BACKEND, "spawning the fetch worker", &e));
+        }
+    }
+    Ok(StoreWorker {
+        route: Route::TcpStore,
+        endpoint: config.endpoint.clone(),
+        ops: CmdSender::Std(ops_tx),
+        fetches: Some(CmdSender::Std(fetch_tx)),
+        threads,
+    })
+}
+
+fn connect(endpoint: &str, options: &ClientOptions) -> Result<TcpStoreClient, Error> {
+    TcpStoreClient::connect(endpoint, options.clone())
+        .map_err(|e| Error::backend(BACKEND, format!("store at {endpoint} is unreachable: {e}")))
+}
+
+struct Ops {
+    shared: Arc<Shared>,
+    endpoint: String,
+    options: ClientOptions,
+    client: Option<TcpStoreClient>,
+    /// Labels published and not withdrawn.
+    published: BTreeSet<String>,
+    /// The last attempt failed; the next connection publishes everything again.
+    outage: bool,
+    retry_interval: Duration,
+}
+
+impl Ops {
+    fn run(mut self, commands: Receiver<StoreCmd>) {
+        loop {
+            let wait = if self.published.is_empty() {
+                IDLE_TICK
+            } else {
+                self.retry_interval
+            };
+            let cmd = match commands.recv_timeout(wait) {
+                Ok(cmd) => cmd,
+                Err(RecvTimeoutError::Timeout) => {
+                    if self.shared.stopping() {
+                        return;
+                    }
+                    if !self.published.is_empty() {
+                        self.refresh();
+                    }
+                    continue;
+                }
+                Err(RecvTimeoutError::Disconnected) => return,
+            };
+            if self.shared.stopping() {
+                return;
+            }
+            match cmd {
+                StoreCmd::Publish { label, blob } => {
+                    self.published.insert(label.clone());
+                    if let Err(error) = self.publish(&label, &blob) {
+                        self.failed(&label, error);
+                    }
+                }
+                StoreCmd::Withdraw => {
+                    let labels = std::mem::take(&mut self.published);
+                    if let Err(error) = self.withdraw(&labels) {
+                        self.failed("invalidate", error);
+                    }
+                }
+                StoreCmd::Fetch { agent, label } => {
+                    // Fetches have their own thread; this is only reached by mistake.
+                    self.shared.emit(Event::FetchFailed {
+                        agent,
+                        label,
+                        error: Error::backend(BACKEND, "fetch sent to the ops worker"),
+                    });
+                }
+            }
+        }
+    }
+
+    fn failed(&mut self, what: &str, error: Error) {
+        self.client = None;
+        self.outage = true;
+        log::warn!("tcpstore: {what}: {error}");
+        self.shared.emit(Event::SendFailed {
+            target: format!("tcpstore {}", self.endpoint),
+            what: what.to_owned(),
+            error,
+        });
+    }
+
+    /// The connection, made anew if needed; after an outage, everything published is
+    /// published again on the new connection.
+    fn client(&mut self) -> Result<&mut TcpStoreClient, Error> {
+        if self.client.as_ref().is_some_and(TcpStoreClient::is_broken) {
+            self.client = None;
+            self.outage = true;
+        }
+        if self.client.is_none() {
+            let mut client = connect(&self.endpoint, &self.options)?;
+            if self.outage {
+                for label in &self.published {
+                    if let Some(blob) = self.shared.local.get(label) {
+                        let key = user_key(&self.shared.key(&self.shared.agent, label));
+                        client.set(key.as_bytes(), &blob)?;
+                    }
+                }
+                if !self.published.is_empty() {
+                    log::info!(
+                        "tcpstore: {} is back; published {} label(s) again",
+                        self.endpoint,
+                        self.published.len()
+                    );
+                }
+                self.outage = false;
+            }
+            self.client = Some(client);
+        }
+        self.client
+            .as_mut()
+            .ok_or_else(|| Error::backend(BACKEND, "no connection"))
+    }
+
+    /// SET, confirmed by a CHECK (SET has no reply, so a dead server would otherwise
+    /// go unnoticed). Retried once on a fresh connection if a reused one failed.
+    fn publish(&mut self, label: &str, blob: &[u8]) -> Result<(), Error> {
+        let key = user_key(&self.shared.key(&self.shared.agent, label));
+        let mut retried = false;
+        loop {
+            let reused = self.client.is_some();
+            let result = self.client().and_then(|c| {
+                c.set(key.as_bytes(), blob)?;
+                if c.check(&[key.as_bytes()])? {
+                    Ok(())
+                } else {
+                    Err(Error::backend(
+                        BACKEND,
+                        format!("'{key}' missing right after SET"),
+                    ))
+                }
+            });
+            match result {
+                Err(_) if reused && !retried => {
+                    self.client = None;
+                    retried = true;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// While idle with something published: make sure it is still there (the server
+    /// may have restarted and lost it), publishing again what is missing.
+    fn refresh(&mut self) {
+        let agent = self.shared.agent.clone();
+        let labels: Vec<String> = self.published.iter().cloned().collect();
+        let result = (|| -> Result<usize, Error> {
+            let mut republished = 0;
+            for label in &labels {
+                let key = user_key(&self.shared.key(&agent, label));
+                let present = self.client()?.check(&[key.as_bytes()])?;
+                if !present {
+                    if let Some(blob) = self.shared.local.get(label) {
+                        self.client()?.set(key.as_bytes(), &blob)?;
+                        republished += 1;
+                    }
+                }
+            }
+            Ok(republished)
+        })();
+        match result {
+            Ok(0) => {}
+            Ok(n) => log::info!(
+                "tcpstore: published {n} missing label(s) again at {}",
+                self.endpoint
+            ),
+            Err(e) => {
+                if !self.outage {
+                    log::warn!("tcpstore: {e}");
+                }
+                self.client = None;
+                self.outage = true;
+            }
+        }
+    }
+
+    fn withdraw(&mut self, labels: &BTreeSet<String>) -> Result<(), Error> {
+        let agent = self.shared.agent.clone();
+        let mut keys: Vec<String> = labels
+            .iter()
+            .map(|l| user_key(&self.shared.key(&agent, l)))
+            .collect();
+        if !labels.contains(FULL_LABEL) {
+            keys.push(user_key(&self.shared.key(&agent, FULL_LABEL)));
+        }
+        let client = self.client()?;
+        for key in keys {
+            client.delete_key(key.as_bytes())?;
+        }
+        Ok(())
+    }
+}
+
+struct PendingFetch {
+    agent: String,
+    label: String,
+    key: Vec<u8>,
+    deadline: Instant,
+    /// Already tried the plain GET.
+    tried_get: bool,
+    /// Already retried once on a fresh connection.
+    retried: bool,
+}
+
+struct Fetcher {
+    shared: Arc<Shared>,
+    endpoint: String,
+    options: ClientOptions,
+    client: Option<TcpStoreClient>,
+    pending: VecDeque<PendingFetch>,
+    /// (agent, key) of fetched peers, checked for deletion.
+    watched: Vec<(String, Vec<u8>)>,
+    watch_interval: Duration,
+    watch_outage: bool,
+    /// Try a plain GET before waiting. Turned off for good when the server closes the
+    /// connection on a GET of a missing key (torch's legacy server does).
+    get_first: bool,
+}
+
+impl Fetcher {
+    fn run(mut self, commands: Receiver<StoreCmd>) {
+        let mut next_watch = Instant::now() + self.watch_interval;
+        loop {
+            if self.shared.stopping() {
+                return;
+            }
+            if self.pending.is_empty() {
+                let until_watch = if self.watched.is_empty() {
+                    IDLE_TICK
+                } else {
+                    next_watch.saturating_duration_since(Instant::now())
+                };
+                match commands.recv_timeout(until_watch) {
+                    Ok(cmd) => self.take(cmd),
+                    Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Disconnected) => return,
+                }
+            }
+            loop {
+                match commands.try_recv() {
+                    Ok(cmd) => self.take(cmd),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => return,
+                }
+            }
+            if let Some(fetch) = self.pending.pop_front() {
+                self.step(fetch);
+            }
+            if !self.watched.is_empty() && Instant::now() >= next_watch {
+                self.watch();
+                next_watch = Instant::now() + self.watch_interval;
+            }
+        }
+    }
+
+    fn take(&mut self, cmd: StoreCmd) {
+        match cmd {
+            StoreCmd::Fetch { agent, label } => {
+                let key = user_key(&self.shared.key(&agent, &label)).into_bytes();
+                self.pending.push_back(PendingFetch {
+                    agent,
+                    label,
+                    key,
+                    deadline: Instant::now() + self.shared.config.fetch_timeout,
+                    tried_get: false,
+                    retried: false,
+                });
+            }
+            StoreCmd::Publish { label, .. } => {
+                self.shared.emit(Event::SendFailed {
+                    target: format!("tcpstore {}", self.endpoint),
+                    what: label,
+                    error: Error::backend(BACKEND, "publish sent to the fetch worker"),
+                });
+            }
+            StoreCmd::Withdraw => {}
+        }
+    }
+
+    fn client(&mut self) -> Result<&mut TcpStoreClient, Error> {
+        if self.client.as_ref().is_some_and(TcpStoreClient::is_broken) {
+            self.client = None;
+        }
+        if self.client.is_none() {
+            self.client = Some(connect(&self.endpoint, &self.options)?);
+        }
+        self.client
+            .as_mut()
+            .ok_or_else(|| Error::backend(BACKEND, "no connection"))
+    }
+
+    fn fail(&self, fetch: PendingFetch, error: Error) {
+        self.shared.emit(Event::FetchFailed {
+            agent: fetch.agent,
+            label: fetch.label,
+            error,
+        });
+    }
+
+    /// One step of one fetch: a GET the first time, else one WAIT slice (then GET).
+    fn step(&mut self, mut fetch: PendingFetch) {
+        let others_pending = !self.pending.is_empty();
+        let reused = self.client.is_some();
+        let get_first = self.get_first;
+        let client = match self.client() {
+            Ok(c) => c,
+            Err(e) => return self.fail(fetch, e),
+        };
+        let found = if !fetch.tried_get && get_first {
+            fetch.tried_get = true;
+            match client.get(&fetch.key) {
+                Ok(v) => Ok(v),
+                Err(e) => {
+                    // Legacy torch servers close the connection on a GET of a missing
+                    // key: from now on wait first, then GET.
+                    log::info!(
+                        "tcpstore: {} closed on GET ({e}); waiting before every GET from now on",
+                        self.endpoint
+                    );
+                    self.get_first = false;
+                    self.client = None;
+                    self.pending.push_front(fetch);
+                    return;
+                }
+            }
+        } else {
+            let remaining = fetch.deadline.saturating_duration_since(Instant::now());
+            let slice = if others_pending {
+                remaining.min(WAIT_SLICE)
+            } else {
+                remaining.min(IDLE_TICK)
+            };
+            match client.wait(&[&fetch.key], slice) {
+                Ok(true) => client.get(&fetch.key),
+                Ok(false) => Ok(Vec::new()),
+                Err(e) => Err(e),
+            }
+        };
+        match found {
+            Ok(blob) if !blob.is_empty() => {
+                if !self.watched.iter().any(|(a, _)| *a == fetch.agent) {
+                    self.watched.push((fetch.agent.clone(), fetch.key.clone()));
+                }
+                self.shared.emit(Event::Load {
+                    agent: fetch.agent,
+                    label: fetch.label,
+                    blob,
+                    route: Route::TcpStore,
+                });
+            }
+            // Missing (or deleted between WAIT and GET): wait on, within the deadline.
+            Ok(_) if Instant::now() < fetch.deadline => self.pending.push_back(fetch),
+            Ok(_) => {
+                let detail = format!(
+                    "fetch of agent '{}' label '{}' (key '{}') from {}: not published within {} ms",
+                    fetch.agent,
+                    fetch.label,
+                    String::from_utf8_lossy(&fetch.key),
+                    self.endpoint,
+                    self.shared.config.fetch_timeout.as_millis()
+                );
+                self.fail(fetch, timeout_error(BACKEND, detail));
+            }
+            Err(_) if reused && !fetch.retried => {
+                // The connection may have died while idle (server restarted): once more
+                // on a fresh one.
+                self.client = None;
+                fetch.retried = true;
+                self.pending.push_front(fetch);
+            }
+            Err(e) => {
+                self.client = None;
+                self.fail(fetch, e);
+            }
+        }
+    }
+
+    /// Check fetched peers' keys; a deleted key invalidates that peer.
+    fn watch(&mut self) {
+        let mut gone = Vec::new();
+        let result = (|| -> Result<(), Error> {
+            let watched = std::mem::take(&mut self.watched);
+            let client = match self.client() {
+                Ok(c) => c,
+                Err(e) => {
+                    self.watched = watched;
+                    return Err(e);
+                }
+            };
+            let mut kept = Vec::with_capacity(watched.len());
+            let mut error = None;
+            for (agent, key) in watched {
+                if error.is_some() {
+                    kept.push((agent, key));
+                    continue;
+                }
+                match client.check(&[&key]) {
+                    Ok(true) => kept.push((agent, key)),
+                    Ok(false) => gone.push(agent),
+                    Err(e) => {
+                        error = Some(e);
+                        kept.push((agent, key));
+                    }
+                }
+            }
+            self.watched = kept;
+            error.map_or(Ok(()), Err)
+        })();
+        match result {
+            Ok(()) => {
+                if self.watch_outage {
+                    log::info!("tcpstore: {} reachable again", self.endpoint);
+                }
+                self.watch_outage = false;
+            }
+            Err(e) => {
+                self.client = None;
+                if !self.watch_outage {
+                    log::warn!("tcpstore: watching fetched peers: {e}");
+                }
+                self.watch_outage = true;
+            }
+        }
+        for agent in gone {
+            self.shared.emit(Event::Invalidate {
+                agent,
+                route: Route::TcpStore,
+            });
+        }
+    }
+}

@@ -1,0 +1,277 @@
+//! A blocking client of the TCPStore protocol with a timeout on every operation.
+//!
+//! Keys are sent as given: torch's `TCPStore` prepends `/` to user keys, so to share a
+//! key `k` with torch code use [`user_key`]. After any error the client is broken
+//! (the stream may be out of step) and must be replaced by a new connection.
+
+use std::io::Write;
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use ferry_storage::Error;
+
+use super::proto::{self, op};
+use crate::util::{connect, io_error, nonzero};
+
+const BACKEND: &str = "tcpstore";
+
+/// The wire key torch's `TCPStore` uses for user key `key` (`/` prepended).
+pub fn user_key(key: &str) -> String {
+    format!("/{key}")
+}
+
+/// Connection options.
+#[derive(Clone, Debug)]
+pub struct ClientOptions {
+    /// Bound on connect and on every read and write (WAIT has its own deadline).
+    pub io_timeout: Duration,
+    /// Send PING after VALIDATE (torch >= 2.5; servers of 2.2-2.4 close on it).
+    pub ping: bool,
+    /// Largest value accepted in a reply.
+    pub max_value_bytes: usize,
+}
+
+impl Default for ClientOptions {
+    fn default() -> ClientOptions {
+        ClientOptions {
+            io_timeout: Duration::from_secs(5),
+            ping: true,
+            max_value_bytes: 256 << 20,
+        }
+    }
+}
+
+/// One connection to a TCPStore server. One request in flight at a time.
+pub struct TcpStoreClient {
+    stream: TcpStream,
+    endpoint: String,
+    options: ClientOptions,
+    request: Vec<u8>,
+    broken: bool,
+}
+
+impl TcpStoreClient {
+    /// Connect to `endpoint` (`HOST:PORT`) and do the handshake (VALIDATE, then PING
+    /// if enabled).
+    pub fn connect(endpoint: &str, options: ClientOptions) -> Result<TcpStoreClient, Error> {
+        let stream = connect(BACKEND, endpoint, options.io_timeout)?;
+        let mut client = TcpStoreClient {
+            stream,
+            endpoint: endpoint.to_owned(),
+            options,
+            request: Vec::with_capacity(256),
+            broken: false,
+        };
+        client.begin(op::VALIDATE);
+        client
+            .request
+            .extend_from_slice(&proto::VALIDATE_MAGIC.to_le_bytes());
+        client.send("VALIDATE")?;
+        if client.options.ping {
+            let nonce = std::process::id();
+            client.begin(op::PING);
+            client.request.extend_from_slice(&nonce.to_le_bytes());
+            client.send("PING")?;
+            let echo = client.read("PING", proto::read_u32)?;
+            if echo != nonce {
+                client.broken = true;
+                return Err(Error::backend(
+                    BACKEND,
+                    format!("PING to {endpoint}: echo {echo:#x} differs from nonce {nonce:#x}"),
+                ));
+            }
+        }
+        Ok(client)
+    }
+
+    /// The server's address.
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        self.stream.peer_addr().ok()
+    }
+
+    /// Whether an earlier error left this connection unusable.
+    pub fn is_broken(&self) -> bool {
+        self.broken
+    }
+
+    /// SET `key` to `value` (wakes waiters).
+    pub fn set(&mut self, key: &[u8], value: &[u8]) -> Result<(), Error> {
+        self.begin(op::SET);
+        proto::put_bytes(&mut self.request, key);
+        proto::put_bytes(&mut self.request, value);
+        self.send("SET")
+    }
+
+    /// GET `key` without waiting: an empty vector for a missing key on libuv servers and
+    /// Ferry's; a closed connection on torch's legacy server. Prefer [`Self::wait`] first.
+    pub fn get(&mut self, key: &[u8]) -> Result<Vec<u8>, Error> {
+        self.begin(op::GET);
+        proto::put_bytes(&mut self.request, key);
+        self.send("GET")?;
+        let max = self.options.max_value_bytes;
+        self.read("GET", |r| proto::read_bytes(r, max))
+    }
+
+    /// ADD `delta` to the number stored at `key`; returns the new value.
+    pub fn add(&mut self, key: &[u8], delta: i64) -> Result<i64, Error> {
+        self.begin(op::ADD);
+        proto::put_bytes(&mut self.request, key);
+        proto::put_i64(&mut self.request, delta);
+        self.send("ADD")?;
+        self.read("ADD", proto::read_i64)
+    }
+
+    /// CHECK: whether every key exists now.
+    pub fn check(&mut self, keys: &[&[u8]]) -> Result<bool, Error> {
+        self.begin(op::CHECK);
+        self.put_keys(keys);
+        self.send("CHECK")?;
+        match self.read("CHECK", proto::read_u8)? {
+            proto::READY => Ok(true),
+            proto::NOT_READY => Ok(false),
+            other => Err(self.protocol("CHECK", format!("reply byte {other}"))),
+        }
+    }
+
+    /// WAIT until every key exists or `timeout` passes; `Ok(false)` on timeout (the
+    /// wait is canceled on the server and the connection stays usable).
+    pub fn wait(&mut self, keys: &[&[u8]], timeout: Duration) -> Result<bool, Error> {
+        self.begin(op::WAIT);
+        self.put_keys(keys);
+        self.send("WAIT")?;
+        let deadline = Instant::now() + timeout;
+        let waited = self.stream.set_read_timeout(Some(nonzero(timeout)));
+        if let Err(e) = waited {
+            self.broken = true;
+            return Err(io_error(BACKEND, "WAIT: setting the deadline", &e));
+        }
+        let reply = proto::read_u8(&mut self.stream);
+        let restored = self
+            .stream
+            .set_read_timeout(Some(nonzero(self.options.io_timeout)));
+        if let Err(e) = restored {
+            self.broken = true;
+            return Err(io_error(BACKEND, "WAIT: restoring the timeout", &e));
+        }
+        match reply {
+            Ok(proto::STOP_WAITING) => Ok(true),
+            Ok(other) => Err(self.protocol("WAIT", format!("reply byte {other}"))),
+            Err(e) if crate::util::is_timeout(&e) => {
+                debug_assert!(Instant::now() + Duration::from_millis(50) >= deadline);
+                self.cancel_wait()
+            }
+            Err(e) => {
+                self.broken = true;
+                Err(io_error(
+                    BACKEND,
+                    format_args!("WAIT on {}", self.endpoint),
+                    &e,
+                ))
+            }
+        }
+    }
+
+    /// The timeout sequence: CANCEL_WAIT, then 1 (canceled) or 0 then 1 (the keys came
+    /// just before the cancel). Returns whether the keys came.
+    fn cancel_wait(&mut self) -> Result<bool, Error> {
+        self.begin(op::CANCEL_WAIT);
+        self.send("CANCEL_WAIT")?;
+        match self.read("CANCEL_WAIT", proto::read_u8)? {
+            proto::WAIT_CANCELED => Ok(false),
+            proto::STOP_WAITING => match self.read("CANCEL_WAIT", proto::read_u8)? {
+                proto::WAIT_CANCELED => Ok(true),
+                other => Err(self.protocol("CANCEL_WAIT", format!("second reply byte {other}"))),
+            },
+            other => Err(self.protocol("CANCEL_WAIT", format!("reply byte {other}"))),
+        }
+    }
+
+    /// DELETE_KEY: whether the key existed.
+    pub fn delete_key(&mut self, key: &[u8]) -> Result<bool, Error> {
+        self.begin(op::DELETE_KEY);
+        proto::put_bytes(&mut self.request, key);
+        self.send("DELETE_KEY")?;
+        Ok(self.read("DELETE_KEY", proto::read_i64)? == 1)
+    }
+
+    /// GETNUMKEYS: how many keys the server holds.
+    pub fn num_keys(&mut self) -> Result<i64, Error> {
+        self.begin(op::GETNUMKEYS);
+        self.send("GETNUMKEYS")?;
+        self.read("GETNUMKEYS", proto::read_i64)
+    }
+
+    /// COMPARE_SET: replace the value at `key` with `desired` if it equals `expected`;
+    /// returns the value now stored (see the protocol notes for a missing key).
+    pub fn compare_set(
+        &mut self,
+        key: &[u8],
+        expected: &[u8],
+        desired: &[u8],
+    ) -> Result<Vec<u8>, Error> {
+        self.begin(op::COMPARE_SET);
+        proto::put_bytes(&mut self.request, key);
+        proto::put_bytes(&mut self.request, expected);
+        proto::put_bytes(&mut self.request, desired);
+        self.send("COMPARE_SET")?;
+        let max = self.options.max_value_bytes;
+        self.read("COMPARE_SET", |r| proto::read_bytes(r, max))
+    }
+
+    fn begin(&mut self, opcode: u8) {
+        self.request.clear();
+        self.request.push(opcode);
+    }
+
+    fn put_keys(&mut self, keys: &[&[u8]]) {
+        proto::put_u64(&mut self.request, keys.len() as u64);
+        for key in keys {
+            proto::put_bytes(&mut self.request, key);
+        }
+    }
+
+    /// Write the request being built, whole.
+    fn send(&mut self, what: &'static str) -> Result<(), Error> {
+        if self.broken {
+            return Err(Error::backend(
+                BACKEND,
+                format!(
+                    "{what} to {}: connection is broken by an earlier error",
+                    self.endpoint
+                ),
+            ));
+        }
+        if let Err(e) = self.stream.write_all(&self.request) {
+            self.broken = true;
+            return Err(io_error(
+                BACKEND,
+                format_args!("{what} to {}", self.endpoint),
+                &e,
+            ));
+        }
+        Ok(())
+    }
+
+    fn read<T>(
+        &mut self,
+        what: &'static str,
+        f: impl FnOnce(&mut TcpStream) -> std::io::Result<T>,
+    ) -> Result<T, Error> {
+        f(&mut self.stream).map_err(|e| {
+            self.broken = true;
+            io_error(
+                BACKEND,
+                format_args!("{what} reply from {}", self.endpoint),
+                &e,
+            )
+        })
+    }
+
+    fn protocol(&mut self, what: &'static str, detail: String) -> Error {
+        self.broken = true;
+        Error::backend(
+            BACKEND,
+            format!("{what} to {}: protocol error: {detail}", self.endpoint),
+        )
+    }
+}

@@ -1,0 +1,110 @@
+//! Small helpers shared by the backends: error mapping and socket set-up.
+
+use std::fmt::Display;
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream, ToSocketAddrs};
+use std::time::Duration;
+
+use ferry_storage::Error;
+
+/// Turn an I/O error of `backend` into Ferry's error, naming what was being done.
+/// Timeouts (which Linux reports as `EAGAIN` on a socket read) get `ETIMEDOUT`.
+pub(crate) fn io_error(backend: &'static str, what: impl Display, e: &io::Error) -> Error {
+    let (errno, detail) = match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+            (libc::ETIMEDOUT, format!("{what}: timed out"))
+        }
+        io::ErrorKind::UnexpectedEof => (
+            libc::ECONNRESET,
+            format!("{what}: the other side closed the connection"),
+        ),
+        _ => (e.raw_os_error().unwrap_or(0), format!("{what}: {e}")),
+    };
+    Error::Backend {
+        backend: backend.into(),
+        errno,
+        desc: None,
+        detail: detail.into(),
+    }
+}
+
+/// A timeout error of `backend` with `detail`.
+pub(crate) fn timeout_error(backend: &'static str, detail: String) -> Error {
+    Error::Backend {
+        backend: backend.into(),
+        errno: libc::ETIMEDOUT,
+        desc: None,
+        detail: detail.into(),
+    }
+}
+
+/// True for the errors a socket read with a timeout gives when the time is up.
+pub(crate) fn is_timeout(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
+}
+
+/// Connect to `endpoint` (`HOST:PORT`) within `timeout` per resolved address, with
+/// `TCP_NODELAY` and read/write timeouts of `timeout`.
+pub(crate) fn connect(
+    backend: &'static str,
+    endpoint: &str,
+    timeout: Duration,
+) -> Result<TcpStream, Error> {
+    let addrs: Vec<SocketAddr> = endpoint
+        .to_socket_addrs()
+        .map_err(|e| io_error(backend, format_args!("resolving '{endpoint}'"), &e))?
+        .collect();
+    let mut last = io::Error::new(io::ErrorKind::NotFound, "no address");
+    for addr in addrs {
+        match TcpStream::connect_timeout(&addr, timeout) {
+            Ok(stream) => {
+                configure(&stream, timeout)
+                    .map_err(|e| io_error(backend, format_args!("configuring {addr}"), &e))?;
+                return Ok(stream);
+            }
+            Err(e) => last = e,
+        }
+    }
+    Err(io_error(
+        backend,
+        format_args!("connecting to {endpoint}"),
+        &last,
+    ))
+}
+
+/// Set `TCP_NODELAY` and read/write timeouts on a socket.
+pub(crate) fn configure(stream: &TcpStream, timeout: Duration) -> io::Result<()> {
+    stream.set_nodelay(true)?;
+    stream.set_read_timeout(Some(nonzero(timeout)))?;
+    stream.set_write_timeout(Some(nonzero(timeout)))
+}
+
+/// `d`, or one millisecond if it is zero (a zero socket timeout is refused by std).
+pub(crate) fn nonzero(d: Duration) -> Duration {
+    d.max(Duration::from_millis(1))
+}
+
+/// 16 random bytes from the operating system.
+pub(crate) fn nonce() -> Result<[u8; 16], Error> {
+    let mut n = [0u8; 16];
+    getrandom::fill(&mut n).map_err(|e| {
+        Error::backend("exchange", format!("reading random bytes for a nonce: {e}"))
+    })?;
+    Ok(n)
+}
+
+/// Where to connect to reach a listener bound to `addr` (unspecified → loopback).
+pub(crate) fn wake_addr(addr: SocketAddr) -> SocketAddr {
+    match addr.ip() {
+        IpAddr::V4(ip) if ip.is_unspecified() => {
+            SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), addr.port())
+        }
+        IpAddr::V6(ip) if ip.is_unspecified() => {
+            SocketAddr::new(IpAddr::V6(Ipv6Addr::LOCALHOST), addr.port())
+        }
+        _ => addr,
+    }
+}

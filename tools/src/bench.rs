@@ -1,0 +1,103 @@
+//! `ferry bench`: rerunnable benchmarks that print medians.
+
+use std::time::Instant;
+
+use ferry::{Agent, AgentConfig, CommandBuffer, Desc, MemKind, Op, Params, Side};
+
+use crate::buffers::HostBuffer;
+use crate::opt;
+
+pub fn run(args: &[String]) -> Result<(), String> {
+    match args.first().map(String::as_str) {
+        Some("control") => control(&args[1..]),
+        _ => Err("bench needs a target: control".into()),
+    }
+}
+
+/// Median of the per-round nanoseconds per descriptor.
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn control(args: &[String]) -> Result<(), String> {
+    let batch: usize = opt(args, "--batch")?.unwrap_or(1024);
+    let seconds: f64 = opt(args, "--seconds")?.unwrap_or(2.0);
+    let path: String = opt(args, "--path")?.unwrap_or_else(|| "prepared".to_string());
+    let shuffled = args.iter().any(|a| a == "--shuffled");
+    let block = 64;
+    let err = |e: ferry::Error| e.to_string();
+
+    let src = HostBuffer::pattern(batch * block, 7);
+    let dst = HostBuffer::zeroed(batch * block);
+    let a = Agent::new(AgentConfig::named("bench-a")).map_err(err)?;
+    let b = Agent::new(AgentConfig::named("bench-b")).map_err(err)?;
+    a.create_backend("LOOPBACK", &Params::new()).map_err(err)?;
+    b.create_backend("LOOPBACK", &Params::new()).map_err(err)?;
+    src.register(&a).map_err(err)?;
+    dst.register(&b).map_err(err)?;
+    let peer = a.load_remote_md(&b.local_md().map_err(err)?).map_err(err)?;
+    let local: Vec<Desc> = (0..batch).map(|i| src.desc(i * block, block)).collect();
+    let mut order: Vec<usize> = (0..batch).collect();
+    if shuffled {
+        let mut x = 12345u64;
+        for i in (1..batch).rev() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            order.swap(i, (x % (i as u64 + 1)) as usize);
+        }
+    }
+    let remote: Vec<Desc> = order.iter().map(|&j| dst.desc(j * block, block)).collect();
+    let lp = a.prep(Side::Local, MemKind::Dram, &local).map_err(err)?;
+    let rp = a.prep(peer, MemKind::Dram, &remote).map_err(err)?;
+    let mut cmds = CommandBuffer::with_capacity(16);
+    let full = match path.as_str() {
+        "prepared" => false,
+        "full" => true,
+        other => return Err(format!("--path must be prepared or full, not {other}")),
+    };
+    let turn = |cmds: &mut CommandBuffer| {
+        cmds.clear();
+        if full {
+            let l = cmds.prep(Side::Local, MemKind::Dram, &local);
+            let r = cmds.prep(peer, MemKind::Dram, &remote);
+            let x = cmds.make(Op::Write, l, &[], r, &[]).ticket();
+            cmds.post(x);
+            cmds.check(x);
+            cmds.release(x);
+            cmds.release_prep(l);
+            cmds.release_prep(r);
+        } else {
+            let x = cmds.make(Op::Write, lp, &[], rp, &[]).ticket();
+            cmds.post(x);
+            cmds.check(x);
+            cmds.release(x);
+        }
+        a.flush(cmds);
+    };
+    for _ in 0..16 {
+        turn(&mut cmds);
+    }
+    if let Some((i, e)) = cmds.errors().next() {
+        return Err(format!("command #{i}: {e}"));
+    }
+    let turns_per_round = (200_000 / batch).max(1);
+    let mut rounds = Vec::new();
+    let deadline = Instant::now() + std::time::Duration::from_secs_f64(seconds);
+    while Instant::now() < deadline || rounds.len() < 5 {
+        let t = Instant::now();
+        for _ in 0..turns_per_round {
+            turn(&mut cmds);
+        }
+        rounds.push(t.elapsed().as_nanos() as f64 / (turns_per_round * batch) as f64);
+    }
+    let ns = median(rounds.clone());
+    println!(
+        "control path, loopback, {batch} x 64 B {} descriptors, {path} path: median {ns:.1} ns/descriptor ({:.2} M descriptors/s) over {} rounds",
+        if shuffled { "shuffled" } else { "contiguous" },
+        1e3 / ns,
+        rounds.len()
+    );
+    Ok(())
+}

@@ -1,1 +1,0 @@
-//! The ferry command-line tool.

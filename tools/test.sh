@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Ferry's one test command: installs what is missing (Debian packages, when run as
+# root), starts the services the tests use on 127.0.0.1, runs every test, stops them.
+#
+#   tools/test.sh            # everything
+#   FERRY_TEST_QUICK=1 tools/test.sh   # skip the release-mode demo smoke run
+#
+# Tests that need a component (UCX, etcd, io_uring …) fail when CI=true and the
+# component is missing, and print why they skip otherwise.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '\n== %s\n' "$*"; }
+
+# ---------------------------------------------------------------- packages
+need_pkgs=()
+have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
+for pkg in libucx-dev ucx-utils etcd-server protobuf-compiler; do
+  have_pkg "$pkg" || need_pkgs+=("$pkg")
+done
+if ((${#need_pkgs[@]})); then
+  if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+    log "installing ${need_pkgs[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq || true
+    apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}" >/dev/null
+  else
+    echo "missing packages (${need_pkgs[*]}) and not root: tests that need them will skip (or fail under CI=true)" >&2
+  fi
+fi
+
+# ---------------------------------------------------------------- services
+scratch=$(mktemp -d -t ferry-test.XXXXXX)
+pids=()
+cleanup() {
+  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+  rm -rf "$scratch"
+}
+trap cleanup EXIT
+
+free_port() {
+  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'
+}
+
+if command -v etcd >/dev/null; then
+  client_port=$(free_port); peer_port=$(free_port)
+  log "starting etcd on 127.0.0.1:$client_port"
+  etcd --name ferry-test --data-dir "$scratch/etcd" \
+    --listen-client-urls "http://127.0.0.1:$client_port" \
+    --advertise-client-urls "http://127.0.0.1:$client_port" \
+    --listen-peer-urls "http://127.0.0.1:$peer_port" \
+    --initial-advertise-peer-urls "http://127.0.0.1:$peer_port" \
+    --initial-cluster "ferry-test=http://127.0.0.1:$peer_port" \
+    >"$scratch/etcd.log" 2>&1 &
+  pids+=($!)
+  for _ in $(seq 1 100); do
+    if (exec 3<>"/dev/tcp/127.0.0.1/$client_port") 2>/dev/null; then break; fi
+    sleep 0.1
+  done
+  export FERRY_TEST_ETCD="http://127.0.0.1:$client_port"
+  export FERRY_TEST_ETCD_BIN
+  FERRY_TEST_ETCD_BIN=$(command -v etcd)
+fi
+
+# ---------------------------------------------------------------- tests
+export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
+export RUST_BACKTRACE=1
+features=()
+if command -v protoc >/dev/null && grep -q '^etcd' metadata/exchange/Cargo.toml 2>/dev/null; then
+  features+=(--features ferry-exchange/etcd)
+fi
+
+log "cargo test --workspace ${features[*]}"
+cargo test --workspace "${features[@]}" --no-fail-fast
+
+log "tracy feature builds"
+cargo check -q -p ferry --features tracy
+
+if [[ -z "${FERRY_TEST_QUICK:-}" ]]; then
+  log "main job smoke run: ferry demo --mib 64"
+  cargo run -q -p ferry-tools --bin ferry -- demo --mib 64
+fi
+log "all tests passed"
