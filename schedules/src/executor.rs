@@ -907,6 +907,22 @@ impl World {
             }
             Ok(())
         })();
+        let built = built.and_then(|()| {
+            let backend = self.backends.backends[slot]
+                .as_ref()
+                .expect("chosen slot is filled");
+            backend.validate(
+                endpoint,
+                &Post {
+                    tag: 0,
+                    op,
+                    local_kind: lkind,
+                    remote_kind: rkind,
+                    ranges: &ranges,
+                    notif,
+                },
+            )
+        });
         if let Err(e) = built {
             self.xfers.range_pool.push(ranges);
             return Err(e);
@@ -1187,6 +1203,16 @@ impl World {
         routed
     }
 
+    /// Name the remote target of range `range` of request `row`, if its backend can.
+    fn failure_target(&self, row: usize, range: Option<u32>) -> Option<String> {
+        let r = self.xfers.ranges[row].get(range? as usize)?;
+        let slot = usize::from(self.xfers.slots[row]);
+        let kind = self.xfers.kinds[row].1;
+        self.backends.backends[slot]
+            .as_ref()?
+            .describe_target(kind, r.remote_token)
+    }
+
     fn route(&mut self, c: Completion, now: Option<Instant>) -> bool {
         let id: XferId = handle_from_tag(c.tag);
         let Some(row) = self.xfers.rows.row(id) else {
@@ -1216,13 +1242,22 @@ impl World {
                         backend: backend.into(),
                         errno: f.errno,
                         desc: f.range,
-                        detail: "short read: the file ended before the range did".into(),
+                        detail: format!(
+                            "short read: {} ended before the range did",
+                            self.failure_target(row, f.range)
+                                .unwrap_or_else(|| "the file".into())
+                        )
+                        .into(),
                     },
                     FailureKind::Backend => Error::Backend {
                         backend: backend.into(),
                         errno: f.errno,
                         desc: f.range,
-                        detail: "transfer failed".into(),
+                        detail: self
+                            .failure_target(row, f.range)
+                            .map_or("transfer failed".into(), |t| {
+                                format!("transfer failed on {t}").into()
+                            }),
                     },
                 })
             }

@@ -241,7 +241,8 @@ fn direct_io_aligned_works_and_misaligned_is_refused_naming_the_descriptor() {
         // Misaligned memory address on descriptor #1.
         let bad_local = [raw.desc(skew, 4096), raw.desc(skew + 4096 * 2 + 1, 4096)];
         let remote = [Desc::new(0, 4096, 4), Desc::new(65536, 4096, 4)];
-        let y = agent
+        // Refused when the request is built (not at post, where it would fail a batch).
+        let err = agent
             .create(
                 Op::Write,
                 MemKind::Dram,
@@ -251,8 +252,7 @@ fn direct_io_aligned_works_and_misaligned_is_refused_naming_the_descriptor() {
                 &remote,
                 None,
             )
-            .unwrap();
-        let err = run(&agent, y).unwrap_err();
+            .unwrap_err();
         match &err {
             Error::InvalidParam { reason, .. } => {
                 assert!(
@@ -298,6 +298,10 @@ fn short_read_and_read_only_write_fail_with_range_and_errno() {
             "{engine}: {err}"
         );
         assert!(err.to_string().contains("short read"), "{err}");
+        assert!(
+            err.to_string().contains("small.bin"),
+            "the error names the file: {err}"
+        );
         // WRITE to a file opened read-only: EBADF on range 0.
         let y = agent
             .create(
@@ -321,6 +325,10 @@ fn short_read_and_read_only_write_fail_with_range_and_errno() {
                 }
             ),
             "{engine}: {err}"
+        );
+        assert!(
+            err.to_string().contains("small.bin"),
+            "the error names the file: {err}"
         );
         // A good request afterwards.
         let z = agent

@@ -382,6 +382,22 @@ pub trait Backend: Send {
         Ok(())
     }
 
+    /// Check a request when it is built (before any post): ranges the backend can never
+    /// serve (O_DIRECT misalignment, unsupported kinds, ranges past a region) are
+    /// refused here with an error naming the range, so they fail their own `make`
+    /// instead of a whole batch at post time. The default accepts everything.
+    fn validate(&self, endpoint: Endpoint, post: &Post<'_>) -> Result<()> {
+        let _ = (endpoint, post);
+        Ok(())
+    }
+
+    /// A human-readable name for the target of `token` (e.g. a file's path), used in
+    /// error messages of failed transfers. The default knows none.
+    fn describe_target(&self, kind: MemKind, token: u64) -> Option<String> {
+        let _ = (kind, token);
+        None
+    }
+
     /// Start a batch of requests to one endpoint. Every post must later produce
     /// exactly one completion with its tag (pushed here or in [`Backend::progress`]).
     /// An `Err` means none of the batch was started and no completion will come.

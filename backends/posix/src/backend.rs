@@ -759,6 +759,19 @@ impl PosixBackend {
 }
 
 impl Backend for PosixBackend {
+    fn validate(&self, endpoint: Endpoint, post: &Post<'_>) -> Result<()> {
+        self.check_post(endpoint, post)
+    }
+
+    fn describe_target(&self, kind: MemKind, token: u64) -> Option<String> {
+        (kind == MemKind::File)
+            .then(|| {
+                self.file_path(token)
+                    .map(|p| format!("file '{}'", p.display()))
+            })
+            .flatten()
+    }
+
     fn name(&self) -> &'static str {
         NAME
     }
