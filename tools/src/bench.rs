@@ -10,7 +10,8 @@ use crate::opt;
 pub fn run(args: &[String]) -> Result<(), String> {
     match args.first().map(String::as_str) {
         Some("control") => control(&args[1..]),
-        _ => Err("bench needs a target: control".into()),
+        Some("posix") => posix(&args[1..]),
+        _ => Err("bench needs a target: control | posix".into()),
     }
 }
 
@@ -98,6 +99,43 @@ fn control(args: &[String]) -> Result<(), String> {
         if shuffled { "shuffled" } else { "contiguous" },
         1e3 / ns,
         rounds.len()
+    );
+    Ok(())
+}
+
+/// `ferry bench posix`: DRAM ↔ FILE throughput of the POSIX backend on one pattern
+/// (`backends/posix/bench/fio-compare.sh` runs fio side by side).
+fn posix(args: &[String]) -> Result<(), String> {
+    use ferry_posix::bench::{run, BenchConfig};
+    let op = match opt::<String>(args, "--op")?.as_deref() {
+        None | Some("read") => Op::Read,
+        Some("write") => Op::Write,
+        Some(other) => return Err(format!("--op must be read or write, not {other}")),
+    };
+    let cfg = BenchConfig {
+        path: opt::<String>(args, "--file")?
+            .map(Into::into)
+            .unwrap_or_else(|| std::env::temp_dir().join("ferry-posix-bench.bin")),
+        total_bytes: opt::<u64>(args, "--size-mib")?.unwrap_or(1024) << 20,
+        block_bytes: opt::<u64>(args, "--block-kib")?.unwrap_or(1024) << 10,
+        batch: opt(args, "--batch")?.unwrap_or(32),
+        op,
+        direct: args.iter().any(|a| a == "--direct"),
+        engine: opt(args, "--engine")?.unwrap_or_else(|| "uring".to_string()),
+        register: !args.iter().any(|a| a == "--no-register"),
+        reps: opt(args, "--reps")?.unwrap_or(5),
+        huge_pages: !args.iter().any(|a| a == "--no-huge-pages"),
+    };
+    let r = run(&cfg).map_err(|e| e.to_string())?;
+    println!(
+        "posix {op} {} {} KiB blocks, batch {}, engine {}: median {:.2} GB/s over {} reps (fixed buffer: {})",
+        if cfg.direct { "O_DIRECT" } else { "buffered" },
+        cfg.block_bytes >> 10,
+        cfg.batch,
+        cfg.engine,
+        r.median_gbps,
+        r.gbps.len(),
+        r.fixed_buffer
     );
     Ok(())
 }

@@ -5,6 +5,8 @@
 //!                                      through the loopback backend, verify, print GB/s
 //! ferry bench control [--batch N] [--shuffled] [--path prepared|full] [--seconds S]
 //!                                      control-path ns per descriptor (median of rounds)
+//! ferry bench posix [--op read|write] [--direct] [--block-kib K] [--batch N] [--size-mib M]
+//!                                      DRAM <-> FILE GB/s (median of reps)
 //! ferry backends                       backend types, parameters, availability
 //! ferry inspect FILE                   summarize a metadata blob
 //! ferry store serve [--listen ADDR]    Ferry's own TCPStore server (c10d wire protocol),
@@ -22,7 +24,7 @@ use std::process::ExitCode;
 
 fn usage() -> ExitCode {
     eprintln!(
-        "usage:\n  ferry demo [--mib N]\n  ferry bench control [--batch N] [--shuffled] [--path prepared|full] [--seconds S]\n  ferry backends\n  ferry inspect FILE\n  ferry store serve [--listen 127.0.0.1:29500]"
+        "usage:\n  ferry demo [--mib N]\n  ferry bench control [--batch N] [--shuffled] [--path prepared|full] [--seconds S]\n  ferry bench posix [--op read|write] [--direct] [--block-kib K] [--batch N] [--size-mib M] [--engine uring|threads]\n  ferry backends\n  ferry inspect FILE\n  ferry store serve [--listen 127.0.0.1:29500]"
     );
     ExitCode::from(2)
 }
