@@ -1,0 +1,374 @@
+//! The agent: one participant with a unique name, owning backends, registered memory,
+//! peers and requests. All methods take `&self`; an agent is `Send + Sync` and command
+//! buffers may be recorded on any thread and flushed from there.
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+use ferry_backend_api::{effective_params, BackendInit, Capabilities, FileMode, NotifSink, Params, QueryResult};
+use ferry_schedules::{flush, Bounds, CommandBuffer, FlushSummary, Side, Telemetry, World, XferStatus};
+use ferry_storage::{
+    BackendId, Desc, Error, MemKind, Op, PeerId, PrepId, RegionId, Result, Subject, XferId,
+};
+
+use crate::md::MdState;
+use crate::registry;
+
+/// How to build an agent.
+#[derive(Clone, Debug)]
+pub struct AgentConfig {
+    /// Unique name (unique within the process, and what peers know it by).
+    pub name: String,
+    /// Capacities and bounds of every table and queue.
+    pub bounds: Bounds,
+}
+
+impl AgentConfig {
+    /// Defaults for an agent called `name`.
+    pub fn named(name: impl Into<String>) -> AgentConfig {
+        AgentConfig {
+            name: name.into(),
+            bounds: Bounds::default(),
+        }
+    }
+
+    /// Replace the bounds.
+    pub fn with_bounds(mut self, bounds: Bounds) -> AgentConfig {
+        self.bounds = bounds;
+        self
+    }
+}
+
+/// A backend instance on an agent.
+#[derive(Clone, Debug)]
+pub struct BackendInfo {
+    /// Its handle.
+    pub id: BackendId,
+    /// Type name.
+    pub name: &'static str,
+    /// What it can do.
+    pub capabilities: Capabilities,
+    /// Effective parameter values.
+    pub params: Params,
+}
+
+pub(crate) struct AgentState {
+    pub(crate) world: World,
+    pub(crate) md: MdState,
+    /// Reused by the one-command convenience methods.
+    scratch: CommandBuffer,
+}
+
+/// One participant in data movement.
+pub struct Agent {
+    name: String,
+    state: Mutex<AgentState>,
+}
+
+fn names_in_use() -> &'static Mutex<HashSet<String>> {
+    static NAMES: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
+    NAMES.get_or_init(|| Mutex::new(HashSet::new()))
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        // Backends go first (they may hold peers' inboxes), then the name is free again.
+        if let Ok(mut state) = self.state.lock() {
+            state.md.peers.clear();
+        }
+        names_in_use().lock().unwrap_or_else(|e| e.into_inner()).remove(&self.name);
+    }
+}
+
+impl std::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent").field("name", &self.name).finish_non_exhaustive()
+    }
+}
+
+impl Agent {
+    /// Make an agent. Fails if another live agent of this process has the same name.
+    pub fn new(config: AgentConfig) -> Result<Agent> {
+        if config.name.is_empty() {
+            return Err(Error::invalid(Subject::Named("agent name".into()), "must not be empty"));
+        }
+        if !names_in_use().lock().unwrap_or_else(|e| e.into_inner()).insert(config.name.clone()) {
+            return Err(Error::NotAllowed {
+                subject: Subject::PeerName(config.name),
+                reason: "an agent with this name already exists in this process".into(),
+            });
+        }
+        #[cfg(feature = "tracy")]
+        let _ = tracy_client::Client::start();
+        Ok(Agent {
+            state: Mutex::new(AgentState {
+                world: World::new(&config.name, config.bounds),
+                md: MdState::new(),
+                scratch: CommandBuffer::with_capacity(4),
+            }),
+            name: config.name,
+        })
+    }
+
+    /// The agent's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, AgentState> {
+        // A panic in another thread while flushing leaves tables consistent between
+        // phases' row operations; keep serving rather than poisoning every caller.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Backend types compiled into this build, with parameters and availability.
+    pub fn available_backends() -> Vec<registry::FactoryInfo> {
+        registry::describe()
+    }
+
+    /// Create a backend of type `name` with `params` (unknown keys are refused; missing
+    /// ones take their defaults).
+    pub fn create_backend(&self, name: &str, params: &Params) -> Result<BackendId> {
+        let factory = registry::factory(name).ok_or_else(|| Error::not_found(Subject::BackendName(name.to_string())))?;
+        if let Err(reason) = factory.available() {
+            return Err(Error::NotSupported {
+                backend: factory.name().into(),
+                what: format!("not available on this machine: {reason}").into(),
+            });
+        }
+        let params = effective_params(factory.name(), factory.params(), params)?;
+        let backend = factory.create(&BackendInit {
+            agent_name: &self.name,
+            params: &params,
+        })?;
+        let mut state = self.lock();
+        if state.world.backend_ids().any(|id| state.world.backend(id).map(|b| b.name()) == Ok(factory.name())) {
+            return Err(Error::NotAllowed {
+                subject: Subject::BackendName(factory.name().to_string()),
+                reason: "this agent already has a backend of this type".into(),
+            });
+        }
+        state.world.add_backend(backend)
+    }
+
+    /// Backends created on this agent.
+    pub fn backends(&self) -> Vec<BackendInfo> {
+        let state = self.lock();
+        state
+            .world
+            .backend_ids()
+            .filter_map(|id| {
+                let b = state.world.backend(id).ok()?;
+                Some(BackendInfo {
+                    id,
+                    name: b.name(),
+                    capabilities: b.capabilities(),
+                    params: b.params().clone(),
+                })
+            })
+            .collect()
+    }
+
+    /// Run every recorded command of `cmds` (see the crate docs for the phase order).
+    /// Outcomes, statuses and drained notifications are read from `cmds` afterwards.
+    pub fn flush(&self, cmds: &mut CommandBuffer) -> FlushSummary {
+        let mut state = self.lock();
+        let AgentState { world, md, .. } = &mut *state;
+        let deregs_before = world.regions().len();
+        let summary = flush(world, md, cmds);
+        if world.regions().len() < deregs_before {
+            md.note_deregistration();
+        }
+        summary
+    }
+
+    /// Flush one command with the reused scratch buffer and give its outcome.
+    fn one<T>(&self, record: impl FnOnce(&mut CommandBuffer) -> u32, read: impl FnOnce(&CommandBuffer, u32) -> Result<T>) -> Result<T> {
+        let mut state = self.lock();
+        let mut scratch = std::mem::take(&mut state.scratch);
+        scratch.clear();
+        let index = record(&mut scratch);
+        {
+            let AgentState { world, md, .. } = &mut *state;
+            let regions_before = world.regions().len();
+            flush(world, md, &mut scratch);
+            if world.regions().len() < regions_before {
+                md.note_deregistration();
+            }
+        }
+        let result = read(&scratch, index);
+        state.scratch = scratch;
+        result
+    }
+
+    /// Register one region with every backend that supports `kind`.
+    ///
+    /// # Safety
+    ///
+    /// As for [`CommandBuffer::register`]: for DRAM/VRAM, `desc` must name memory that
+    /// stays allocated until deregistration and that no Rust reference accesses while a
+    /// transfer using it is in flight.
+    // Reason: declares the caller's promise only; no unsafe operation here.
+    #[allow(unsafe_code)]
+    pub unsafe fn register(&self, kind: MemKind, desc: Desc) -> Result<RegionId> {
+        // SAFETY: the caller made the promise `CommandBuffer::register` asks for.
+        self.one(|c| unsafe { c.register(kind, desc) }.index(), |c, i| c.created(ferry_schedules::Ticket::<RegionId>::at(i)))
+    }
+
+    /// Register a FILE region by path (opened with `mode` by the backend, closed at
+    /// deregistration). See [`CommandBuffer::register_file`].
+    pub fn register_file(&self, path: &Path, mode: FileMode, desc: Desc) -> Result<RegionId> {
+        self.one(|c| c.register_file(path, mode, desc).index(), |c, i| c.created(ferry_schedules::Ticket::<RegionId>::at(i)))
+    }
+
+    /// Deregister a region. Refused while a request using it is in flight.
+    pub fn deregister(&self, region: RegionId) -> Result<()> {
+        self.one(|c| c.deregister(region).index(), done)
+    }
+
+    /// Prepare a descriptor list once (local, or a peer's).
+    pub fn prep(&self, side: impl Into<Side>, kind: MemKind, descs: &[Desc]) -> Result<PrepId> {
+        let side = side.into();
+        self.one(|c| c.prep(side, kind, descs).index(), |c, i| c.created(ferry_schedules::Ticket::<PrepId>::at(i)))
+    }
+
+    /// Build a request from prepared lists and index lists (empty = all, in order).
+    pub fn make(&self, op: Op, local: PrepId, local_idx: &[u32], remote: PrepId, remote_idx: &[u32], notif: Option<&[u8]>) -> Result<XferId> {
+        self.one(
+            |c| {
+                let b = c.make(op, local, local_idx, remote, remote_idx);
+                let b = match notif {
+                    Some(n) => b.notify(n),
+                    None => b,
+                };
+                b.ticket().index()
+            },
+            |c, i| c.created(ferry_schedules::Ticket::<XferId>::at(i)),
+        )
+    }
+
+    /// Build a request in one shot from raw descriptor lists.
+    #[allow(clippy::too_many_arguments)]
+    pub fn create(&self, op: Op, local_kind: MemKind, local: &[Desc], remote_side: impl Into<Side>, remote_kind: MemKind, remote: &[Desc], notif: Option<&[u8]>) -> Result<XferId> {
+        let side = remote_side.into();
+        self.one(
+            |c| {
+                let b = c.create(op, local_kind, local, side, remote_kind, remote);
+                let b = match notif {
+                    Some(n) => b.notify(n),
+                    None => b,
+                };
+                b.ticket().index()
+            },
+            |c, i| c.created(ferry_schedules::Ticket::<XferId>::at(i)),
+        )
+    }
+
+    /// Post (or repost) a request; gives its status after one progress pass.
+    pub fn post(&self, xfer: XferId) -> Result<XferStatus> {
+        self.one(|c| c.post(xfer).index(), |c, i| c.status(ferry_schedules::Ticket::<XferStatus>::at(i)))
+    }
+
+    /// Drive backends once and give the request's status.
+    pub fn check(&self, xfer: XferId) -> Result<XferStatus> {
+        self.one(|c| c.check(xfer).index(), |c, i| c.status(ferry_schedules::Ticket::<XferStatus>::at(i)))
+    }
+
+    /// Release a request (an in-flight one only if its backend can cancel it).
+    pub fn release(&self, xfer: XferId) -> Result<()> {
+        self.one(|c| c.release(xfer).index(), done)
+    }
+
+    /// Release a prepared list.
+    pub fn release_prep(&self, prep: PrepId) -> Result<()> {
+        self.one(|c| c.release_prep(prep).index(), done)
+    }
+
+    /// Send a standalone notification (`Side::Local` = to oneself).
+    pub fn notify(&self, to: impl Into<Side>, payload: &[u8]) -> Result<()> {
+        let to = to.into();
+        self.one(|c| c.notify(to, payload).index(), done)
+    }
+
+    /// Take every inbound notification: (sender agent, payload). Allocates; batch users
+    /// drain into their command buffer instead.
+    pub fn drain_notifications(&self) -> Vec<(String, Vec<u8>)> {
+        struct Collect(Vec<(String, Vec<u8>)>);
+        impl NotifSink for Collect {
+            fn deliver(&mut self, from: &str, payload: &[u8]) {
+                self.0.push((from.to_string(), payload.to_vec()));
+            }
+        }
+        let mut sink = Collect(Vec::new());
+        self.lock().world.drain_notifications(&mut sink);
+        sink.0
+    }
+
+    /// Drive every backend once; returns how many requests completed.
+    pub fn progress(&self) -> u32 {
+        self.lock().world.progress()
+    }
+
+    /// Telemetry of a request: start, post and transfer durations, bytes, descriptor
+    /// count after merging.
+    pub fn telemetry(&self, xfer: XferId) -> Result<Telemetry> {
+        self.lock().world.telemetry(xfer)
+    }
+
+    /// Number of merged ranges of a request.
+    pub fn xfer_ranges(&self, xfer: XferId) -> Result<usize> {
+        self.lock().world.xfer_range_count(xfer)
+    }
+
+    /// Our full metadata: name, generation, connection info of every remote-capable
+    /// backend, every registered region's public metadata.
+    pub fn local_md(&self) -> Result<Vec<u8>> {
+        let state = self.lock();
+        state.md.encode_local(&state.world, None, true)
+    }
+
+    /// Partial metadata: only `regions`, with or without connection info.
+    pub fn local_partial_md(&self, regions: &[RegionId], include_conn_info: bool) -> Result<Vec<u8>> {
+        let state = self.lock();
+        state.md.encode_local(&state.world, Some(regions), include_conn_info)
+    }
+
+    /// Validate and load a peer's metadata blob (idempotent for identical content;
+    /// conflicting content refused; partial metadata accumulates; new content of a new
+    /// generation replaces the old and invalidates requests built on it).
+    pub fn load_remote_md(&self, blob: &[u8]) -> Result<PeerId> {
+        let mut state = self.lock();
+        let AgentState { world, md, .. } = &mut *state;
+        ferry_schedules::MetadataLoader::load(md, world, blob)
+    }
+
+    /// Forget a peer's metadata; requests built on it fail with not-found.
+    pub fn invalidate_remote_md(&self, peer: PeerId) -> Result<()> {
+        let mut state = self.lock();
+        state.md.peers.remove(&peer);
+        state.world.invalidate_peer(peer)
+    }
+
+    /// The peer known by agent name `name`.
+    pub fn peer(&self, name: &str) -> Option<PeerId> {
+        self.lock().world.peer_by_name(name)
+    }
+
+    /// Ask backend `backend` about memory or files (one result per descriptor).
+    pub fn query(&self, backend: BackendId, kind: MemKind, descs: &[Desc], paths: &[Option<&Path>]) -> Result<Vec<QueryResult>> {
+        self.lock().world.backend_mut(backend)?.query(kind, descs, paths)
+    }
+
+    /// Live (requests, prepared lists, regions, peers).
+    pub fn counts(&self) -> (usize, usize, usize, usize) {
+        self.lock().world.counts()
+    }
+}
+
+fn done(c: &CommandBuffer, i: u32) -> Result<()> {
+    match &c.outcomes()[i as usize] {
+        ferry_schedules::Outcome::Failed(e) => Err(e.clone()),
+        _ => Ok(()),
+    }
+}

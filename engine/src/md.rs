@@ -1,0 +1,244 @@
+//! Metadata on the engine side: what we publish (local / partial blobs) and how a
+//! peer's blobs are loaded — validated once by the codec, then read in place. A peer's
+//! view is the set of blobs loaded for its current generation (partial metadata
+//! accumulates); remote sections are binary-searched inside the archived bytes.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use ferry_backend_api::PeerRegions;
+use ferry_metadata::{MdWriter, PeerMd};
+use ferry_schedules::{LoadKind, MetadataLoader, PeerView, World};
+use ferry_storage::{Desc, Error, MemKind, PeerId, RegionId, Subject, MAX_BACKENDS};
+
+/// Every blob loaded for one peer's current metadata generation.
+///
+/// Backend indices of the view are positions in `names` (the union of the blobs'
+/// backend types); a region token is `blob << 32 | region index in that blob`.
+pub(crate) struct PeerMdSet {
+    agent: String,
+    generation: u64,
+    blobs: Vec<Arc<PeerMd>>,
+    names: Vec<String>,
+    /// For each view backend index, that backend's index in each blob.
+    per_blob: Vec<Vec<Option<u8>>>,
+}
+
+impl PeerMdSet {
+    fn new(blobs: Vec<Arc<PeerMd>>) -> PeerMdSet {
+        let first = &blobs[0];
+        let mut names: Vec<String> = Vec::new();
+        for blob in &blobs {
+            for i in 0..blob.backend_count() {
+                if let Some((name, _)) = blob.backend(i as u8) {
+                    if !names.iter().any(|n| n == name) {
+                        names.push(name.to_string());
+                    }
+                }
+            }
+        }
+        let per_blob = names
+            .iter()
+            .map(|n| blobs.iter().map(|b| b.backend_index(n)).collect())
+            .collect();
+        PeerMdSet {
+            agent: first.agent().to_string(),
+            generation: first.generation(),
+            blobs,
+            names,
+            per_blob,
+        }
+    }
+
+    fn token(blob: usize, region: u32) -> u64 {
+        ((blob as u64) << 32) | u64::from(region)
+    }
+
+    fn split(token: u64) -> (usize, u32) {
+        ((token >> 32) as usize, token as u32)
+    }
+
+    /// Compare a new blob of the same generation with what is known. Returns whether it
+    /// adds anything; refuses content that contradicts a known region or connection.
+    fn compare(&self, new: &PeerMd) -> Result<bool, Error> {
+        let mut adds = false;
+        for i in 0..new.backend_count() {
+            let Some((name, conn)) = new.backend(i as u8) else { continue };
+            let known = self.names.iter().position(|n| n == name);
+            match (known, conn) {
+                (None, _) => adds = true,
+                (Some(v), Some(conn)) => match self.conn_info(v as u8) {
+                    Some(old) if old != conn => {
+                        return Err(Error::Mismatch {
+                            subject: Subject::PeerName(self.agent.clone()),
+                            reason: format!("connection info for backend {name} differs from the loaded one").into(),
+                        })
+                    }
+                    Some(_) => {}
+                    None => adds = true,
+                },
+                (Some(_), None) => {}
+            }
+        }
+        for region in new.regions() {
+            let Some((name, _)) = new.backend(region.backend) else { continue };
+            let Some(v) = self.names.iter().position(|n| n == name) else {
+                adds = true;
+                continue;
+            };
+            let v = v as u8;
+            if let Some(token) = self.exact(v, region.kind, region.desc) {
+                if self.public_md(token) != Some(region.public_md) {
+                    return Err(Error::Mismatch {
+                        subject: Subject::Descriptor { index: 0, addr: region.desc.addr, len: region.desc.len, dev: region.desc.dev },
+                        reason: format!("peer '{}' already published this region with different metadata", self.agent).into(),
+                    });
+                }
+                continue;
+            }
+            let d = region.desc;
+            let first = Desc::new(d.addr, 1, d.dev);
+            let last = Desc::new(d.addr + d.len - 1, 1, d.dev);
+            if self.find(v, region.kind, first).is_some() || self.find(v, region.kind, last).is_some() {
+                return Err(Error::Mismatch {
+                    subject: Subject::Descriptor { index: 0, addr: d.addr, len: d.len, dev: d.dev },
+                    reason: format!("overlaps a region peer '{}' published differently", self.agent).into(),
+                });
+            }
+            adds = true;
+        }
+        Ok(adds)
+    }
+
+    fn exact(&self, backend: u8, kind: MemKind, desc: Desc) -> Option<u64> {
+        let per = self.per_blob.get(usize::from(backend))?;
+        per.iter().enumerate().find_map(|(b, idx)| {
+            idx.and_then(|i| self.blobs[b].exact(i, kind, desc)).map(|r| Self::token(b, r))
+        })
+    }
+}
+
+impl PeerRegions for PeerMdSet {
+    fn agent_name(&self) -> &str {
+        &self.agent
+    }
+    fn public_md(&self, token: u64) -> Option<&[u8]> {
+        let (blob, region) = Self::split(token);
+        self.blobs.get(blob)?.region(region).map(|r| r.public_md)
+    }
+}
+
+impl PeerView for PeerMdSet {
+    fn md_generation(&self) -> u64 {
+        self.generation
+    }
+    fn backend_index(&self, name: &str) -> Option<u8> {
+        self.names.iter().position(|n| n == name).map(|i| i as u8)
+    }
+    fn conn_info(&self, index: u8) -> Option<&[u8]> {
+        let per = self.per_blob.get(usize::from(index))?;
+        // The latest blob that carries connection info wins (they agree; see `compare`).
+        per.iter()
+            .enumerate()
+            .rev()
+            .find_map(|(b, idx)| idx.and_then(|i| self.blobs[b].backend(i)).and_then(|(_, c)| c))
+    }
+    #[inline]
+    fn find(&self, backend: u8, kind: MemKind, desc: Desc) -> Option<u64> {
+        let per = self.per_blob.get(usize::from(backend))?;
+        if per.len() == 1 {
+            let i = per[0]?;
+            return self.blobs[0].find(i, kind, desc).map(|r| Self::token(0, r));
+        }
+        per.iter().enumerate().find_map(|(b, idx)| {
+            idx.and_then(|i| self.blobs[b].find(i, kind, desc)).map(|r| Self::token(b, r))
+        })
+    }
+}
+
+/// Engine-side metadata state: every peer's current blob set, and our generation.
+pub(crate) struct MdState {
+    pub(crate) peers: HashMap<PeerId, Arc<PeerMdSet>>,
+    /// Our published generation: a per-instance epoch in the high half, the number of
+    /// deregistrations in the low half (registering only adds, so it keeps the
+    /// generation and partial metadata accumulates at peers).
+    pub(crate) generation: u64,
+}
+
+impl MdState {
+    pub(crate) fn new() -> MdState {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        let epoch = (nanos ^ (u64::from(std::process::id()) << 17)) as u32 | 1;
+        MdState {
+            peers: HashMap::new(),
+            generation: u64::from(epoch) << 32,
+        }
+    }
+
+    pub(crate) fn note_deregistration(&mut self) {
+        self.generation = self.generation.wrapping_add(1);
+    }
+
+    /// Serialize our metadata: every region of every remote-capable backend (or only
+    /// `regions`, as partial metadata, with or without connection info).
+    pub(crate) fn encode_local(&self, world: &World, regions: Option<&[RegionId]>, include_conn_info: bool) -> Result<Vec<u8>, Error> {
+        let mut writer = MdWriter::new(&world.name, self.generation);
+        if regions.is_some() {
+            writer.partial();
+        }
+        let mut index = [None; MAX_BACKENDS];
+        for (slot, entry) in index.iter_mut().enumerate() {
+            let Some(name) = world.slot_name(slot) else { continue };
+            if !world.slot_capabilities(slot).is_some_and(|c| c.remote) {
+                continue;
+            }
+            let conn = include_conn_info.then(|| world.slot_conn_info(slot)).flatten();
+            *entry = Some(writer.backend(name, conn.as_deref()));
+        }
+        let table = world.regions();
+        let add_row = |row: usize, writer: &mut MdWriter| {
+            for (slot, public) in &table.public_md[row] {
+                if let Some(b) = index[usize::from(*slot)] {
+                    writer.region(b, table.kinds[row], table.descs[row], public);
+                }
+            }
+        };
+        match regions {
+            None => (0..table.len()).for_each(|row| add_row(row, &mut writer)),
+            Some(ids) => {
+                for &id in ids {
+                    let row = table.row(id).ok_or_else(|| Error::not_found(Subject::Region(id)))?;
+                    add_row(row, &mut writer);
+                }
+            }
+        }
+        writer.finish()
+    }
+}
+
+impl MetadataLoader for MdState {
+    fn load(&mut self, world: &mut World, blob: &[u8]) -> Result<PeerId, Error> {
+        let md = Arc::new(PeerMd::from_bytes(blob)?);
+        let name = md.agent().to_string();
+        let known = world.peer_by_name(&name).and_then(|p| self.peers.get(&p).map(|s| (p, s.clone())));
+        let (set, kind) = match known {
+            Some((peer, set)) if set.generation == md.generation() && world.peer_view(peer)?.0.is_some() => {
+                if !set.compare(&md)? {
+                    return Ok(peer); // identical content: idempotent
+                }
+                let mut blobs = set.blobs.clone();
+                blobs.push(md);
+                (PeerMdSet::new(blobs), LoadKind::Extend)
+            }
+            Some(_) => (PeerMdSet::new(vec![md]), LoadKind::Replace),
+            None => (PeerMdSet::new(vec![md]), LoadKind::Replace),
+        };
+        let set = Arc::new(set);
+        let peer = world.load_peer(&name, set.clone(), kind)?;
+        self.peers.insert(peer, set);
+        Ok(peer)
+    }
+}

@@ -1,0 +1,41 @@
+//! The backend types this build of Ferry knows.
+
+use ferry_backend_api::{BackendFactory, MemKind, ParamSpec};
+
+/// A backend type: its name, parameters and memory kinds, and whether it works here.
+#[derive(Clone, Debug)]
+pub struct FactoryInfo {
+    /// Type name (`LOOPBACK`, `UCX`, `POSIX` …).
+    pub name: &'static str,
+    /// Parameters with defaults.
+    pub params: &'static [ParamSpec],
+    /// Memory kinds.
+    pub mem_kinds: &'static [MemKind],
+    /// `Err(reason)` when it cannot work on this machine.
+    pub available: Result<(), String>,
+}
+
+static LOOPBACK: ferry_loopback::LoopbackFactory = ferry_loopback::LoopbackFactory;
+
+/// Every backend factory compiled in, in preference order.
+pub fn factories() -> Vec<&'static dyn BackendFactory> {
+    vec![&LOOPBACK]
+}
+
+/// The factory of backend type `name` (case-insensitive).
+pub fn factory(name: &str) -> Option<&'static dyn BackendFactory> {
+    factories().into_iter().find(|f| f.name().eq_ignore_ascii_case(name))
+}
+
+/// Describe every compiled-in backend type.
+pub fn describe() -> Vec<FactoryInfo> {
+    factories()
+        .into_iter()
+        .map(|f| FactoryInfo {
+            name: f.name(),
+            params: f.params(),
+            mem_kinds: f.mem_kinds(),
+            available: f.available(),
+        })
+        .collect()
+}
