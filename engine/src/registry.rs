@@ -16,10 +16,13 @@ pub struct FactoryInfo {
 }
 
 static LOOPBACK: ferry_loopback::LoopbackFactory = ferry_loopback::LoopbackFactory;
+/// UCX loads libucp at run time, so it is always compiled in; `available()` says
+/// whether the library is present.
+static UCX: ferry_ucx::UcxFactory = ferry_ucx::UcxFactory;
 
 /// Every backend factory compiled in, in preference order.
 pub fn factories() -> Vec<&'static dyn BackendFactory> {
-    vec![&LOOPBACK]
+    vec![&LOOPBACK, &UCX]
 }
 
 /// The factory of backend type `name` (case-insensitive).
