@@ -19,7 +19,10 @@ fn ucx_ready() -> bool {
         std::env::set_var("UCX_WARN_UNUSED_ENV_VARS", "n");
     });
     let info = Agent::available_backends();
-    let ucx = info.iter().find(|f| f.name == "UCX").expect("UCX is compiled in");
+    let ucx = info
+        .iter()
+        .find(|f| f.name == "UCX")
+        .expect("UCX is compiled in");
     match &ucx.available {
         Ok(()) => true,
         Err(reason) => {
@@ -39,7 +42,9 @@ fn ucx_agent(prefix: &str, transports: &str) -> Agent {
     if !transports.is_empty() {
         params.insert("transports".into(), transports.into());
     }
-    agent.create_backend("UCX", &params).expect("create UCX backend");
+    agent
+        .create_backend("UCX", &params)
+        .expect("create UCX backend");
     agent
 }
 
@@ -65,7 +70,10 @@ fn finish(p: &Pair, x: XferId, first: XferStatus) {
     let mut status = first;
     while status != XferStatus::Done {
         assert_eq!(status, XferStatus::InProgress);
-        assert!(Instant::now() < deadline, "request not done within {TIMEOUT:?}");
+        assert!(
+            Instant::now() < deadline,
+            "request not done within {TIMEOUT:?}"
+        );
         p.b.progress();
         status = p.a.check(x).expect("check");
     }
@@ -113,11 +121,22 @@ fn write_and_read_shuffled_pieces_with_notification() {
             r += lens[i].1;
         }
         let local: Vec<Desc> = lens.iter().map(|&(l, n)| src.desc(l, n)).collect();
-        let remote: Vec<Desc> = lens.iter().zip(&remote_at).map(|(&(_, n), &r)| dst.desc(r, n)).collect();
+        let remote: Vec<Desc> = lens
+            .iter()
+            .zip(&remote_at)
+            .map(|(&(_, n), &r)| dst.desc(r, n))
+            .collect();
 
-        let x = p
-            .a
-            .create(Op::Write, MemKind::Dram, &local, p.b_at_a, MemKind::Dram, &remote, Some(b"written"))
+        let x =
+            p.a.create(
+                Op::Write,
+                MemKind::Dram,
+                &local,
+                p.b_at_a,
+                MemKind::Dram,
+                &remote,
+                Some(b"written"),
+            )
             .unwrap();
         let first = p.a.post(x).unwrap();
         finish(&p, x, first);
@@ -125,17 +144,32 @@ fn write_and_read_shuffled_pieces_with_notification() {
         assert_eq!(notifs[0].0, p.a.name());
         assert_eq!(notifs[0].1, b"written");
         for (&(l, n), &r) in lens.iter().zip(&remote_at) {
-            assert_eq!(&dst.bytes()[r..r + n], &src.bytes()[l..l + n], "[{transports}] piece at {l}");
+            assert_eq!(
+                &dst.bytes()[r..r + n],
+                &src.bytes()[l..l + n],
+                "[{transports}] piece at {l}"
+            );
         }
 
         let local_back: Vec<Desc> = lens.iter().map(|&(l, n)| back.desc(l, n)).collect();
-        let y = p
-            .a
-            .create(Op::Read, MemKind::Dram, &local_back, p.b_at_a, MemKind::Dram, &remote, None)
+        let y =
+            p.a.create(
+                Op::Read,
+                MemKind::Dram,
+                &local_back,
+                p.b_at_a,
+                MemKind::Dram,
+                &remote,
+                None,
+            )
             .unwrap();
         let first = p.a.post(y).unwrap();
         finish(&p, y, first);
-        assert_eq!(back.bytes(), src.bytes(), "[{transports}] read-back differs");
+        assert_eq!(
+            back.bytes(),
+            src.bytes(),
+            "[{transports}] read-back differs"
+        );
         // Reposting a finished request is allowed.
         let again = p.a.post(y).unwrap();
         finish(&p, y, again);
@@ -159,7 +193,17 @@ fn shuffled_batch_of_1024_descriptors() {
         rng.shuffle(&mut order);
         let local: Vec<Desc> = (0..1024).map(|i| src.desc(i * BLOCK, BLOCK)).collect();
         let remote: Vec<Desc> = order.iter().map(|&j| dst.desc(j * BLOCK, BLOCK)).collect();
-        let x = p.a.create(Op::Write, MemKind::Dram, &local, p.b_at_a, MemKind::Dram, &remote, None).unwrap();
+        let x =
+            p.a.create(
+                Op::Write,
+                MemKind::Dram,
+                &local,
+                p.b_at_a,
+                MemKind::Dram,
+                &remote,
+                None,
+            )
+            .unwrap();
         let first = p.a.post(x).unwrap();
         finish(&p, x, first);
         for (i, &j) in order.iter().enumerate() {
@@ -205,22 +249,43 @@ fn invalidated_peer_is_refused_then_reload_works() {
     let src = Buffer::random(1 << 16, &mut rng);
     let dst = Buffer::zeroed(1 << 16);
     let p = pair("", &src, &dst);
-    let x = p
-        .a
-        .create(Op::Write, MemKind::Dram, &[src.whole()], p.b_at_a, MemKind::Dram, &[dst.whole()], None)
+    let x =
+        p.a.create(
+            Op::Write,
+            MemKind::Dram,
+            &[src.whole()],
+            p.b_at_a,
+            MemKind::Dram,
+            &[dst.whole()],
+            None,
+        )
         .unwrap();
     let first = p.a.post(x).unwrap();
     finish(&p, x, first);
     p.a.invalidate_remote_md(p.b_at_a).unwrap();
     let refused = p.a.post(x);
-    assert!(matches!(refused, Err(Error::NotFound { .. })), "{refused:?}");
+    assert!(
+        matches!(refused, Err(Error::NotFound { .. })),
+        "{refused:?}"
+    );
     let peer = p.a.load_remote_md(&p.b.local_md().unwrap()).unwrap();
-    let y = p
-        .a
-        .create(Op::Read, MemKind::Dram, &[src.whole()], peer, MemKind::Dram, &[dst.whole()], None)
+    let y =
+        p.a.create(
+            Op::Read,
+            MemKind::Dram,
+            &[src.whole()],
+            peer,
+            MemKind::Dram,
+            &[dst.whole()],
+            None,
+        )
         .unwrap();
     let first = p.a.post(y).unwrap();
-    let p2 = Pair { a: p.a, b: p.b, b_at_a: peer };
+    let p2 = Pair {
+        a: p.a,
+        b: p.b,
+        b_at_a: peer,
+    };
     finish(&p2, y, first);
     assert_eq!(dst.bytes(), src.bytes());
 }

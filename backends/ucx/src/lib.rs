@@ -106,6 +106,11 @@ pub const PARAMS: &[ParamSpec] = &[
         doc: "progress UCX on a thread that sleeps on the workers' event fds when idle",
     },
     ParamSpec {
+        name: "chunk_bytes",
+        default: "1048576",
+        doc: "largest single put/get; longer merged ranges are issued in pieces of this size",
+    },
+    ParamSpec {
         name: "max_requests",
         default: "8192",
         doc: "requests (and standalone notifications) in flight at once",
@@ -138,6 +143,8 @@ pub struct Config {
     pub progress_thread: bool,
     /// Requests in flight at once.
     pub max_requests: usize,
+    /// Largest single put/get in bytes.
+    pub chunk_bytes: u64,
 }
 
 impl Config {
@@ -185,7 +192,13 @@ impl Config {
             .ok()
             .filter(|n| (1..=1 << 20).contains(n))
             .ok_or_else(|| bad("max_requests", "expected 1..=1048576"))?;
+        let chunk_bytes: u64 = get("chunk_bytes")
+            .parse()
+            .ok()
+            .filter(|n| *n >= 4096)
+            .ok_or_else(|| bad("chunk_bytes", "expected at least 4096"))?;
         Ok(Config {
+            chunk_bytes,
             workers,
             error_mode,
             devices,
