@@ -17,10 +17,13 @@ pub struct FactoryInfo {
 
 static LOOPBACK: ferry_loopback::LoopbackFactory = ferry_loopback::LoopbackFactory;
 static POSIX: ferry_posix::PosixFactory = ferry_posix::PosixFactory;
+/// UCX loads libucp at run time, so it is always compiled in; `available()` says
+/// whether the library is present.
+static UCX: ferry_ucx::UcxFactory = ferry_ucx::UcxFactory;
 
 /// Every backend factory compiled in, in preference order.
 pub fn factories() -> Vec<&'static dyn BackendFactory> {
-    vec![&LOOPBACK, &POSIX]
+    vec![&LOOPBACK, &UCX, &POSIX]
 }
 
 /// The factory of backend type `name` (case-insensitive).

@@ -1,0 +1,512 @@
+//! Ferry's UCX backend: DRAM transfers between agents with UCP RMA (`ucp_put_nbx` /
+//! `ucp_get_nbx`), completion by endpoint flush, notifications as active messages.
+//!
+//! # How it maps onto UCX
+//!
+//! - **Connection info** = the addresses of this backend's UCP workers
+//!   (`num_workers`, default 1). Each peer is served by one local worker (round-robin)
+//!   and talks to the remote worker with the same index (modulo the peer's count).
+//! - **Registration** (DRAM) = `ucp_mem_map`; the token names the mapping in a
+//!   generational table; the public metadata is the packed rkey.
+//! - **Peers**: endpoints are created on first use (or by [`Backend::connect`]) with
+//!   error handling `peer` by default; a peer's packed rkeys are unpacked lazily on
+//!   that endpoint and cached per region token until the peer is unloaded, reloaded
+//!   with new connection info, or reported dead.
+//! - **Posting** a batch issues one put/get per merged range on the batch's endpoint,
+//!   then one `ucp_ep_flush_nbx`; each request of the batch completes when the flush
+//!   does. A notification attached to a request is sent (active message, eager, header
+//!   = sender agent name) only *after* that flush, so the target sees it only once the
+//!   data is there; the request completes when the notification is sent.
+//! - **Local** transfers (both sides registered here) go through an endpoint to our own
+//!   worker 0; local notifications go straight to the inbox.
+//! - **Progress**: by default the executor's progress phase calls
+//!   `ucp_worker_progress` (no thread). With `progress_thread=true` a thread progresses
+//!   the workers and, when there is nothing to do, **sleeps on the workers' event fds**
+//!   (`ucp_worker_arm` + `poll`), so it costs ~0% CPU when idle.
+//! - **Failure**: when UCX reports a peer's endpoint dead, its requests complete with
+//!   [`FailureKind::RemoteDisconnect`](ferry_backend_api::FailureKind), later posts to
+//!   it fail with [`Error::RemoteDisconnect`] until its metadata is reloaded with new
+//!   connection info.
+//!
+//! # Which UCX
+//!
+//! The library is loaded at run time: `libucp.so.0` from the system by default, or the
+//! file named by the `ucx_library` parameter (e.g. the `libucp.so` of the `libucx-cu12`
+//! wheel or the one bundled with NIXL's wheel, to compare on the same UCX). UCX's own
+//! environment (`UCX_TLS`, `UCX_NET_DEVICES`, …) applies; the `transports` and `devices`
+//! parameters override `UCX_TLS` and `UCX_NET_DEVICES`. The version in use and the transports of every new
+//! endpoint are logged (`log` crate, target `ferry_ucx`), and
+//! [`UcxBackend::endpoint_transports`] returns them.
+//!
+//! # Ordinary user memory between processes
+//!
+//! What UCX does for a put into plain (malloc'd, `ucp_mem_map`-registered) memory of
+//! another process on the same host depends on the version; see `backends/ucx/README.md`
+//! for what was observed with each version.
+// Reason: a backend over a C library: handles, callbacks and raw buffers cross the FFI
+// boundary. Every unsafe block states why it is sound.
+#![allow(unsafe_code)]
+
+mod state;
+mod thread;
+mod wire;
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use ferry_backend_api::{
+    Backend, BackendFactory, BackendInit, Capabilities, Completions, Endpoint, Error, MemKind,
+    NotifSink, ParamSpec, Params, PeerId, Post, RegionSpec, Registered, RemoteAgent, Result,
+    Subject,
+};
+pub use ferry_ucx_sys::UcxVersion;
+use ferry_ucx_sys::{LoadError, Ucp};
+
+use crate::state::Core;
+use crate::thread::ProgressThread;
+
+/// The backend's type name.
+pub const BACKEND: &str = "UCX";
+
+/// Largest notification payload this backend carries.
+pub const NOTIF_LEN_MAX: usize = state::NOTIF_LEN_MAX;
+
+const MEM_KINDS: &[MemKind] = &[MemKind::Dram];
+
+/// Parameters of the UCX backend.
+pub const PARAMS: &[ParamSpec] = &[
+    ParamSpec {
+        name: "num_workers",
+        default: "1",
+        doc: "UCP workers per backend (1..=64); peers are spread over them round-robin",
+    },
+    ParamSpec {
+        name: "error_handling",
+        default: "peer",
+        doc: "endpoint error handling: 'peer' (detect dead peers, fail their requests) or 'none'",
+    },
+    ParamSpec {
+        name: "devices",
+        default: "",
+        doc: "comma-separated network devices (overrides UCX_NET_DEVICES); empty = UCX's choice",
+    },
+    ParamSpec {
+        name: "transports",
+        default: "",
+        doc: "comma-separated UCX transports (overrides UCX_TLS, e.g. 'tcp'); empty = UCX's choice",
+    },
+    ParamSpec {
+        name: "ucx_library",
+        default: "",
+        doc: "path of the libucp to load; empty = the system's libucp.so.0",
+    },
+    ParamSpec {
+        name: "progress_thread",
+        default: "false",
+        doc: "progress UCX on a thread that sleeps on the workers' event fds when idle",
+    },
+    ParamSpec {
+        name: "chunk_bytes",
+        default: "1048576",
+        doc: "largest single put/get; longer merged ranges are issued in pieces of this size",
+    },
+    ParamSpec {
+        name: "max_requests",
+        default: "8192",
+        doc: "requests (and standalone notifications) in flight at once",
+    },
+];
+
+/// Endpoint error-handling mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorMode {
+    /// `UCP_ERR_HANDLING_MODE_PEER`: peer failures are detected and reported.
+    Peer,
+    /// `UCP_ERR_HANDLING_MODE_NONE`: fastest, a dead peer is not detected.
+    None,
+}
+
+/// Parsed backend parameters.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Number of UCP workers.
+    pub workers: usize,
+    /// Endpoint error handling.
+    pub error_mode: ErrorMode,
+    /// Network devices, if overridden.
+    pub devices: Option<String>,
+    /// Transports, if overridden.
+    pub transports: Option<String>,
+    /// Library to load (`None` = system default).
+    pub library: Option<PathBuf>,
+    /// Whether to run a progress thread.
+    pub progress_thread: bool,
+    /// Requests in flight at once.
+    pub max_requests: usize,
+    /// Largest single put/get in bytes.
+    pub chunk_bytes: u64,
+}
+
+impl Config {
+    /// Parse effective parameters (see [`PARAMS`]).
+    pub fn from_params(params: &Params) -> Result<Config> {
+        let get = |key: &str| -> &str {
+            params
+                .get(key)
+                .map(String::as_str)
+                .or_else(|| PARAMS.iter().find(|p| p.name == key).map(|p| p.default))
+                .unwrap_or("")
+        };
+        let bad = |key: &str, why: &str| {
+            Error::invalid(
+                Subject::BackendName(BACKEND.into()),
+                format!("parameter {key}='{}': {why}", get(key)),
+            )
+        };
+        let workers: usize = get("num_workers")
+            .parse()
+            .ok()
+            .filter(|n| (1..=64).contains(n))
+            .ok_or_else(|| bad("num_workers", "expected 1..=64"))?;
+        let error_mode = match get("error_handling") {
+            "peer" => ErrorMode::Peer,
+            "none" => ErrorMode::None,
+            _ => return Err(bad("error_handling", "expected 'peer' or 'none'")),
+        };
+        let devices = Some(get("devices").trim())
+            .filter(|d| !d.is_empty())
+            .map(str::to_string);
+        let transports = Some(get("transports").trim())
+            .filter(|d| !d.is_empty())
+            .map(str::to_string);
+        let library = Some(get("ucx_library").trim())
+            .filter(|d| !d.is_empty())
+            .map(PathBuf::from);
+        let progress_thread = match get("progress_thread") {
+            "true" | "1" | "yes" => true,
+            "false" | "0" | "no" => false,
+            _ => return Err(bad("progress_thread", "expected true or false")),
+        };
+        let max_requests: usize = get("max_requests")
+            .parse()
+            .ok()
+            .filter(|n| (1..=1 << 20).contains(n))
+            .ok_or_else(|| bad("max_requests", "expected 1..=1048576"))?;
+        let chunk_bytes: u64 = get("chunk_bytes")
+            .parse()
+            .ok()
+            .filter(|n| *n >= 4096)
+            .ok_or_else(|| bad("chunk_bytes", "expected at least 4096"))?;
+        Ok(Config {
+            chunk_bytes,
+            workers,
+            error_mode,
+            devices,
+            transports,
+            library,
+            progress_thread,
+            max_requests,
+        })
+    }
+}
+
+/// Libraries loaded so far, by the name they were loaded under. Kept for the life of the
+/// process: unloading UCX while anything might still reference it is not worth the risk.
+fn load_library(library: Option<&Path>) -> std::result::Result<Arc<Ucp>, String> {
+    static LOADED: OnceLock<Mutex<Vec<Arc<Ucp>>>> = OnceLock::new();
+    let name = library.unwrap_or(Path::new(ferry_ucx_sys::DEFAULT_LIBRARY));
+    let mut loaded = LOADED
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if let Some(ucp) = loaded.iter().find(|u| u.library() == name) {
+        return Ok(ucp.clone());
+    }
+    let ucp = Ucp::load(name).map_err(|e: LoadError| e.to_string())?;
+    log::info!(
+        "UCX {} ({}) loaded from {}",
+        ucp.version(),
+        ucp.version_string(),
+        name.display()
+    );
+    let ucp = Arc::new(ucp);
+    loaded.push(ucp.clone());
+    Ok(ucp)
+}
+
+/// Creates UCX backends. Registered under the name `UCX`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct UcxFactory;
+
+impl BackendFactory for UcxFactory {
+    fn name(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn params(&self) -> &'static [ParamSpec] {
+        PARAMS
+    }
+
+    fn mem_kinds(&self) -> &'static [MemKind] {
+        MEM_KINDS
+    }
+
+    fn available(&self) -> std::result::Result<(), String> {
+        load_library(None).map(|_| ())
+    }
+
+    fn create(&self, init: &BackendInit<'_>) -> Result<Box<dyn Backend>> {
+        Ok(Box::new(UcxBackend::new(init)?))
+    }
+}
+
+/// One UCX backend instance (a UCP context and its workers).
+pub struct UcxBackend {
+    core: Arc<Mutex<Core>>,
+    params: Params,
+    version: UcxVersion,
+    // Declared last: dropped (thread stopped and joined) before `core` is released.
+    thread: Option<ProgressThread>,
+}
+
+impl UcxBackend {
+    /// Create a backend (what [`UcxFactory::create`] does, with the concrete type).
+    pub fn new(init: &BackendInit<'_>) -> Result<UcxBackend> {
+        let params = ferry_backend_api::effective_params(BACKEND, PARAMS, init.params)?;
+        let config = Config::from_params(&params)?;
+        if init.agent_name.is_empty() || init.agent_name.len() > 1024 {
+            return Err(Error::invalid(
+                Subject::BackendName(BACKEND.into()),
+                "agent name must be 1..=1024 bytes (it is the notification header)",
+            ));
+        }
+        let ucp = load_library(config.library.as_deref()).map_err(|reason| Error::Backend {
+            backend: BACKEND.into(),
+            errno: libc::ENOENT,
+            desc: None,
+            detail: reason.into(),
+        })?;
+        let version = ucp.version();
+        let core = Core::new(ucp, init.agent_name, &config)?;
+        let core = Arc::new(Mutex::new(core));
+        let thread = if config.progress_thread {
+            Some(ProgressThread::start(core.clone())?)
+        } else {
+            None
+        };
+        Ok(UcxBackend {
+            core,
+            params,
+            version,
+            thread,
+        })
+    }
+
+    fn core(&self) -> MutexGuard<'_, Core> {
+        self.core.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The version of the UCX library in use.
+    pub fn ucx_version(&self) -> UcxVersion {
+        self.version
+    }
+
+    /// The UCX library file in use and its version string.
+    pub fn ucx_library(&self) -> (PathBuf, String) {
+        let core = self.core();
+        (
+            core.ucp().library().to_path_buf(),
+            core.ucp().version_string(),
+        )
+    }
+
+    /// The transports the endpoint to `endpoint` uses (a one-line summary) and UCX's full
+    /// description of it; creates the endpoint if needed.
+    pub fn endpoint_transports(&self, endpoint: Endpoint) -> Result<(String, String)> {
+        self.core().endpoint_info(endpoint)
+    }
+
+    /// Whether UCX reported the endpoint to `peer` dead (`None` if the peer is unknown).
+    pub fn peer_down(&self, peer: PeerId) -> Option<bool> {
+        self.core().peer_down(peer)
+    }
+
+    /// Requests (and standalone notifications) currently in flight.
+    pub fn in_flight(&self) -> usize {
+        self.core().in_flight()
+    }
+
+    /// Notifications dropped because they did not arrive in one eager message.
+    pub fn dropped_notifications(&self) -> u64 {
+        self.core()
+            .events
+            .dropped_notifs
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether a progress thread runs.
+    pub fn has_progress_thread(&self) -> bool {
+        self.thread.is_some()
+    }
+}
+
+impl Backend for UcxBackend {
+    fn name(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            remote: true,
+            local: true,
+            notifications: true,
+            mem_kinds: MEM_KINDS,
+        }
+    }
+
+    fn params(&self) -> &Params {
+        &self.params
+    }
+
+    fn register(&mut self, region: &RegionSpec<'_>) -> Result<Registered> {
+        if region.kind != MemKind::Dram {
+            return Err(Error::NotSupported {
+                backend: BACKEND.into(),
+                what: format!("{} memory", region.kind).into(),
+            });
+        }
+        let desc = region.desc;
+        if desc.len == 0 || desc.addr == 0 || desc.end().is_none() {
+            return Err(Error::invalid(
+                Subject::Descriptor {
+                    index: 0,
+                    addr: desc.addr,
+                    len: desc.len,
+                    dev: desc.dev,
+                },
+                "a UCX region needs a non-null address and a non-zero length",
+            ));
+        }
+        let (token, public_md) = self.core().register(desc.addr, desc.len)?;
+        Ok(Registered { token, public_md })
+    }
+
+    fn deregister(&mut self, kind: MemKind, token: u64) -> Result<()> {
+        if kind != MemKind::Dram {
+            return Err(Error::NotSupported {
+                backend: BACKEND.into(),
+                what: format!("{kind} memory").into(),
+            });
+        }
+        self.core().deregister(token)
+    }
+
+    fn conn_info(&self) -> Vec<u8> {
+        wire::encode(&self.core().worker_addresses())
+    }
+
+    fn load_remote(&mut self, peer: PeerId, remote: RemoteAgent<'_>) -> Result<()> {
+        let addresses = if remote.conn_info.is_empty() {
+            None
+        } else {
+            Some(wire::decode(remote.conn_info)?)
+        };
+        self.core()
+            .load_remote(peer, remote.name, addresses, remote.regions)
+    }
+
+    fn unload_remote(&mut self, peer: PeerId) {
+        self.core().unload_remote(peer);
+    }
+
+    fn connect(&mut self, peer: PeerId) -> Result<()> {
+        self.core().connect(peer)
+    }
+
+    fn disconnect(&mut self, peer: PeerId) -> Result<()> {
+        self.core().disconnect(peer)
+    }
+
+    fn post(
+        &mut self,
+        endpoint: Endpoint,
+        batch: &[Post<'_>],
+        done: &mut Completions,
+    ) -> Result<()> {
+        let mut core = self.core();
+        let result = core.post(endpoint, batch);
+        core.drain_ready(done);
+        result
+    }
+
+    fn progress(&mut self, done: &mut Completions) {
+        let mut core = self.core();
+        core.pump();
+        core.drain_ready(done);
+    }
+
+    fn notify(&mut self, endpoint: Endpoint, payload: &[u8]) -> Result<()> {
+        self.core().notify(endpoint, payload)
+    }
+
+    fn drain_notifications(&mut self, sink: &mut dyn NotifSink) -> usize {
+        let core = self.core();
+        let mut inbox = core.events.inbox.lock().unwrap_or_else(|e| e.into_inner());
+        inbox.drain(|from, payload| sink.deliver(from, payload))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn params_parse_and_refuse_bad_values() {
+        let defaults =
+            ferry_backend_api::effective_params(BACKEND, PARAMS, &Params::new()).unwrap();
+        let config = Config::from_params(&defaults).unwrap();
+        assert_eq!(config.workers, 1);
+        assert_eq!(config.error_mode, ErrorMode::Peer);
+        assert!(config.devices.is_none() && config.library.is_none());
+        assert!(!config.progress_thread);
+
+        for (key, value) in [
+            ("num_workers", "0"),
+            ("num_workers", "x"),
+            ("error_handling", "maybe"),
+            ("progress_thread", "sometimes"),
+            ("max_requests", "0"),
+        ] {
+            let mut params = defaults.clone();
+            params.insert(key.into(), value.into());
+            let err = Config::from_params(&params).unwrap_err();
+            assert!(err.to_string().contains(key), "{err}");
+        }
+        let mut unknown = Params::new();
+        unknown.insert("no_such".into(), "1".into());
+        assert!(ferry_backend_api::effective_params(BACKEND, PARAMS, &unknown).is_err());
+    }
+
+    #[test]
+    fn missing_library_is_a_typed_error() {
+        let mut params = Params::new();
+        params.insert("ucx_library".into(), "/nonexistent/libucp.so".into());
+        let err = UcxBackend::new(&BackendInit {
+            agent_name: "a",
+            params: &params,
+        })
+        .err()
+        .expect("must fail");
+        assert!(matches!(err, Error::Backend { .. }), "{err}");
+        assert!(err.to_string().contains("/nonexistent/libucp.so"), "{err}");
+    }
+
+    #[test]
+    fn lane_summary_reads_print_info() {
+        let info = "#\n# UCP endpoint\n#\n#               peer: <no debug data>\n#                 lane[0]:  8:self/memory.0 md[5]           -> md[5]/self/sysdev[255] rma_bw#0 am am_bw#0\n#                 lane[1]:  3:cma/memory.0 md[3]          -> md[3]/cma/sysdev[255] rma_bw#1\n";
+        assert_eq!(
+            state::summarize_lanes(info),
+            "self/memory [rma_bw#0 am am_bw#0], cma/memory [rma_bw#1]"
+        );
+    }
+}

@@ -1,0 +1,556 @@
+//! Two UCX backends in one process acting as two agents: data moved byte for byte,
+//! shuffled 1024-range batches, notifications (attached, standalone, to self, empty),
+//! local transfers, bad input, and the progress thread. Each data test runs under the
+//! default transports and under `transports=tcp`.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use ferry_backend_api::{
+    Backend, Completions, Endpoint, Error, FailureKind, MemKind, Op, Post, Range, RegionSpec,
+    RemoteAgent,
+};
+use ferry_ucx::UcxBackend;
+
+const TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Agent `a` (initiator) and `b` (target) that know each other, each with one buffer.
+struct Pair {
+    a: UcxBackend,
+    b: UcxBackend,
+    a_buf: Buffer,
+    b_buf: Buffer,
+    a_token: u64,
+    b_token: u64,
+    peer_b: ferry_backend_api::PeerId,
+}
+
+fn pair(transports: &str, len: usize, extra_b: &[(&str, &str)]) -> Pair {
+    let mut a = backend("agent-a", transports, &[]);
+    let mut b = backend("agent-b", transports, extra_b);
+    let a_buf = Buffer::new(len);
+    let b_buf = Buffer::new(len);
+    let (a_token, a_md) = register(&mut a, &a_buf);
+    let (b_token, b_md) = register(&mut b, &b_buf);
+    let peer_b = peer_id(1);
+    load(
+        &mut a,
+        peer_b,
+        "agent-b",
+        &b.conn_info(),
+        &[(b_token, b_md)],
+    );
+    load(
+        &mut b,
+        peer_id(1),
+        "agent-a",
+        &a.conn_info(),
+        &[(a_token, a_md)],
+    );
+    Pair {
+        a,
+        b,
+        a_buf,
+        b_buf,
+        a_token,
+        b_token,
+        peer_b,
+    }
+}
+
+fn range(p: &Pair, local_off: usize, remote_off: usize, len: usize) -> Range {
+    Range {
+        local_addr: p.a_buf.addr() + local_off as u64,
+        remote_addr: p.b_buf.addr() + remote_off as u64,
+        len: len as u64,
+        local_dev: 0,
+        remote_dev: 0,
+        local_token: p.a_token,
+        remote_token: p.b_token,
+    }
+}
+
+fn post<'a>(tag: u64, op: Op, ranges: &'a [Range], notif: Option<&'a [u8]>) -> Post<'a> {
+    Post {
+        tag,
+        op,
+        local_kind: MemKind::Dram,
+        remote_kind: MemKind::Dram,
+        ranges,
+        notif,
+    }
+}
+
+fn run(p: &mut Pair, posts: &[Post<'_>]) {
+    let mut done = Completions::with_capacity(posts.len());
+    p.a.post(Endpoint::Peer(p.peer_b), posts, &mut done)
+        .expect("post");
+    let tags: Vec<u64> = posts.iter().map(|x| x.tag).collect();
+    let mut got: Vec<_> = done.as_slice().to_vec();
+    if got.len() < tags.len() {
+        let pending: Vec<u64> = tags
+            .iter()
+            .copied()
+            .filter(|t| !got.iter().any(|c| c.tag == *t))
+            .collect();
+        got.extend(wait_for(&mut [&mut p.a, &mut p.b], &pending, TIMEOUT));
+    }
+    for c in &got {
+        assert_eq!(c.result, Ok(()), "request {} failed", c.tag);
+    }
+    assert_eq!(got.len(), tags.len(), "one completion per request");
+}
+
+#[test]
+fn write_and_read_random_sizes_byte_for_byte() {
+    if !setup() {
+        return;
+    }
+    for &transports in TRANSPORTS {
+        const LEN: usize = 4 << 20;
+        let mut p = pair(transports, LEN, &[]);
+        let mut rng = Rng(0x1234_5678 ^ transports.len() as u64);
+        for round in 0..24u64 {
+            let len = 1 + rng.below(if round % 4 == 0 { LEN as u64 } else { 70_000 }) as usize;
+            let lo = rng.below((LEN - len + 1) as u64) as usize;
+            let ro = rng.below((LEN - len + 1) as u64) as usize;
+            rng.fill(&mut p.a_buf.0[lo..lo + len]);
+            let ranges = [range(&p, lo, ro, len)];
+            run(&mut p, &[post(round, Op::Write, &ranges, None)]);
+            assert!(
+                p.a_buf.0[lo..lo + len] == p.b_buf.0[ro..ro + len],
+                "[{transports}] WRITE of {len} bytes differs"
+            );
+
+            rng.fill(&mut p.b_buf.0[ro..ro + len]);
+            run(&mut p, &[post(1000 + round, Op::Read, &ranges, None)]);
+            assert!(
+                p.a_buf.0[lo..lo + len] == p.b_buf.0[ro..ro + len],
+                "[{transports}] READ of {len} bytes differs"
+            );
+        }
+        let (summary, _) = p.a.endpoint_transports(Endpoint::Peer(p.peer_b)).unwrap();
+        eprintln!(
+            "UCX {} [{}]: a→b uses {summary}",
+            p.a.ucx_version(),
+            if transports.is_empty() {
+                "default"
+            } else {
+                transports
+            }
+        );
+    }
+}
+
+#[test]
+fn shuffled_batch_of_1024_ranges() {
+    if !setup() {
+        return;
+    }
+    for &transports in TRANSPORTS {
+        const BLOCK: usize = 4096;
+        const COUNT: usize = 1024;
+        let mut p = pair(transports, BLOCK * COUNT, &[]);
+        let mut rng = Rng(99);
+        let mut order: Vec<usize> = (0..COUNT).collect();
+        rng.shuffle(&mut order);
+        for op in [Op::Write, Op::Read] {
+            let (src, dst) = match op {
+                Op::Write => (&mut p.a_buf, &p.b_buf),
+                Op::Read => (&mut p.b_buf, &p.a_buf),
+            };
+            let _ = dst;
+            rng.fill(&mut src.0);
+            let ranges: Vec<Range> = (0..COUNT)
+                .map(|i| range(&p, i * BLOCK, order[i] * BLOCK, BLOCK))
+                .collect();
+            // Two requests in one batch, sharing one flush.
+            let (first, second) = ranges.split_at(COUNT / 2);
+            run(
+                &mut p,
+                &[post(1, op, first, None), post(2, op, second, None)],
+            );
+            for (i, &j) in order.iter().enumerate() {
+                assert!(
+                    p.a_buf.0[i * BLOCK..(i + 1) * BLOCK] == p.b_buf.0[j * BLOCK..(j + 1) * BLOCK],
+                    "[{transports}] {op} block {i} -> {j} differs"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn notification_arrives_after_its_data() {
+    if !setup() {
+        return;
+    }
+    for &transports in TRANSPORTS {
+        const LEN: usize = 8 << 20;
+        let mut p = pair(transports, LEN, &[]);
+        let mut rng = Rng(7);
+        for round in 0..8u8 {
+            rng.fill(&mut p.a_buf.0);
+            let ranges = [range(&p, 0, 0, LEN)];
+            let tag = [b'n', round];
+            let mut done = Completions::with_capacity(4);
+            p.a.post(
+                Endpoint::Peer(p.peer_b),
+                &[post(u64::from(round), Op::Write, &ranges, Some(&tag))],
+                &mut done,
+            )
+            .unwrap();
+            let mut inbox = Inbox::default();
+            // Only the target is watched: the moment the notification shows up, every
+            // byte must already be there.
+            let seen = wait_notifs(&mut [&mut p.b, &mut p.a], 0, &mut inbox, 1, TIMEOUT);
+            assert_eq!(inbox.0, vec![("agent-a".to_string(), tag.to_vec())]);
+            assert!(
+                p.a_buf.0 == p.b_buf.0,
+                "[{transports}] data incomplete at notification"
+            );
+            if done.is_empty() && seen.is_empty() {
+                wait_for(&mut [&mut p.a, &mut p.b], &[u64::from(round)], TIMEOUT);
+            }
+        }
+    }
+}
+
+#[test]
+fn standalone_self_and_empty_notifications() {
+    if !setup() {
+        return;
+    }
+    for &transports in TRANSPORTS {
+        let mut p = pair(transports, 4096, &[]);
+        p.a.notify(Endpoint::Peer(p.peer_b), b"hello").unwrap();
+        p.a.notify(Endpoint::Peer(p.peer_b), b"").unwrap();
+        let mut inbox = Inbox::default();
+        wait_notifs(&mut [&mut p.b, &mut p.a], 0, &mut inbox, 2, TIMEOUT);
+        assert_eq!(
+            inbox.0,
+            vec![
+                ("agent-a".to_string(), b"hello".to_vec()),
+                ("agent-a".to_string(), Vec::new())
+            ]
+        );
+
+        p.a.notify(Endpoint::Local, b"to myself").unwrap();
+        let mut own = Inbox::default();
+        assert_eq!(p.a.drain_notifications(&mut own), 1);
+        assert_eq!(own.0, vec![("agent-a".to_string(), b"to myself".to_vec())]);
+
+        // Largest allowed payload goes through; one byte more is refused.
+        let big = vec![0xabu8; ferry_ucx::NOTIF_LEN_MAX];
+        p.a.notify(Endpoint::Peer(p.peer_b), &big).unwrap();
+        let mut inbox = Inbox::default();
+        wait_notifs(&mut [&mut p.b, &mut p.a], 0, &mut inbox, 1, TIMEOUT);
+        assert_eq!(inbox.0[0].1, big);
+        let too_big = vec![0u8; ferry_ucx::NOTIF_LEN_MAX + 1];
+        assert!(matches!(
+            p.a.notify(Endpoint::Peer(p.peer_b), &too_big),
+            Err(Error::InvalidParam { .. })
+        ));
+        // Every standalone notification released its slot.
+        let mut done = Completions::with_capacity(4);
+        for _ in 0..1000 {
+            if p.a.in_flight() == 0 {
+                break;
+            }
+            p.a.progress(&mut done);
+            p.b.progress(&mut done);
+        }
+        assert_eq!(p.a.in_flight(), 0);
+        assert!(
+            done.is_empty(),
+            "standalone notifications report no completion"
+        );
+    }
+}
+
+#[test]
+fn local_transfers_and_notification_to_self() {
+    if !setup() {
+        return;
+    }
+    for &transports in TRANSPORTS {
+        let mut a = backend("solo", transports, &[]);
+        let src = Buffer::new(1 << 20);
+        let mut dst = Buffer::new(1 << 20);
+        let mut src = src;
+        Rng(5).fill(&mut src.0);
+        let (s_tok, _) = register(&mut a, &src);
+        let (d_tok, _) = register(&mut a, &dst);
+        let ranges = [Range {
+            local_addr: src.addr(),
+            remote_addr: dst.addr(),
+            len: src.len() as u64,
+            local_dev: 0,
+            remote_dev: 0,
+            local_token: s_tok,
+            remote_token: d_tok,
+        }];
+        let mut done = Completions::with_capacity(4);
+        a.post(
+            Endpoint::Local,
+            &[post(7, Op::Write, &ranges, Some(b"local done"))],
+            &mut done,
+        )
+        .unwrap();
+        if done.is_empty() {
+            done.push(wait_for(&mut [&mut a], &[7], TIMEOUT)[0]);
+        }
+        assert_eq!(done.as_slice()[0].result, Ok(()));
+        assert!(src.0 == dst.0, "[{transports}] local WRITE differs");
+        let mut inbox = Inbox::default();
+        a.drain_notifications(&mut inbox);
+        assert_eq!(inbox.0, vec![("solo".to_string(), b"local done".to_vec())]);
+
+        dst.0.fill(0);
+        Rng(6).fill(&mut dst.0);
+        let mut done = Completions::with_capacity(4);
+        a.post(
+            Endpoint::Local,
+            &[post(8, Op::Read, &ranges, None)],
+            &mut done,
+        )
+        .unwrap();
+        if done.is_empty() {
+            wait_for(&mut [&mut a], &[8], TIMEOUT);
+        }
+        assert!(src.0 == dst.0, "[{transports}] local READ differs");
+        a.deregister(MemKind::Dram, s_tok).unwrap();
+        a.deregister(MemKind::Dram, d_tok).unwrap();
+    }
+}
+
+#[test]
+fn bad_input_gets_typed_errors() {
+    if !setup() {
+        return;
+    }
+    let mut p = pair("", 4096, &[]);
+    let mut done = Completions::with_capacity(4);
+    let good = range(&p, 0, 0, 64);
+
+    // Unknown local token.
+    let mut r = good;
+    r.local_token = 0xdead;
+    let e = p.a.post(
+        Endpoint::Peer(p.peer_b),
+        &[post(1, Op::Write, &[r], None)],
+        &mut done,
+    );
+    assert!(matches!(e, Err(Error::NotFound { .. })), "{e:?}");
+    // Range outside its local region.
+    let mut r = good;
+    r.len = 8192;
+    let e = p.a.post(
+        Endpoint::Peer(p.peer_b),
+        &[post(1, Op::Write, &[r], None)],
+        &mut done,
+    );
+    assert!(matches!(e, Err(Error::InvalidParam { .. })), "{e:?}");
+    // Remote token the peer never published.
+    let mut r = good;
+    r.remote_token = 77;
+    let e = p.a.post(
+        Endpoint::Peer(p.peer_b),
+        &[post(1, Op::Write, &[r], None)],
+        &mut done,
+    );
+    assert!(matches!(e, Err(Error::NotFound { .. })), "{e:?}");
+    // Unknown peer.
+    let e = p.a.post(
+        Endpoint::Peer(peer_id(42)),
+        &[post(1, Op::Write, &[good], None)],
+        &mut done,
+    );
+    assert!(matches!(e, Err(Error::NotFound { .. })), "{e:?}");
+    // VRAM is not supported (yet).
+    let mut x = post(1, Op::Write, std::slice::from_ref(&good), None);
+    x.remote_kind = MemKind::Vram;
+    let e = p.a.post(Endpoint::Peer(p.peer_b), &[x], &mut done);
+    assert!(matches!(e, Err(Error::NotSupported { .. })), "{e:?}");
+    let e = p.a.register(&RegionSpec {
+        kind: MemKind::File,
+        desc: ferry_backend_api::Desc::new(0, 10, 3),
+        path: None,
+    });
+    assert!(matches!(e, Err(Error::NotSupported { .. })), "{e:?}");
+    // Zero-length registration.
+    let e = p.a.register(&RegionSpec {
+        kind: MemKind::Dram,
+        desc: ferry_backend_api::Desc::new(p.a_buf.addr(), 0, 0),
+        path: None,
+    });
+    assert!(matches!(e, Err(Error::InvalidParam { .. })), "{e:?}");
+    // Malformed connection info and rkey bytes from a peer.
+    let bad_peer = peer_id(9);
+    let e = p.a.load_remote(
+        bad_peer,
+        RemoteAgent {
+            name: "evil",
+            conn_info: b"garbage",
+            regions: std::sync::Arc::new(HandRegions::default()),
+        },
+    );
+    assert!(matches!(e, Err(Error::InvalidMetadata { .. })), "{e:?}");
+    let evil = peer_id(10);
+    load(
+        &mut p.a,
+        evil,
+        "evil",
+        &p.b.conn_info(),
+        &[(5, b"not an rkey".to_vec())],
+    );
+    let mut r = good;
+    r.remote_token = 5;
+    let e = p.a.post(
+        Endpoint::Peer(evil),
+        &[post(1, Op::Write, &[r], None)],
+        &mut done,
+    );
+    assert!(matches!(e, Err(Error::InvalidMetadata { .. })), "{e:?}");
+    // Deregistering twice.
+    let (tok, _) = register(&mut p.a, &Buffer::new(64));
+    p.a.deregister(MemKind::Dram, tok).unwrap();
+    assert!(matches!(
+        p.a.deregister(MemKind::Dram, tok),
+        Err(Error::NotFound { .. })
+    ));
+    // Nothing above started a request.
+    assert!(done.is_empty());
+    assert_eq!(p.a.in_flight(), 0);
+    // The good path still works afterwards.
+    run(&mut p, &[post(3, Op::Write, &[good], None)]);
+}
+
+#[test]
+fn unload_fails_in_flight_requests_with_remote_disconnect() {
+    if !setup() {
+        return;
+    }
+    // Target with UCX_TLS=tcp so RMA needs the target's progress; never progress it, so
+    // the requests are still in flight when the peer is unloaded.
+    let mut p = pair("tcp", 16 << 20, &[]);
+    let ranges = [range(&p, 0, 0, 16 << 20)];
+    let mut done = Completions::with_capacity(4);
+    p.a.post(
+        Endpoint::Peer(p.peer_b),
+        &[post(11, Op::Write, &ranges, Some(b"x"))],
+        &mut done,
+    )
+    .unwrap();
+    p.a.unload_remote(p.peer_b);
+    p.a.progress(&mut done);
+    let c = done
+        .as_slice()
+        .iter()
+        .find(|c| c.tag == 11)
+        .copied()
+        .expect("request 11 did not complete after unload_remote");
+    // 16 MiB over tcp cannot have finished without the target progressing.
+    let f = c.result.expect_err("request to an unloaded peer succeeded");
+    assert_eq!(f.kind, FailureKind::RemoteDisconnect, "{f:?}");
+    // Posting to the unloaded peer is refused.
+    let e = p.a.post(
+        Endpoint::Peer(p.peer_b),
+        &[post(12, Op::Write, &ranges, None)],
+        &mut done,
+    );
+    assert!(matches!(e, Err(Error::NotFound { .. })), "{e:?}");
+    // Reloading restores it.
+    let (bt, bmd) = (p.b_token, {
+        // The packed rkey is still the one published at registration.
+        let r = p.b.register(&RegionSpec {
+            kind: MemKind::Dram,
+            desc: ferry_backend_api::Desc::new(p.b_buf.addr(), p.b_buf.len() as u64, 0),
+            path: None,
+        });
+        r.unwrap()
+    });
+    load(
+        &mut p.a,
+        p.peer_b,
+        "agent-b",
+        &p.b.conn_info(),
+        &[(bt, bmd.public_md.clone()), (bmd.token, bmd.public_md)],
+    );
+    Rng(3).fill(&mut p.a_buf.0);
+    run(&mut p, &[post(13, Op::Write, &ranges, None)]);
+    assert!(p.a_buf.0 == p.b_buf.0);
+}
+
+#[test]
+fn progress_thread_serves_the_target_and_sleeps_when_idle() {
+    if !setup() {
+        return;
+    }
+    // b runs a progress thread and is never progressed by the test: with tcp, RMA into b
+    // completes only if b's thread drives its worker.
+    let mut p = pair("tcp", 1 << 20, &[("progress_thread", "true")]);
+    assert!(p.b.has_progress_thread());
+    Rng(11).fill(&mut p.a_buf.0);
+    let ranges = [range(&p, 0, 0, 1 << 20)];
+    let mut done = Completions::with_capacity(4);
+    p.a.post(
+        Endpoint::Peer(p.peer_b),
+        &[post(21, Op::Write, &ranges, Some(b"t"))],
+        &mut done,
+    )
+    .unwrap();
+    if done.is_empty() {
+        wait_for(&mut [&mut p.a], &[21], TIMEOUT);
+    }
+    assert!(p.a_buf.0 == p.b_buf.0);
+    let mut inbox = Inbox::default();
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    while inbox.0.is_empty() {
+        p.b.drain_notifications(&mut inbox);
+        assert!(
+            std::time::Instant::now() < deadline,
+            "notification not received by the thread"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+
+    // Idle: the thread must sleep, not spin. Measure its CPU time over half a second.
+    let before = thread_cpu_ticks("ferry-ucx-progr");
+    std::thread::sleep(Duration::from_millis(500));
+    let after = thread_cpu_ticks("ferry-ucx-progr");
+    let used = after.saturating_sub(before);
+    eprintln!("idle progress thread used {used} clock ticks in 500 ms");
+    // 50 ticks at 100 Hz would be a full core; allow scheduler noise only.
+    assert!(
+        used <= 5,
+        "idle progress thread is spinning ({used} ticks in 500 ms)"
+    );
+}
+
+/// utime+stime (clock ticks) of this process's threads whose name starts with `name`.
+fn thread_cpu_ticks(name: &str) -> u64 {
+    let mut total = 0;
+    for entry in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+        let comm = std::fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
+        if !comm.trim_end().starts_with(name) {
+            continue;
+        }
+        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+        // Fields after the ")" of the command name: state is field 3; utime/stime are 14/15.
+        if let Some((_, rest)) = stat.rsplit_once(')') {
+            let fields: Vec<&str> = rest.split_whitespace().collect();
+            total += fields
+                .get(11)
+                .and_then(|f| f.parse::<u64>().ok())
+                .unwrap_or(0);
+            total += fields
+                .get(12)
+                .and_then(|f| f.parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+    }
+    total
+}

@@ -1,0 +1,434 @@
+//! Two processes: this test binary re-executes itself as the target agent (marked by
+//! the `FERRY_UCX_CHILD` variable) and the two exchange metadata over a TCP socket on
+//! 127.0.0.1. Covered: READ and WRITE of random sizes verified byte for byte, a
+//! notification that the target checks against its memory the moment it arrives, a
+//! shuffled 1024-range batch, and a target killed mid-transfer (its requests fail with
+//! remote-disconnect within a bounded time; after a restart and reload, transfers work
+//! again). Runs under the default transports and `transports=tcp`.
+//!
+//! `harness = false`: `main` runs the scenarios (or the child role) itself.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use ferry_backend_api::{
+    Backend, Completions, Endpoint, Error, FailureKind, MemKind, Op, PeerId, Post, Range,
+};
+use ferry_ucx::UcxBackend;
+
+const CHILD_VAR: &str = "FERRY_UCX_CHILD";
+const TIMEOUT: Duration = Duration::from_secs(30);
+/// The target's buffer: 64 MiB, filled with `pattern(READ_SEED)` at start.
+const TARGET_LEN: usize = 64 << 20;
+const READ_SEED: u64 = 42;
+
+fn pattern(seed: u64, bytes: &mut [u8]) {
+    Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1).fill(bytes);
+}
+
+// ---- framing over the socket --------------------------------------------------------
+
+fn send_frame(stream: &mut TcpStream, bytes: &[u8]) {
+    stream
+        .write_all(&(bytes.len() as u32).to_le_bytes())
+        .and_then(|_| stream.write_all(bytes))
+        .expect("socket write");
+}
+
+fn recv_frame(stream: &mut TcpStream) -> Vec<u8> {
+    let mut len = [0u8; 4];
+    stream.read_exact(&mut len).expect("socket read");
+    let mut bytes = vec![0u8; u32::from_le_bytes(len) as usize];
+    stream.read_exact(&mut bytes).expect("socket read");
+    bytes
+}
+
+// ---- child (target) ---------------------------------------------------------------
+
+fn child_main(addr: &str) {
+    let transports = std::env::var("FERRY_UCX_TRANSPORTS").unwrap_or_default();
+    let mut ucx = backend("target", &transports, &[]);
+    let mut buf = Buffer::new(TARGET_LEN);
+    pattern(READ_SEED, &mut buf.0);
+    let (token, md) = register(&mut ucx, &buf);
+    let mut stream = TcpStream::connect(addr).expect("child connects to parent");
+    send_frame(&mut stream, &ucx.conn_info());
+    send_frame(&mut stream, &token.to_le_bytes());
+    send_frame(&mut stream, &md);
+    send_frame(&mut stream, &buf.addr().to_le_bytes());
+
+    // Serve: progress, and check each notification's claim against memory at once.
+    let mut done = Completions::with_capacity(16);
+    let mut inbox = Inbox::default();
+    let mut expected = Vec::new();
+    loop {
+        ucx.progress(&mut done);
+        done.clear();
+        ucx.drain_notifications(&mut inbox);
+        for (from, payload) in inbox.0.drain(..) {
+            let text = String::from_utf8(payload).expect("utf-8 command");
+            let words: Vec<&str> = text.split_whitespace().collect();
+            match words.as_slice() {
+                ["W", off, len, seed] => {
+                    let (off, len): (usize, usize) = (off.parse().unwrap(), len.parse().unwrap());
+                    expected.resize(len, 0);
+                    pattern(seed.parse().unwrap(), &mut expected);
+                    let ok = buf.0[off..off + len] == expected[..];
+                    send_frame(&mut stream, if ok { b"ok" } else { b"bad" });
+                }
+                ["Q"] => {
+                    send_frame(&mut stream, format!("bye {from}").as_bytes());
+                    return;
+                }
+                other => panic!("child: unknown command {other:?}"),
+            }
+        }
+        std::thread::yield_now();
+    }
+}
+
+// ---- parent (initiator) -------------------------------------------------------------
+
+struct Target {
+    child: Child,
+    stream: TcpStream,
+    token: u64,
+    addr: u64,
+}
+
+fn spawn_target(transports: &str, ucx: &mut UcxBackend, peer: PeerId) -> Target {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1");
+    let child = Command::new(std::env::current_exe().unwrap())
+        .env(CHILD_VAR, listener.local_addr().unwrap().to_string())
+        .env("FERRY_UCX_TRANSPORTS", transports)
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("spawn target process");
+    let (mut stream, _) = listener.accept().expect("child connects");
+    stream.set_read_timeout(Some(TIMEOUT)).unwrap();
+    let conn_info = recv_frame(&mut stream);
+    let token = u64::from_le_bytes(recv_frame(&mut stream).try_into().unwrap());
+    let md = recv_frame(&mut stream);
+    let addr = u64::from_le_bytes(recv_frame(&mut stream).try_into().unwrap());
+    load(ucx, peer, "target", &conn_info, &[(token, md)]);
+    Target {
+        child,
+        stream,
+        token,
+        addr,
+    }
+}
+
+fn post<'a>(tag: u64, op: Op, ranges: &'a [Range], notif: Option<&'a [u8]>) -> Post<'a> {
+    Post {
+        tag,
+        op,
+        local_kind: MemKind::Dram,
+        remote_kind: MemKind::Dram,
+        ranges,
+        notif,
+    }
+}
+
+fn transfer(ucx: &mut UcxBackend, peer: PeerId, posts: &[Post<'_>]) {
+    let mut done = Completions::with_capacity(posts.len());
+    ucx.post(Endpoint::Peer(peer), posts, &mut done)
+        .expect("post");
+    let tags: Vec<u64> = posts
+        .iter()
+        .map(|p| p.tag)
+        .filter(|t| !done.as_slice().iter().any(|c| c.tag == *t))
+        .collect();
+    let mut all = done.as_slice().to_vec();
+    all.extend(wait_for(&mut [ucx], &tags, TIMEOUT));
+    for c in all {
+        assert_eq!(c.result, Ok(()), "request {} failed", c.tag);
+    }
+}
+
+fn scenario(transports: &str, error_handling: &str) {
+    let label = format!(
+        "{}, error_handling={error_handling}",
+        if transports.is_empty() {
+            "default"
+        } else {
+            transports
+        }
+    );
+    let mut ucx = backend(
+        "initiator",
+        transports,
+        &[("error_handling", error_handling)],
+    );
+    let mut local = Buffer::new(TARGET_LEN);
+    let (ltok, _) = register(&mut ucx, &local);
+    let peer = peer_id(1);
+    let mut t = spawn_target(transports, &mut ucx, peer);
+    ucx.connect(peer).expect("connect");
+    let (summary, _) = ucx.endpoint_transports(Endpoint::Peer(peer)).unwrap();
+    eprintln!(
+        "[{label}] UCX {}: initiator → target uses {summary}",
+        ucx.ucx_version()
+    );
+    if std::env::var_os("FERRY_UCX_PRINT_EP").is_some() {
+        eprintln!(
+            "{}",
+            ucx.endpoint_transports(Endpoint::Peer(peer)).unwrap().1
+        );
+    }
+
+    let mut whole = vec![0u8; TARGET_LEN];
+    pattern(READ_SEED, &mut whole);
+    let mut rng = Rng(0xfeed ^ transports.len() as u64);
+    let local_addr = local.addr();
+    let range = move |lo: usize, ro: usize, len: usize, rtok: u64, raddr: u64| Range {
+        local_addr: local_addr + lo as u64,
+        remote_addr: raddr + ro as u64,
+        len: len as u64,
+        local_dev: 0,
+        remote_dev: 0,
+        local_token: ltok,
+        remote_token: rtok,
+    };
+
+    // READ random sizes from the target's known pattern.
+    for round in 0..16u64 {
+        let len = 1 + rng.below(if round % 4 == 0 {
+            TARGET_LEN as u64
+        } else {
+            100_000
+        }) as usize;
+        let ro = rng.below((TARGET_LEN - len + 1) as u64) as usize;
+        let ranges = [range(0, ro, len, t.token, t.addr)];
+        transfer(&mut ucx, peer, &[post(round, Op::Read, &ranges, None)]);
+        assert!(
+            local.0[..len] == whole[ro..ro + len],
+            "[{label}] READ of {len} bytes at {ro} differs"
+        );
+    }
+
+    // WRITE random sizes, each with a notification the target checks on arrival.
+    for round in 0..16u64 {
+        let len = 1 + rng.below(if round % 4 == 0 {
+            TARGET_LEN as u64
+        } else {
+            100_000
+        }) as usize;
+        let ro = rng.below((TARGET_LEN - len + 1) as u64) as usize;
+        let seed = 1000 + round;
+        pattern(seed, &mut local.0[..len]);
+        let ranges = [range(0, ro, len, t.token, t.addr)];
+        let notif = format!("W {ro} {len} {seed}");
+        transfer(
+            &mut ucx,
+            peer,
+            &[post(
+                100 + round,
+                Op::Write,
+                &ranges,
+                Some(notif.as_bytes()),
+            )],
+        );
+        assert_eq!(
+            recv_frame(&mut t.stream),
+            b"ok",
+            "[{label}] target saw incomplete data at notification"
+        );
+    }
+
+    // A shuffled batch of 1024 × 4 KiB ranges, checked by the target too.
+    let mut order: Vec<usize> = (0..1024).collect();
+    rng.shuffle(&mut order);
+    let mut expected = vec![0u8; 1024 * 4096];
+    pattern(7, &mut expected);
+    for (i, &j) in order.iter().enumerate() {
+        local.0[j * 4096..(j + 1) * 4096].copy_from_slice(&expected[i * 4096..(i + 1) * 4096]);
+    }
+    let ranges: Vec<Range> = order
+        .iter()
+        .enumerate()
+        .map(|(i, &j)| range(j * 4096, i * 4096, 4096, t.token, t.addr))
+        .collect();
+    let notif = format!("W 0 {} 7", 1024 * 4096);
+    transfer(
+        &mut ucx,
+        peer,
+        &[post(500, Op::Write, &ranges, Some(notif.as_bytes()))],
+    );
+    assert_eq!(
+        recv_frame(&mut t.stream),
+        b"ok",
+        "[{label}] shuffled batch differs at the target"
+    );
+
+    if error_handling == "none" {
+        // Without peer error handling a dead peer is not detected: stop here.
+        ucx.notify(Endpoint::Peer(peer), b"Q").unwrap();
+        let mut done = Completions::with_capacity(4);
+        while ucx.in_flight() > 0 {
+            ucx.progress(&mut done);
+        }
+        assert!(recv_frame(&mut t.stream).starts_with(b"bye"));
+        assert!(t.child.wait().unwrap().success());
+        return;
+    }
+
+    // Kill the target in the middle of a stream of 64 MiB writes.
+    let big = [range(0, 0, TARGET_LEN, t.token, t.addr)];
+    let mut done = Completions::with_capacity(64);
+    let mut outstanding: Vec<u64> = Vec::new();
+    for tag in 1000..1008u64 {
+        ucx.post(
+            Endpoint::Peer(peer),
+            &[post(tag, Op::Write, &big, None)],
+            &mut done,
+        )
+        .expect("post before kill");
+        outstanding.push(tag);
+    }
+    t.child.kill().expect("kill target");
+    let killed_at = Instant::now();
+    let _ = t.child.wait();
+    let mut failures = 0;
+    let mut finished = done.as_slice().to_vec();
+    done.clear();
+    // Keep posting until the backend notices; every request must complete.
+    let mut tag = 2000u64;
+    while killed_at.elapsed() < TIMEOUT {
+        ucx.progress(&mut done);
+        finished.extend_from_slice(done.as_slice());
+        done.clear();
+        if ucx.peer_down(peer) == Some(true)
+            && outstanding
+                .iter()
+                .all(|t| finished.iter().any(|c| c.tag == *t))
+        {
+            break;
+        }
+        if outstanding.len() < 64 {
+            match ucx.post(
+                Endpoint::Peer(peer),
+                &[post(tag, Op::Write, &big, None)],
+                &mut done,
+            ) {
+                Ok(()) => outstanding.push(tag),
+                Err(Error::RemoteDisconnect { .. }) => {}
+                Err(e) => panic!("[{label}] unexpected post error after kill: {e}"),
+            }
+            tag += 1;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let detected_after = killed_at.elapsed();
+    assert_eq!(
+        ucx.peer_down(peer),
+        Some(true),
+        "[{label}] peer death not detected within {TIMEOUT:?}"
+    );
+    for t in &outstanding {
+        let c = finished
+            .iter()
+            .find(|c| c.tag == *t)
+            .unwrap_or_else(|| panic!("[{label}] request {t} never completed after the kill"));
+        if let Err(f) = c.result {
+            assert_eq!(
+                f.kind,
+                FailureKind::RemoteDisconnect,
+                "[{label}] request {t}: {f:?}"
+            );
+            failures += 1;
+        }
+    }
+    assert!(
+        failures > 0,
+        "[{label}] no request failed although the target died"
+    );
+    eprintln!(
+        "[{label}] target killed: detected after {detected_after:?}, {failures} of {} requests failed with remote-disconnect",
+        outstanding.len()
+    );
+    let e = ucx.post(
+        Endpoint::Peer(peer),
+        &[post(9999, Op::Write, &big, None)],
+        &mut done,
+    );
+    assert!(
+        matches!(e, Err(Error::RemoteDisconnect { .. })),
+        "[{label}] post to a dead peer: {e:?}"
+    );
+
+    // The engine invalidates the peer's metadata; the target restarts; reload; works.
+    ucx.unload_remote(peer);
+    let mut t = spawn_target(transports, &mut ucx, peer);
+    pattern(77, &mut local.0[..1 << 20]);
+    let ranges = [range(0, 4096, 1 << 20, t.token, t.addr)];
+    let notif = format!("W 4096 {} 77", 1 << 20);
+    transfer(
+        &mut ucx,
+        peer,
+        &[post(3000, Op::Write, &ranges, Some(notif.as_bytes()))],
+    );
+    assert_eq!(
+        recv_frame(&mut t.stream),
+        b"ok",
+        "[{label}] write after restart differs"
+    );
+    transfer(&mut ucx, peer, &[post(3001, Op::Read, &ranges, None)]);
+    ucx.notify(Endpoint::Peer(peer), b"Q").unwrap();
+    let deadline = Instant::now() + TIMEOUT;
+    let mut done = Completions::with_capacity(4);
+    t.stream.set_nonblocking(false).unwrap();
+    // The child answers "bye" and exits; progress until our notification left.
+    while ucx.in_flight() > 0 && Instant::now() < deadline {
+        ucx.progress(&mut done);
+    }
+    assert!(recv_frame(&mut t.stream).starts_with(b"bye"));
+    let status = t.child.wait().unwrap();
+    assert!(status.success(), "[{label}] target exited with {status}");
+    ucx.deregister(MemKind::Dram, ltok).unwrap();
+}
+
+fn main() {
+    if let Ok(addr) = std::env::var(CHILD_VAR) {
+        setup();
+        child_main(&addr);
+        return;
+    }
+    if !setup() {
+        println!("0 passed, 0 failed, 1 skipped");
+        return;
+    }
+    let mut passed = 0;
+    let mut failed = 0;
+    let variants = [("", "peer"), ("tcp", "peer"), ("", "none")];
+    for (transports, error_handling) in variants {
+        let label = format!(
+            "{}, error_handling={error_handling}",
+            if transports.is_empty() {
+                "default"
+            } else {
+                transports
+            }
+        );
+        let result = std::panic::catch_unwind(|| scenario(transports, error_handling));
+        match result {
+            Ok(()) => {
+                println!("test two_processes[{label}] ... ok");
+                passed += 1;
+            }
+            Err(_) => {
+                println!("test two_processes[{label}] ... FAILED");
+                failed += 1;
+            }
+        }
+    }
+    println!("{passed} passed, {failed} failed");
+    if failed > 0 {
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,90 @@
+//! `cargo bench -p ferry-benches --bench ucx`: DRAM → DRAM between two processes over
+//! the UCX backend (see `ferry_benches::ucx`). Variants run one after another:
+//! default transports with `error_handling=none` (shared memory / CMA where UCX picks
+//! them), and `transports=tcp` with `error_handling=peer`. `FERRY_BENCH_UCX_VARIANT`
+//! (`shm` or `tcp`) runs one; `FERRY_BENCH_UCX_QUICK=1` trims the matrix, and
+//! `FERRY_BENCH_UCX_BLOCKS` / `FERRY_BENCH_UCX_BATCHES` (comma lists) replace it.
+
+use std::process::{Command, Stdio};
+
+use ferry_benches::ucx::{run, target_main, Config, TARGET_ENV};
+
+fn main() {
+    std::env::set_var(
+        "UCX_NET_DEVICES",
+        std::env::var("UCX_NET_DEVICES").unwrap_or("lo".into()),
+    );
+    std::env::set_var("UCX_WARN_UNUSED_ENV_VARS", "n");
+    if let Ok(spec) = std::env::var(TARGET_ENV) {
+        if let Err(e) = target_main(&spec) {
+            eprintln!("bench target: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
+    if let Some(reason) = ferry::Agent::available_backends()
+        .iter()
+        .find(|f| f.name == "UCX")
+        .and_then(|f| f.available.clone().err())
+    {
+        eprintln!("skipping UCX benchmark: {reason}");
+        return;
+    }
+    let only = std::env::var("FERRY_BENCH_UCX_VARIANT").ok();
+    let variants: [(&str, &[(&str, &str)]); 2] = [
+        ("shm", &[("error_handling", "none")]),
+        ("tcp", &[("transports", "tcp"), ("error_handling", "peer")]),
+    ];
+    for (name, params) in variants {
+        if only.as_deref().is_some_and(|o| o != name) {
+            continue;
+        }
+        let mut config = Config {
+            params: params
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            ..Config::default()
+        };
+        if std::env::var_os("FERRY_BENCH_UCX_QUICK").is_some() {
+            config.blocks = vec![4 << 10, 1 << 20];
+            config.batches = vec![32, 1024];
+        }
+        let list = |name: &str| -> Option<Vec<usize>> {
+            let text = std::env::var(name).ok()?;
+            Some(
+                text.split(',')
+                    .filter_map(|s| s.trim().parse().ok())
+                    .collect(),
+            )
+        };
+        if let Some(blocks) = list("FERRY_BENCH_UCX_BLOCKS") {
+            config.blocks = blocks;
+        }
+        if let Some(batches) = list("FERRY_BENCH_UCX_BATCHES") {
+            config.batches = batches;
+        }
+        println!("== UCX benchmark, variant {name}: {params:?}");
+        let report = run(
+            &config,
+            |spec| {
+                Command::new(std::env::current_exe()?)
+                    .env(TARGET_ENV, spec)
+                    .stdin(Stdio::null())
+                    .spawn()
+            },
+            |case| println!("{case}"),
+        );
+        match report {
+            Ok(report) => {
+                if let Some(cpu) = report.idle_thread_cpu_percent {
+                    println!("idle progress thread CPU: {cpu:.2}% of one core");
+                }
+            }
+            Err(e) => {
+                eprintln!("UCX benchmark variant {name} failed: {e}");
+                std::process::exit(1);
+            }
+        }
+    }
+}

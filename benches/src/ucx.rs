@@ -1,0 +1,397 @@
+//! DRAM → DRAM between two processes over the UCX backend, through `ferry::Agent`.
+//!
+//! The initiator (this process) spawns a target process (the same binary, told its
+//! role by [`TARGET_ENV`]), which registers a buffer, sends its metadata blob over a
+//! TCP socket on 127.0.0.1 and then only progresses its agent until told to stop. The
+//! initiator prepares both descriptor lists once, makes one request per case and then
+//! times post → done repeatedly. Reported per case: median time per request,
+//! bandwidth (bytes / median) and descriptors per second (descriptors / median).
+//!
+//! Cases: block 4 KiB / 64 KiB / 1 MiB / 16 MiB × batch 1 / 32 / 1024, WRITE and READ,
+//! remote order contiguous and shuffled, plus the control-path case 64 B × 1024
+//! shuffled. A request larger than the buffers wraps around them (contents are not
+//! checked here; the tests do that). Then the idle CPU of a progress thread.
+//!
+//! Entry points for a command-line tool: [`run`] (initiator) and [`target_main`].
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::Child;
+use std::time::{Duration, Instant};
+
+use ferry::{Agent, AgentConfig, Desc, MemKind, Op, Params, XferStatus};
+
+/// Environment variable that tells a spawned process to act as the target; its value is
+/// the initiator's control address (`127.0.0.1:port`), followed by `,` and the UCX
+/// backend parameters as `key=value;key=value`.
+pub const TARGET_ENV: &str = "FERRY_BENCH_UCX_TARGET";
+
+/// Buffer size on each side.
+const BUFFER_LEN: usize = 256 << 20;
+
+/// One benchmark run's settings.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// UCX backend parameters for both sides (e.g. `transports=tcp`,
+    /// `error_handling=none`).
+    pub params: Vec<(String, String)>,
+    /// Block sizes in bytes.
+    pub blocks: Vec<usize>,
+    /// Descriptors per request.
+    pub batches: Vec<usize>,
+    /// Time budget per case (at least `min_iters` iterations run).
+    pub case_time: Duration,
+    /// Minimum timed iterations per case.
+    pub min_iters: usize,
+    /// Also run the 64 B × 1024 control-path case.
+    pub control_path: bool,
+    /// Also measure the idle CPU of a progress thread.
+    pub idle_cpu: bool,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            params: Vec::new(),
+            blocks: vec![4 << 10, 64 << 10, 1 << 20, 16 << 20],
+            batches: vec![1, 32, 1024],
+            case_time: Duration::from_millis(700),
+            min_iters: 3,
+            control_path: true,
+            idle_cpu: true,
+        }
+    }
+}
+
+/// One measured case.
+#[derive(Clone, Debug)]
+pub struct CaseResult {
+    /// READ or WRITE.
+    pub op: Op,
+    /// Block size in bytes.
+    pub block_bytes: usize,
+    /// Descriptors per request.
+    pub batch: usize,
+    /// Remote order shuffled (else contiguous).
+    pub shuffled: bool,
+    /// Ranges after merging.
+    pub merged_ranges: usize,
+    /// Timed iterations.
+    pub iters: usize,
+    /// Median time per request.
+    pub median: Duration,
+}
+
+impl CaseResult {
+    /// Bytes per second at the median.
+    pub fn bandwidth_bytes_per_s(&self) -> f64 {
+        (self.block_bytes * self.batch) as f64 / self.median.as_secs_f64()
+    }
+    /// Descriptors per second at the median.
+    pub fn descriptors_per_s(&self) -> f64 {
+        self.batch as f64 / self.median.as_secs_f64()
+    }
+}
+
+impl std::fmt::Display for CaseResult {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:5} block {:>8} × {:>4} {:10} merged {:>4}  median {:>10.1} µs  {:>7.2} GB/s  {:>6.2} M desc/s  ({} iters)",
+            self.op.to_string(),
+            human(self.block_bytes),
+            self.batch,
+            if self.shuffled { "shuffled" } else { "contiguous" },
+            self.merged_ranges,
+            self.median.as_secs_f64() * 1e6,
+            self.bandwidth_bytes_per_s() / 1e9,
+            self.descriptors_per_s() / 1e6,
+            self.iters
+        )
+    }
+}
+
+fn human(bytes: usize) -> String {
+    if bytes >= 1 << 20 {
+        format!("{} MiB", bytes >> 20)
+    } else if bytes >= 1 << 10 {
+        format!("{} KiB", bytes >> 10)
+    } else {
+        format!("{bytes} B")
+    }
+}
+
+/// Everything measured.
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    /// UCX version and the initiator→target transports.
+    pub transports: String,
+    /// Per-case results.
+    pub cases: Vec<CaseResult>,
+    /// Idle progress-thread CPU, percent of one core.
+    pub idle_thread_cpu_percent: Option<f64>,
+}
+
+fn params_of(pairs: &[(String, String)]) -> Params {
+    pairs.iter().cloned().collect()
+}
+
+fn encode_params(pairs: &[(String, String)]) -> String {
+    pairs
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(";")
+}
+
+fn decode_params(text: &str) -> Vec<(String, String)> {
+    text.split(';')
+        .filter(|s| !s.is_empty())
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+fn send_frame(stream: &mut TcpStream, bytes: &[u8]) -> std::io::Result<()> {
+    stream.write_all(&(bytes.len() as u32).to_le_bytes())?;
+    stream.write_all(bytes)
+}
+
+fn recv_frame(stream: &mut TcpStream) -> std::io::Result<Vec<u8>> {
+    let mut len = [0u8; 4];
+    stream.read_exact(&mut len)?;
+    let mut bytes = vec![0u8; u32::from_le_bytes(len) as usize];
+    stream.read_exact(&mut bytes)?;
+    Ok(bytes)
+}
+
+fn ucx_agent(name: &str, params: &[(String, String)]) -> Result<Agent, String> {
+    let agent = Agent::new(AgentConfig::named(name)).map_err(|e| e.to_string())?;
+    agent
+        .create_backend("UCX", &params_of(params))
+        .map_err(|e| e.to_string())?;
+    Ok(agent)
+}
+
+/// The target role: `spec` is the value of [`TARGET_ENV`].
+pub fn target_main(spec: &str) -> Result<(), String> {
+    let (addr, params) = spec.split_once(',').unwrap_or((spec, ""));
+    let params = decode_params(params);
+    let agent = ucx_agent(&format!("bench-target-{}", std::process::id()), &params)?;
+    let buffer = vec![0u8; BUFFER_LEN];
+    // SAFETY: `buffer` lives until this function returns, after the agent is dropped;
+    // nothing reads or writes it from Rust meanwhile.
+    unsafe { agent.register(MemKind::Dram, Desc::of_slice(&buffer)) }.map_err(|e| e.to_string())?;
+    let mut stream = TcpStream::connect(addr).map_err(|e| e.to_string())?;
+    send_frame(&mut stream, &agent.local_md().map_err(|e| e.to_string())?)
+        .map_err(|e| e.to_string())?;
+    send_frame(&mut stream, &(buffer.as_ptr() as u64).to_le_bytes()).map_err(|e| e.to_string())?;
+    stream.set_nonblocking(true).map_err(|e| e.to_string())?;
+    let mut byte = [0u8; 1];
+    loop {
+        for _ in 0..256 {
+            agent.progress();
+        }
+        match stream.read(&mut byte) {
+            Ok(0) => break,
+            Ok(_) => break,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(_) => break,
+        }
+    }
+    drop(agent);
+    drop(buffer);
+    Ok(())
+}
+
+/// Run the benchmark; `spawn_target(env_value)` must start a process that calls
+/// [`target_main`] with that value (e.g. this binary with [`TARGET_ENV`] set).
+pub fn run(
+    config: &Config,
+    spawn_target: impl FnOnce(&str) -> std::io::Result<Child>,
+    mut on_case: impl FnMut(&CaseResult),
+) -> Result<Report, String> {
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    let spec = format!(
+        "{},{}",
+        listener.local_addr().map_err(|e| e.to_string())?,
+        encode_params(&config.params)
+    );
+    let mut child = spawn_target(&spec).map_err(|e| format!("spawning the target: {e}"))?;
+    let result = run_with_target(config, &listener, &mut on_case);
+    let _ = child.wait();
+    result
+}
+
+fn run_with_target(
+    config: &Config,
+    listener: &TcpListener,
+    on_case: &mut impl FnMut(&CaseResult),
+) -> Result<Report, String> {
+    let (mut stream, _) = listener.accept().map_err(|e| e.to_string())?;
+    let md = recv_frame(&mut stream).map_err(|e| e.to_string())?;
+    let remote_base = u64::from_le_bytes(
+        recv_frame(&mut stream)
+            .map_err(|e| e.to_string())?
+            .try_into()
+            .map_err(|_| "bad address frame".to_string())?,
+    );
+    let agent = ucx_agent(
+        &format!("bench-initiator-{}", std::process::id()),
+        &config.params,
+    )?;
+    let local = vec![0u8; BUFFER_LEN];
+    // SAFETY: `local` outlives the agent (dropped at the end of this function, after
+    // the agent); nothing touches it from Rust while transfers run.
+    unsafe { agent.register(MemKind::Dram, Desc::of_slice(&local)) }.map_err(|e| e.to_string())?;
+    let peer = agent.load_remote_md(&md).map_err(|e| e.to_string())?;
+
+    let mut report = Report::default();
+    let mut cases: Vec<(usize, usize, bool)> = Vec::new();
+    for &block in &config.blocks {
+        for &batch in &config.batches {
+            for shuffled in [false, true] {
+                cases.push((block, batch, shuffled));
+            }
+        }
+    }
+    if config.control_path {
+        cases.push((64, 1024, true));
+    }
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    for (block, batch, shuffled) in cases {
+        let slots = (BUFFER_LEN / block).max(1);
+        let mut remote_slots: Vec<usize> = (0..batch).map(|i| i % slots).collect();
+        if shuffled {
+            for i in (1..remote_slots.len()).rev() {
+                let j = (next() % (i as u64 + 1)) as usize;
+                remote_slots.swap(i, j);
+            }
+        }
+        let local_descs: Vec<Desc> = (0..batch)
+            .map(|i| {
+                Desc::new(
+                    local.as_ptr() as u64 + ((i % slots) * block) as u64,
+                    block as u64,
+                    0,
+                )
+            })
+            .collect();
+        let remote_descs: Vec<Desc> = remote_slots
+            .iter()
+            .map(|&s| Desc::new(remote_base + (s * block) as u64, block as u64, 0))
+            .collect();
+        let local_prep = agent
+            .prep(ferry::Side::Local, MemKind::Dram, &local_descs)
+            .map_err(|e| e.to_string())?;
+        let remote_prep = agent
+            .prep(peer, MemKind::Dram, &remote_descs)
+            .map_err(|e| e.to_string())?;
+        for op in [Op::Write, Op::Read] {
+            let x = agent
+                .make(op, local_prep, &[], remote_prep, &[], None)
+                .map_err(|e| e.to_string())?;
+            let merged_ranges = agent.xfer_ranges(x).map_err(|e| e.to_string())?;
+            let mut times = Vec::new();
+            let started = Instant::now();
+            let mut warm = true;
+            while warm || times.len() < config.min_iters || started.elapsed() < config.case_time {
+                let t0 = Instant::now();
+                let mut status = agent.post(x).map_err(|e| e.to_string())?;
+                while status != XferStatus::Done {
+                    status = agent.check(x).map_err(|e| e.to_string())?;
+                }
+                if !warm {
+                    times.push(t0.elapsed());
+                }
+                warm = false;
+                if times.len() >= 10_000 {
+                    break;
+                }
+            }
+            times.sort_unstable();
+            let case = CaseResult {
+                op,
+                block_bytes: block,
+                batch,
+                shuffled,
+                merged_ranges,
+                iters: times.len(),
+                median: times[times.len() / 2],
+            };
+            on_case(&case);
+            report.cases.push(case);
+            agent.release(x).map_err(|e| e.to_string())?;
+        }
+        agent.release_prep(local_prep).map_err(|e| e.to_string())?;
+        agent.release_prep(remote_prep).map_err(|e| e.to_string())?;
+    }
+    report.transports = agent
+        .backends()
+        .first()
+        .map(|b| format!("{:?}", b.params))
+        .unwrap_or_default();
+    // Tell the target to stop.
+    let _ = stream.write_all(b"q");
+    drop(agent);
+    drop(local);
+
+    if config.idle_cpu {
+        report.idle_thread_cpu_percent = Some(idle_thread_cpu(&config.params)?);
+    }
+    Ok(report)
+}
+
+/// CPU used by an idle UCX progress thread over 2 s, percent of one core.
+fn idle_thread_cpu(params: &[(String, String)]) -> Result<f64, String> {
+    let mut params = params.to_vec();
+    params.retain(|(k, _)| k != "progress_thread");
+    params.push(("progress_thread".into(), "true".into()));
+    let agent = ucx_agent(&format!("bench-idle-{}", std::process::id()), &params)?;
+    std::thread::sleep(Duration::from_millis(200));
+    let before = thread_cpu_ticks("ferry-ucx-progr");
+    let t0 = Instant::now();
+    std::thread::sleep(Duration::from_secs(2));
+    let ticks = thread_cpu_ticks("ferry-ucx-progr") - before;
+    let elapsed = t0.elapsed().as_secs_f64();
+    drop(agent);
+    let hz = clock_ticks_per_second();
+    Ok(ticks as f64 / hz / elapsed * 100.0)
+}
+
+fn clock_ticks_per_second() -> f64 {
+    // Linux reports utime/stime in USER_HZ, which is 100 on every mainstream kernel.
+    100.0
+}
+
+fn thread_cpu_ticks(name: &str) -> u64 {
+    let mut total = 0;
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    for entry in dir.flatten() {
+        let comm = std::fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
+        if !comm.trim_end().starts_with(name) {
+            continue;
+        }
+        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+        if let Some((_, rest)) = stat.rsplit_once(')') {
+            let fields: Vec<&str> = rest.split_whitespace().collect();
+            total += fields
+                .get(11)
+                .and_then(|f| f.parse::<u64>().ok())
+                .unwrap_or(0);
+            total += fields
+                .get(12)
+                .and_then(|f| f.parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+    }
+    total
+}
