@@ -3,7 +3,7 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
+use std::sync::mpsc::{SyncSender, TrySendError};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
@@ -12,9 +12,8 @@ use ferry_storage::{Error, Subject};
 use crate::config::{store_key, ExchangeConfig, StoreConfig, TcpStoreConfig};
 use crate::events::{Event, EventQueue, Route, FULL_LABEL};
 use crate::local::{check_agent_name, check_label, LocalMd};
-use crate::p2p::{self, ListenerStats, P2pCmd};
+use crate::p2p::{self, ListenerStats};
 use crate::tcpstore::{self, ServerConfig, ServerHandle};
-use crate::util::io_error;
 
 /// Where a call goes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -107,7 +106,7 @@ impl CmdSender {
 pub struct Manager {
     shared: Arc<Shared>,
     listener: Option<p2p::Listener>,
-    p2p_client: Mutex<Option<(SyncSender<P2pCmd>, JoinHandle<()>)>>,
+    p2p_client: Mutex<Option<p2p::Client>>,
     store: Option<StoreWorker>,
     embedded: Option<ServerHandle>,
 }
@@ -247,11 +246,7 @@ impl Manager {
             ));
         }
         match via {
-            Via::Peer(to) => self.p2p(P2pCmd::Send {
-                to,
-                label: label.to_owned(),
-                blob,
-            }),
+            Via::Peer(to) => self.p2p(|c| c.send(to, label, blob)),
             Via::Store => self.store_cmd(
                 StoreCmd::Publish {
                     label: label.to_owned(),
@@ -274,11 +269,7 @@ impl Manager {
             None => FULL_LABEL,
         };
         match via {
-            Via::Peer(to) => self.p2p(P2pCmd::Fetch {
-                to,
-                agent: agent.to_owned(),
-                label: label.to_owned(),
-            }),
+            Via::Peer(to) => self.p2p(|c| c.fetch(to, agent, label)),
             Via::Store => self.store_cmd(
                 StoreCmd::Fetch {
                     agent: agent.to_owned(),
@@ -293,7 +284,7 @@ impl Manager {
     /// everything this agent published in the store (its watchers see the deletion).
     pub fn invalidate_local_md(&self, via: Via) -> Result<(), Error> {
         match via {
-            Via::Peer(to) => self.p2p(P2pCmd::Invalidate { to }),
+            Via::Peer(to) => self.p2p(|c| c.invalidate(to)),
             Via::Store => self.store_cmd(StoreCmd::Withdraw, "invalidate_local_md"),
         }
     }
@@ -310,26 +301,16 @@ impl Manager {
         self.shared.events.wait(timeout)
     }
 
-    fn p2p(&self, cmd: P2pCmd) -> Result<(), Error> {
+    /// Run `call` on the P2P client, starting it on first use.
+    fn p2p(&self, call: impl FnOnce(&p2p::Client) -> Result<(), Error>) -> Result<(), Error> {
         let mut client = lock(&self.p2p_client);
         if client.is_none() {
-            let (tx, rx) = sync_channel(self.shared.config.command_capacity);
-            let shared = self.shared.clone();
-            let thread = std::thread::Builder::new()
-                .name(format!("ferry-p2p-client-{}", self.shared.agent))
-                .spawn(move || p2p::client_loop(shared, rx))
-                .map_err(|e| io_error("p2p", "spawning the client worker", &e))?;
-            *client = Some((tx, thread));
+            *client = Some(p2p::Client::start(self.shared.clone())?);
         }
-        let Some((tx, _)) = client.as_ref() else {
-            return Err(Error::backend("p2p", "the client worker did not start"));
-        };
-        queue(
-            tx,
-            cmd,
-            "p2p command queue",
-            self.shared.config.command_capacity,
-        )
+        match client.as_ref() {
+            Some(c) => call(c),
+            None => Err(Error::backend("p2p", "the client worker did not start")),
+        }
     }
 
     fn store_cmd(&self, cmd: StoreCmd, what: &'static str) -> Result<(), Error> {
@@ -351,7 +332,7 @@ impl Manager {
     }
 }
 
-fn queue<T>(tx: &SyncSender<T>, cmd: T, what: &'static str, limit: usize) -> Result<(), Error> {
+pub(crate) fn queue<T>(tx: &SyncSender<T>, cmd: T, what: &'static str, limit: usize) -> Result<(), Error> {
     match tx.try_send(cmd) {
         Ok(()) => Ok(()),
         Err(TrySendError::Full(_)) => Err(Error::Capacity { what, limit }),
@@ -369,10 +350,7 @@ impl Drop for Manager {
         if let Some(mut listener) = self.listener.take() {
             listener.stop();
         }
-        if let Some((tx, thread)) = lock(&self.p2p_client).take() {
-            drop(tx);
-            let _unused = thread.join();
-        }
+        drop(lock(&self.p2p_client).take());
         if let Some(store) = self.store.take() {
             drop(store.ops);
             drop(store.fetches);

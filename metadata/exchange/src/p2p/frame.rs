@@ -12,7 +12,7 @@
 //! without mac): a frame recorded on one connection is worthless on another, since
 //! each receiver picks a fresh random nonce.
 
-use std::io::{self, Read, Write};
+use std::io::{self, IoSlice, Read, Write};
 use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::Duration;
@@ -77,7 +77,9 @@ pub struct Frame {
 pub enum RecvError {
     /// The other side closed the connection between frames.
     Closed,
-    /// A socket error or timeout.
+    /// No frame started within the first-byte timeout; the connection is still usable.
+    Idle,
+    /// A socket error or timeout (inside a frame: the connection cannot go on).
     Io(io::Error),
     /// The frame breaks the protocol (oversized, malformed, unauthenticated, out of
     /// sequence); the connection cannot go on.
@@ -88,35 +90,58 @@ impl std::fmt::Display for RecvError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             RecvError::Closed => f.write_str("connection closed"),
+            RecvError::Idle => f.write_str("no frame within the timeout"),
             RecvError::Io(e) => write!(f, "{e}"),
             RecvError::Refused(why) => write!(f, "frame refused: {why}"),
         }
     }
 }
 
-/// One connection after the hello exchange.
+/// One connection after the hello exchange: a [`FrameWriter`] and a [`FrameReader`] on
+/// the same socket, usable together or split for two threads ([`Self::into_split`]).
 pub struct FramedConn {
+    writer: FrameWriter,
+    reader: FrameReader,
+}
+
+/// The sending half of a connection.
+pub struct FrameWriter {
+    stream: TcpStream,
+    secret: Option<Arc<[u8]>>,
+    peer_nonce: [u8; 16],
+    send_seq: u64,
+    max_frame_bytes: usize,
+    /// The frame being sent: its length prefix and header, and the payload and tag too
+    /// when the payload is short (then one `write` sends it all).
+    write_buf: Vec<u8>,
+    /// Whether `write_buf` holds the payload (and tag) too.
+    inline: bool,
+    /// The tag of the frame being sent, when it is not inline.
+    tag: Option<[u8; MAC_LEN]>,
+}
+
+/// The receiving half of a connection.
+pub struct FrameReader {
     stream: TcpStream,
     secret: Option<Arc<[u8]>>,
     my_nonce: [u8; 16],
-    peer_nonce: [u8; 16],
-    send_seq: u64,
     recv_seq: u64,
     max_frame_bytes: usize,
     io_timeout: Duration,
-    /// The read timeout now set on the socket (to skip redundant system calls).
+    /// The read timeout now set on the socket (changed only before a read that needs
+    /// another one, so a frame that arrives whole costs no `setsockopt`).
     read_timeout: Duration,
     /// Bytes read ahead: `read_buf[read_pos..read_end]` are unconsumed.
     read_buf: Box<[u8]>,
     read_pos: usize,
     read_end: usize,
-    write_buf: Vec<u8>,
 }
 
 /// Size of the read-ahead buffer; frame headers (at most 11 + 255 + 255 bytes) always
 /// fit, payloads beyond it are read straight into their own buffer.
 const READ_AHEAD_BYTES: usize = 16 << 10;
-/// Payloads at least this long are written from the caller's buffer, not copied.
+/// Payloads at least this long are written from the caller's buffer (with `writev`),
+/// not copied.
 const WRITE_COPY_MAX_BYTES: usize = 16 << 10;
 
 impl FramedConn {
@@ -170,30 +195,77 @@ impl FramedConn {
         }
         let mut peer_nonce = [0u8; 16];
         peer_nonce.copy_from_slice(&peer[6..]);
+        let write_stream = stream.try_clone().map_err(RecvError::Io)?;
         Ok(FramedConn {
-            stream,
-            secret,
-            my_nonce,
-            peer_nonce,
-            send_seq: 0,
-            recv_seq: 0,
-            max_frame_bytes,
-            io_timeout,
-            read_timeout: nonzero(io_timeout),
-            read_buf: vec![0u8; READ_AHEAD_BYTES].into_boxed_slice(),
-            read_pos: 0,
-            read_end: 0,
-            write_buf: Vec::new(),
+            writer: FrameWriter {
+                stream: write_stream,
+                secret: secret.clone(),
+                peer_nonce,
+                send_seq: 0,
+                max_frame_bytes,
+                write_buf: Vec::new(),
+                inline: true,
+                tag: None,
+            },
+            reader: FrameReader {
+                stream,
+                secret,
+                my_nonce,
+                recv_seq: 0,
+                max_frame_bytes,
+                io_timeout,
+                read_timeout: nonzero(io_timeout),
+                read_buf: vec![0u8; READ_AHEAD_BYTES].into_boxed_slice(),
+                read_pos: 0,
+                read_end: 0,
+            },
         })
     }
 
     /// The socket (for its addresses and shutdown).
+    pub fn stream(&self) -> &TcpStream {
+        &self.reader.stream
+    }
+
+    /// Send one frame (see [`FrameWriter::send`]).
+    pub fn send(&mut self, kind: Kind, name: &str, label: &str, payload: &[u8]) -> io::Result<()> {
+        self.writer.send(kind, name, label, payload)
+    }
+
+    /// Receive one frame (see [`FrameReader::recv`]).
+    pub fn recv(&mut self, first_byte_timeout: Duration) -> Result<Frame, RecvError> {
+        self.reader.recv(first_byte_timeout)
+    }
+
+    /// The two halves, for a writing and a reading thread.
+    pub fn into_split(self) -> (FrameWriter, FrameReader) {
+        (self.writer, self.reader)
+    }
+}
+
+impl FrameWriter {
+    /// The socket (for shutdown).
     pub fn stream(&self) -> &TcpStream {
         &self.stream
     }
 
     /// Send one frame. A frame over the size limit is refused before anything is sent.
     pub fn send(&mut self, kind: Kind, name: &str, label: &str, payload: &[u8]) -> io::Result<()> {
+        self.start(kind, name, label, payload)?;
+        self.finish(payload)
+    }
+
+    /// Encode a frame without sending it: the size checks (an `InvalidInput` error for
+    /// a frame over the limit), the header and the tag. [`Self::finish`] sends it; a
+    /// writer whose encoded frame is not sent must be abandoned (the frame used up its
+    /// sequence number).
+    pub fn start(
+        &mut self,
+        kind: Kind,
+        name: &str,
+        label: &str,
+        payload: &[u8],
+    ) -> io::Result<()> {
         let mac_len = if self.secret.is_some() { MAC_LEN } else { 0 };
         let body_len = FIXED_LEN + name.len() + label.len() + payload.len() + mac_len;
         if body_len > self.max_frame_bytes || name.len() > 255 || label.len() > 255 {
@@ -223,19 +295,59 @@ impl FramedConn {
             }
             None => None,
         };
-        if payload.len() < WRITE_COPY_MAX_BYTES {
+        self.inline = payload.len() < WRITE_COPY_MAX_BYTES;
+        if self.inline {
             buf.extend_from_slice(payload);
             buf.extend_from_slice(tag.as_ref().map_or(&[][..], |t| &t[..]));
-            self.stream.write_all(buf)?;
+            self.tag = None;
         } else {
-            self.stream.write_all(buf)?;
-            self.stream.write_all(payload)?;
-            if let Some(tag) = &tag {
-                self.stream.write_all(tag)?;
-            }
+            self.tag = tag;
         }
+        // The sequence number is spent once encoded: a frame that fails half-sent
+        // leaves the connection unusable anyway.
         self.send_seq += 1;
         Ok(())
+    }
+
+    /// Send the frame encoded by [`Self::start`] (`payload` is the same one), in one
+    /// `write` (short payloads) or one `writev` (long ones, uncopied).
+    pub fn finish(&mut self, payload: &[u8]) -> io::Result<()> {
+        if self.inline {
+            return self.stream.write_all(&self.write_buf);
+        }
+        let tag = self.tag.take();
+        let mut slices = [
+            IoSlice::new(&self.write_buf),
+            IoSlice::new(payload),
+            IoSlice::new(tag.as_ref().map_or(&[][..], |t| &t[..])),
+        ];
+        write_all_vectored(&mut self.stream, &mut slices)
+    }
+}
+
+/// `write_all` over several buffers, with as few `writev` calls as the socket allows.
+fn write_all_vectored(stream: &mut TcpStream, mut slices: &mut [IoSlice<'_>]) -> io::Result<()> {
+    IoSlice::advance_slices(&mut slices, 0);
+    while !slices.is_empty() {
+        match stream.write_vectored(slices) {
+            Ok(0) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::WriteZero,
+                    "the socket accepted no bytes",
+                ))
+            }
+            Ok(n) => IoSlice::advance_slices(&mut slices, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+impl FrameReader {
+    /// The socket (for shutdown).
+    pub fn stream(&self) -> &TcpStream {
+        &self.stream
     }
 
     fn set_read_timeout(&mut self, timeout: Duration) -> io::Result<()> {
@@ -257,6 +369,8 @@ impl FramedConn {
             self.read_end -= self.read_pos;
             self.read_pos = 0;
         }
+        self.set_read_timeout(self.io_timeout)
+            .map_err(RecvError::Io)?;
         while self.read_end - self.read_pos < n {
             match self.stream.read(&mut self.read_buf[self.read_end..]) {
                 Ok(0) => {
@@ -278,13 +392,19 @@ impl FramedConn {
         let ahead = (self.read_end - self.read_pos).min(out.len());
         out[..ahead].copy_from_slice(&self.read_buf[self.read_pos..self.read_pos + ahead]);
         self.read_pos += ahead;
+        if ahead == out.len() {
+            return Ok(());
+        }
+        self.set_read_timeout(self.io_timeout)
+            .map_err(RecvError::Io)?;
         self.stream
             .read_exact(&mut out[ahead..])
             .map_err(RecvError::Io)
     }
 
     /// Receive one frame, waiting at most `first_byte_timeout` for it to start (then
-    /// the I/O timeout for the rest).
+    /// the I/O timeout for the rest). [`RecvError::Idle`] when none started: the
+    /// connection is still usable.
     pub fn recv(&mut self, first_byte_timeout: Duration) -> Result<Frame, RecvError> {
         if self.read_pos == self.read_end {
             self.read_pos = 0;
@@ -299,12 +419,11 @@ impl FramedConn {
                         break;
                     }
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) if crate::util::is_timeout(&e) => return Err(RecvError::Idle),
                     Err(e) => return Err(RecvError::Io(e)),
                 }
             }
         }
-        self.set_read_timeout(self.io_timeout)
-            .map_err(RecvError::Io)?;
         self.fill(4)?;
         let len_bytes: [u8; 4] = [
             self.read_buf[self.read_pos],
@@ -512,7 +631,7 @@ mod tests {
             .send(Kind::Load, "a", "metadata", &vec![0; 2 << 20])
             .is_err());
         // A hostile sender that ignores the limit.
-        a.stream.write_all(&(1u32 << 30).to_le_bytes()).unwrap();
+        a.writer.stream.write_all(&(1u32 << 30).to_le_bytes()).unwrap();
         assert!(
             matches!(b.recv(Duration::from_secs(2)), Err(RecvError::Refused(r)) if r.contains("over the limit"))
         );

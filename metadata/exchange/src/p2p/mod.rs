@@ -1,5 +1,6 @@
-//! P2P exchange: a listener that peers connect to directly, and the client worker that
-//! connects to theirs. Wire format in [`frame`].
+//! P2P exchange: a listener that peers connect to directly, and the client that
+//! connects to theirs (see `client.rs`: a reader thread per outbound connection, fetches
+//! on idle connections written by the caller's thread). Wire format in [`frame`].
 //!
 //! Listener threads: one accept thread and one thread per connection (at most
 //! [`crate::P2pConfig::max_connections`]); every read has a timeout (idle timeout
@@ -7,24 +8,26 @@
 //! frame closes only its own connection, with a log line, and counts in
 //! [`ListenerStats::connections_refused`].
 
+mod client;
 pub mod frame;
+
+pub(crate) use client::Client;
 
 use std::collections::HashMap;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use ferry_storage::{Error, Subject};
+use ferry_storage::Error;
 
 use crate::events::{Event, Route, FULL_LABEL};
 use crate::manager::Shared;
-use crate::util::{io_error, nonzero};
+use crate::util::io_error;
 use frame::{FramedConn, Kind, RecvError};
 
-const BACKEND: &str = "p2p";
+pub(crate) const BACKEND: &str = "p2p";
 
 /// Counters of the listener, for tests and monitoring.
 #[derive(Debug, Default)]
@@ -197,7 +200,7 @@ fn serve_connection(stream: TcpStream, peer: &str, shared: &Shared, stats: &List
     loop {
         let frame = match conn.recv(p2p.idle_timeout) {
             Ok(f) => f,
-            Err(RecvError::Closed) => return,
+            Err(RecvError::Closed | RecvError::Idle) => return,
             Err(RecvError::Io(e)) => {
                 if !shared.stopping() && !crate::util::is_timeout(&e) {
                     log::warn!("p2p listener: connection from {peer}: {e}");
@@ -275,228 +278,3 @@ fn serve_connection(stream: TcpStream, peer: &str, shared: &Shared, stats: &List
     }
 }
 
-/// Work for the P2P client worker.
-pub(crate) enum P2pCmd {
-    /// Push our metadata under `label` to the listener at `to`.
-    Send {
-        to: SocketAddr,
-        label: String,
-        blob: Arc<[u8]>,
-    },
-    /// Ask the listener at `to` for `agent`'s metadata under `label`.
-    Fetch {
-        to: SocketAddr,
-        agent: String,
-        label: String,
-    },
-    /// Tell the listener at `to` to drop our metadata.
-    Invalidate { to: SocketAddr },
-}
-
-/// Most outbound connections kept open for reuse.
-const CONN_CACHE_MAX: usize = 64;
-
-/// The P2P client worker's loop: one command at a time, every socket operation bounded
-/// by the I/O timeout.
-pub(crate) fn client_loop(shared: Arc<Shared>, commands: Receiver<P2pCmd>) {
-    let mut conns: HashMap<SocketAddr, FramedConn> = HashMap::new();
-    loop {
-        let cmd = match commands.recv_timeout(Duration::from_secs(1)) {
-            Ok(c) => c,
-            Err(RecvTimeoutError::Timeout) => {
-                if shared.stopping() {
-                    return;
-                }
-                continue;
-            }
-            Err(RecvTimeoutError::Disconnected) => return,
-        };
-        if shared.stopping() {
-            return;
-        }
-        match cmd {
-            P2pCmd::Send { to, label, blob } => {
-                let result = exchange(&shared, &mut conns, to, Kind::Load, &label, &blob)
-                    .and_then(|reply| expect_ack(reply, to));
-                if let Err(error) = result {
-                    shared.emit(Event::SendFailed {
-                        target: to.to_string(),
-                        what: label,
-                        error,
-                    });
-                }
-            }
-            P2pCmd::Invalidate { to } => {
-                let result = exchange(&shared, &mut conns, to, Kind::Invalidate, "", &[])
-                    .and_then(|reply| expect_ack(reply, to));
-                if let Err(error) = result {
-                    shared.emit(Event::SendFailed {
-                        target: to.to_string(),
-                        what: "invalidate".into(),
-                        error,
-                    });
-                }
-            }
-            P2pCmd::Fetch { to, agent, label } => {
-                let event = match exchange(&shared, &mut conns, to, Kind::SendMe, &label, &[]) {
-                    Ok(Reply {
-                        kind: Kind::Load,
-                        name,
-                        label: got,
-                        payload,
-                    }) => {
-                        if name != agent || got != label {
-                            Event::FetchFailed {
-                                error: Error::Mismatch {
-                                    subject: Subject::PeerName(agent.clone()),
-                                    reason: format!(
-                                        "the listener at {to} answered with agent '{name}' label '{got}'"
-                                    )
-                                    .into(),
-                                },
-                                agent,
-                                label,
-                            }
-                        } else {
-                            Event::Load {
-                                agent,
-                                label,
-                                blob: payload,
-                                route: Route::P2p,
-                            }
-                        }
-                    }
-                    Ok(Reply {
-                        kind: Kind::Error,
-                        payload,
-                        ..
-                    }) => Event::FetchFailed {
-                        error: Error::not_found(Subject::Named(
-                            format!(
-                                "metadata '{label}' at {to}: {}",
-                                String::from_utf8_lossy(&payload)
-                            )
-                            .into(),
-                        )),
-                        agent,
-                        label,
-                    },
-                    Ok(other) => Event::FetchFailed {
-                        error: Error::backend(
-                            BACKEND,
-                            format!("{to} answered a send-me with a {:?} frame", other.kind),
-                        ),
-                        agent,
-                        label,
-                    },
-                    Err(error) => Event::FetchFailed {
-                        agent,
-                        label,
-                        error,
-                    },
-                };
-                shared.emit(event);
-            }
-        }
-    }
-}
-
-struct Reply {
-    kind: Kind,
-    name: String,
-    label: String,
-    payload: Vec<u8>,
-}
-
-fn expect_ack(reply: Reply, to: SocketAddr) -> Result<(), Error> {
-    match reply.kind {
-        Kind::Ack => Ok(()),
-        Kind::Error => Err(Error::backend(
-            BACKEND,
-            format!("{to} refused: {}", String::from_utf8_lossy(&reply.payload)),
-        )),
-        other => Err(Error::backend(
-            BACKEND,
-            format!("{to} answered with a {other:?} frame"),
-        )),
-    }
-}
-
-/// Send one frame to `to` and read its reply, on a cached connection if there is one
-/// (retried once on a fresh connection, since the peer may have closed an idle one).
-fn exchange(
-    shared: &Shared,
-    conns: &mut HashMap<SocketAddr, FramedConn>,
-    to: SocketAddr,
-    kind: Kind,
-    label: &str,
-    payload: &[u8],
-) -> Result<Reply, Error> {
-    let io_timeout = shared.config.io_timeout;
-    let mut retried = false;
-    loop {
-        let cached = conns.contains_key(&to);
-        if !cached {
-            if conns.len() >= CONN_CACHE_MAX {
-                if let Some(victim) = conns.keys().next().copied() {
-                    conns.remove(&victim);
-                }
-            }
-            let stream = TcpStream::connect_timeout(&to, io_timeout)
-                .map_err(|e| io_error(BACKEND, format_args!("connecting to {to}"), &e))?;
-            let _unused = stream.set_nodelay(true);
-            let _unused = stream.set_write_timeout(Some(nonzero(io_timeout)));
-            let conn = FramedConn::handshake(
-                stream,
-                shared.config.p2p.secret.clone(),
-                shared.config.p2p.max_frame_bytes,
-                io_timeout,
-            )
-            .map_err(|e| recv_error(&e, to, "hello"))?;
-            conns.insert(to, conn);
-        }
-        let Some(conn) = conns.get_mut(&to) else {
-            return Err(Error::backend(
-                BACKEND,
-                format!("connection to {to} vanished"),
-            ));
-        };
-        let result = match conn.send(kind, &shared.agent, label, payload) {
-            Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => {
-                return Err(Error::invalid(
-                    Subject::Named(format!("p2p frame to {to}").into()),
-                    e.to_string(),
-                ))
-            }
-            Err(e) => Err(RecvError::Io(e)),
-            Ok(()) => conn.recv(io_timeout).map(|f| Reply {
-                kind: f.kind,
-                name: f.name,
-                label: f.label,
-                payload: f.payload,
-            }),
-        };
-        match result {
-            Ok(reply) => return Ok(reply),
-            Err(e) => {
-                conns.remove(&to);
-                let stale = matches!(e, RecvError::Closed)
-                    || matches!(&e, RecvError::Io(io) if !crate::util::is_timeout(io));
-                if !(cached && stale && !retried) {
-                    return Err(recv_error(&e, to, "reply"));
-                }
-                retried = true;
-            }
-        }
-    }
-}
-
-fn recv_error(e: &RecvError, to: SocketAddr, what: &str) -> Error {
-    match e {
-        RecvError::Io(io) => io_error(BACKEND, format_args!("{what} from {to}"), io),
-        RecvError::Closed => Error::RemoteDisconnect {
-            subject: Subject::Named(format!("p2p listener at {to} (closed the connection)").into()),
-        },
-        RecvError::Refused(why) => Error::backend(BACKEND, format!("{what} from {to}: {why}")),
-    }
-}

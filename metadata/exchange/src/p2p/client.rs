@@ -1,0 +1,588 @@
+//! The P2P client: outbound connections to peers' listeners.
+//!
+//! Every connection has a **reader thread** blocked on its socket, so a reply is read
+//! by a thread that already waits for it, as in a bare round trip. Requests are
+//! written under the connection's writer lock, each after its entry is queued in the
+//! connection's FIFO of pending requests (a listener answers in request order).
+//!
+//! A fetch on an established, idle connection (nothing pending) is written by the
+//! caller's own thread: a small frame into an empty send buffer, so it never waits on
+//! the network, and no worker has to wake up to send it. Everything else — connecting
+//! and the hello, pushing metadata (large frames), invalidations, fetches to peers
+//! without an idle connection, and retries — goes through the bounded queue of the
+//! client **worker**.
+//!
+//! A connection that fails (peer closed it, reset, refused a frame) is closed by its
+//! reader; its pending requests are retried once on a fresh connection when the
+//! connection had been reused (the peer may have closed it while idle), else they fail
+//! as events. A reply overdue by the I/O timeout fails the connection.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use ferry_storage::{Error, Subject};
+
+use super::frame::{FrameReader, FrameWriter, FramedConn, Kind, RecvError};
+use super::BACKEND;
+use crate::events::{Event, Route};
+use crate::manager::{queue, Shared};
+use crate::util::{io_error, is_timeout, nonzero};
+
+/// Most outbound connections kept open for reuse.
+const CONN_CACHE_MAX: usize = 64;
+
+/// What a request asks of a peer's listener.
+pub(crate) enum Request {
+    /// Send me `agent`'s metadata under `label`.
+    Fetch { agent: String, label: String },
+    /// Load our metadata under `label`.
+    Send { label: String, blob: Arc<[u8]> },
+    /// Drop our metadata.
+    Invalidate,
+}
+
+impl Request {
+    /// The frame that carries it: kind, label, payload.
+    fn frame(&self) -> (Kind, &str, &[u8]) {
+        match self {
+            Request::Fetch { label, .. } => (Kind::SendMe, label, &[]),
+            Request::Send { label, blob } => (Kind::Load, label, blob),
+            Request::Invalidate => (Kind::Invalidate, "", &[]),
+        }
+    }
+}
+
+/// Work for the client worker.
+struct Cmd {
+    to: SocketAddr,
+    request: Request,
+    /// No further retry on a fresh connection.
+    retried: bool,
+}
+
+/// A request written and not yet answered.
+struct Pending {
+    request: Request,
+    sent_at: Instant,
+    /// No retry on a fresh connection if this connection fails.
+    retried: bool,
+}
+
+/// The pending requests of a connection, in wire order.
+#[derive(Default)]
+struct PendingQueue {
+    requests: VecDeque<Pending>,
+    /// The reader has closed the connection: nothing may be added.
+    closed: bool,
+}
+
+/// One outbound connection.
+struct OutConn {
+    to: SocketAddr,
+    writer: Mutex<FrameWriter>,
+    pending: Mutex<PendingQueue>,
+    /// A clone of the socket, to shut it down without the writer lock.
+    socket: TcpStream,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl OutConn {
+    /// Queue `request` as pending and write it, under the writer lock `w`. Returns the
+    /// request back if the connection is closed. A write error shuts the socket down:
+    /// the reader then settles every pending request, this one included.
+    fn write(
+        &self,
+        w: &mut FrameWriter,
+        agent: &str,
+        request: Request,
+        retried: bool,
+    ) -> Result<(), WriteError> {
+        let (kind, label, payload) = request.frame();
+        if let Err(e) = w.start(kind, agent, label, payload) {
+            return Err(WriteError::Invalid(request, e));
+        }
+        // Keep the payload alive for the write after the request moved into the queue.
+        let blob = match &request {
+            Request::Send { blob, .. } => Some(blob.clone()),
+            _ => None,
+        };
+        {
+            let mut pending = lock(&self.pending);
+            if pending.closed {
+                // The frame was encoded but is not sent (the writer is out of step), on
+                // a connection that is gone anyway.
+                return Err(WriteError::Closed(request));
+            }
+            pending.requests.push_back(Pending {
+                request,
+                sent_at: Instant::now(),
+                retried,
+            });
+        }
+        if w.finish(blob.as_deref().unwrap_or(&[])).is_err() {
+            let _unused = self.socket.shutdown(Shutdown::Both);
+        }
+        Ok(())
+    }
+}
+
+enum WriteError {
+    /// The connection is closed; the request was not written.
+    Closed(Request),
+    /// The frame is over the size limit; nothing was written.
+    Invalid(Request, std::io::Error),
+}
+
+/// State shared by the client handle, its worker and the reader threads.
+struct Inner {
+    shared: Arc<Shared>,
+    /// The worker's queue; taken at stop, which ends the worker.
+    commands: Mutex<Option<SyncSender<Cmd>>>,
+    conns: Mutex<HashMap<SocketAddr, Arc<OutConn>>>,
+    readers: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Inner {
+    fn queue(&self, cmd: Cmd) -> Result<(), Error> {
+        match &*lock(&self.commands) {
+            Some(tx) => queue(
+                tx,
+                cmd,
+                "p2p command queue",
+                self.shared.config.command_capacity,
+            ),
+            None => Err(Error::backend(BACKEND, "the client is stopping")),
+        }
+    }
+
+    fn conn(&self, to: SocketAddr) -> Option<Arc<OutConn>> {
+        lock(&self.conns).get(&to).cloned()
+    }
+
+    /// Forget `conn` (if it is still the connection to its peer).
+    fn forget(&self, conn: &Arc<OutConn>) {
+        let mut conns = lock(&self.conns);
+        if conns.get(&conn.to).is_some_and(|c| Arc::ptr_eq(c, conn)) {
+            conns.remove(&conn.to);
+        }
+    }
+
+    /// Emit the failure of `request` to `to`.
+    fn fail(&self, to: SocketAddr, request: Request, error: Error) {
+        let event = match request {
+            Request::Fetch { agent, label } => Event::FetchFailed {
+                agent,
+                label,
+                error,
+            },
+            Request::Send { label, .. } => Event::SendFailed {
+                target: to.to_string(),
+                what: label,
+                error,
+            },
+            Request::Invalidate => Event::SendFailed {
+                target: to.to_string(),
+                what: "invalidate".into(),
+                error,
+            },
+        };
+        self.shared.emit(event);
+    }
+}
+
+/// The running client: the worker and the connections with their readers.
+pub(crate) struct Client {
+    inner: Arc<Inner>,
+    worker: Option<JoinHandle<()>>,
+}
+
+impl Client {
+    /// Start the worker (connections and their readers start on demand).
+    pub(crate) fn start(shared: Arc<Shared>) -> Result<Client, Error> {
+        let (tx, rx) = sync_channel(shared.config.command_capacity);
+        let inner = Arc::new(Inner {
+            shared,
+            commands: Mutex::new(Some(tx)),
+            conns: Mutex::new(HashMap::new()),
+            readers: Mutex::new(Vec::new()),
+        });
+        let worker = {
+            let inner = inner.clone();
+            std::thread::Builder::new()
+                .name(format!("ferry-p2p-client-{}", inner.shared.agent))
+                .spawn(move || worker_loop(&inner, &rx))
+                .map_err(|e| io_error(BACKEND, "spawning the client worker", &e))?
+        };
+        Ok(Client {
+            inner,
+            worker: Some(worker),
+        })
+    }
+
+    /// Ask the listener at `to` for `agent`'s metadata under `label`. Written on this
+    /// thread when an idle connection to `to` exists, else queued for the worker.
+    pub(crate) fn fetch(&self, to: SocketAddr, agent: &str, label: &str) -> Result<(), Error> {
+        let request = Request::Fetch {
+            agent: agent.to_owned(),
+            label: label.to_owned(),
+        };
+        let request = match self.try_direct(to, request) {
+            Ok(()) => return Ok(()),
+            Err(request) => request,
+        };
+        self.inner.queue(Cmd {
+            to,
+            request,
+            retried: false,
+        })
+    }
+
+    /// Write a SendMe on an established connection with nothing pending, without
+    /// waiting for anything: the writer lock is only tried, and the send buffer of an
+    /// idle request-reply connection is empty, so the frame fits at once.
+    fn try_direct(&self, to: SocketAddr, request: Request) -> Result<(), Request> {
+        let Some(conn) = self.inner.conn(to) else {
+            return Err(request);
+        };
+        let Ok(mut w) = conn.writer.try_lock() else {
+            return Err(request);
+        };
+        {
+            let pending = lock(&conn.pending);
+            if pending.closed || !pending.requests.is_empty() {
+                return Err(request);
+            }
+        }
+        // Only this thread (holding the writer lock) adds to the queue, so it is still
+        // empty unless the reader closed the connection meanwhile (then the frame goes
+        // unsent, on a connection that is gone anyway).
+        match conn.write(&mut w, &self.inner.shared.agent, request, false) {
+            Ok(()) => Ok(()),
+            Err(WriteError::Closed(request) | WriteError::Invalid(request, _)) => Err(request),
+        }
+    }
+
+    /// Push our metadata under `label` to the listener at `to` (through the worker).
+    pub(crate) fn send(&self, to: SocketAddr, label: &str, blob: Arc<[u8]>) -> Result<(), Error> {
+        self.inner.queue(Cmd {
+            to,
+            request: Request::Send {
+                label: label.to_owned(),
+                blob,
+            },
+            retried: false,
+        })
+    }
+
+    /// Tell the listener at `to` to drop our metadata (through the worker).
+    pub(crate) fn invalidate(&self, to: SocketAddr) -> Result<(), Error> {
+        self.inner.queue(Cmd {
+            to,
+            request: Request::Invalidate,
+            retried: false,
+        })
+    }
+}
+
+impl Drop for Client {
+    /// Stop the worker, close every connection, join every thread. The manager has
+    /// raised the stop flag.
+    fn drop(&mut self) {
+        drop(lock(&self.inner.commands).take());
+        if let Some(worker) = self.worker.take() {
+            let _unused = worker.join();
+        }
+        // The worker is gone: no connection starts any more.
+        for conn in lock(&self.inner.conns).values() {
+            let _unused = conn.socket.shutdown(Shutdown::Both);
+        }
+        let readers = std::mem::take(&mut *lock(&self.inner.readers));
+        for r in readers {
+            let _unused = r.join();
+        }
+    }
+}
+
+fn worker_loop(inner: &Arc<Inner>, commands: &Receiver<Cmd>) {
+    // Ends when the client drops the only sender.
+    while let Ok(Cmd {
+        to,
+        request,
+        retried,
+    }) = commands.recv()
+    {
+        if inner.shared.stopping() {
+            return;
+        }
+        let (conn, fresh) = match inner.conn(to) {
+            Some(conn) => (conn, false),
+            None => match connect(inner, to) {
+                Ok(conn) => (conn, true),
+                Err(error) => {
+                    inner.fail(to, request, error);
+                    continue;
+                }
+            },
+        };
+        let mut w = lock(&conn.writer);
+        // A request written on a connection made for it is not retried: the peer
+        // refused it, not an idle timeout.
+        match conn.write(&mut w, &inner.shared.agent, request, retried || fresh) {
+            Ok(()) => {}
+            Err(WriteError::Invalid(request, e)) => inner.fail(
+                to,
+                request,
+                Error::invalid(
+                    Subject::Named(format!("p2p frame to {to}").into()),
+                    e.to_string(),
+                ),
+            ),
+            Err(WriteError::Closed(request)) => {
+                // The reader closed it just now: once more on a fresh connection.
+                drop(w);
+                inner.forget(&conn);
+                if retried {
+                    inner.fail(to, request, closed_error(to));
+                } else {
+                    let _unused = retry(
+                        inner,
+                        Cmd {
+                            to,
+                            request,
+                            retried: true,
+                        },
+                    );
+                }
+            }
+        }
+    }
+}
+
+fn closed_error(to: SocketAddr) -> Error {
+    Error::RemoteDisconnect {
+        subject: Subject::Named(format!("p2p listener at {to} (closed the connection)").into()),
+    }
+}
+
+/// Connect to `to`, exchange hellos, start the connection's reader.
+fn connect(inner: &Arc<Inner>, to: SocketAddr) -> Result<Arc<OutConn>, Error> {
+    let config = &inner.shared.config;
+    let stream = TcpStream::connect_timeout(&to, config.io_timeout)
+        .map_err(|e| io_error(BACKEND, format_args!("connecting to {to}"), &e))?;
+    let _unused = stream.set_nodelay(true);
+    let _unused = stream.set_write_timeout(Some(nonzero(config.io_timeout)));
+    let socket = stream
+        .try_clone()
+        .map_err(|e| io_error(BACKEND, format_args!("connection to {to}"), &e))?;
+    let conn = FramedConn::handshake(
+        stream,
+        config.p2p.secret.clone(),
+        config.p2p.max_frame_bytes,
+        config.io_timeout,
+    )
+    .map_err(|e| recv_error(&e, to, "hello"))?;
+    let (writer, reader) = conn.into_split();
+    let conn = Arc::new(OutConn {
+        to,
+        writer: Mutex::new(writer),
+        pending: Mutex::new(PendingQueue::default()),
+        socket,
+    });
+    {
+        let mut conns = lock(&inner.conns);
+        if conns.len() >= CONN_CACHE_MAX {
+            if let Some(victim) = conns.keys().next().copied() {
+                if let Some(old) = conns.remove(&victim) {
+                    // Its reader settles what it had pending.
+                    let _unused = old.socket.shutdown(Shutdown::Both);
+                }
+            }
+        }
+        conns.insert(to, conn.clone());
+    }
+    let spawned = {
+        let (inner2, conn2) = (inner.clone(), conn.clone());
+        std::thread::Builder::new()
+            .name(format!("ferry-p2p-reader-{}", to.port()))
+            .spawn(move || read_loop(&inner2, &conn2, reader))
+    };
+    match spawned {
+        Ok(t) => {
+            let mut readers = lock(&inner.readers);
+            readers.retain(|t| !t.is_finished());
+            readers.push(t);
+            Ok(conn)
+        }
+        Err(e) => {
+            inner.forget(&conn);
+            Err(io_error(BACKEND, "spawning a connection reader", &e))
+        }
+    }
+}
+
+/// Read replies of one connection until it fails or the client stops; then close it
+/// and settle what is pending.
+fn read_loop(inner: &Inner, conn: &Arc<OutConn>, mut reader: FrameReader) {
+    let shared = &inner.shared;
+    let io_timeout = shared.config.io_timeout;
+    let failure = loop {
+        match reader.recv(io_timeout) {
+            Ok(frame) => {
+                let Some(p) = lock(&conn.pending).requests.pop_front() else {
+                    break Some(RecvError::Refused(format!(
+                        "unsolicited {:?} frame",
+                        frame.kind
+                    )));
+                };
+                deliver(inner, conn.to, p.request, frame);
+            }
+            Err(RecvError::Idle) => {
+                if shared.stopping() {
+                    break None;
+                }
+                let overdue = lock(&conn.pending)
+                    .requests
+                    .front()
+                    .is_some_and(|p| p.sent_at.elapsed() >= io_timeout);
+                if overdue {
+                    break Some(RecvError::Io(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "no reply within the I/O timeout",
+                    )));
+                }
+            }
+            Err(e) => break Some(e),
+        }
+    };
+    inner.forget(conn);
+    let _unused = conn.socket.shutdown(Shutdown::Both);
+    let pending = {
+        let mut pending = lock(&conn.pending);
+        pending.closed = true;
+        std::mem::take(&mut pending.requests)
+    };
+    let Some(failure) = failure else {
+        return;
+    };
+    if shared.stopping() {
+        return;
+    }
+    let stale = matches!(failure, RecvError::Closed)
+        || matches!(&failure, RecvError::Io(io) if !is_timeout(io));
+    for p in pending {
+        if stale && !p.retried {
+            let cmd = Cmd {
+                to: conn.to,
+                request: p.request,
+                retried: true,
+            };
+            // `retry` reports the request failed if it cannot be queued.
+            if let Err(error) = retry(inner, cmd) {
+                log::warn!("p2p: cannot retry a request to {}: {error}", conn.to);
+            }
+        } else {
+            inner.fail(conn.to, p.request, recv_error(&failure, conn.to, "reply"));
+        }
+    }
+}
+
+/// Queue `cmd` for the worker; if that fails, report the request failed.
+fn retry(inner: &Inner, cmd: Cmd) -> Result<(), Error> {
+    let commands = lock(&inner.commands);
+    let Some(tx) = commands.as_ref() else {
+        return Ok(());
+    };
+    match tx.try_send(cmd) {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            drop(commands);
+            let cmd = match e {
+                std::sync::mpsc::TrySendError::Full(c)
+                | std::sync::mpsc::TrySendError::Disconnected(c) => c,
+            };
+            let error = Error::Capacity {
+                what: "p2p command queue (retrying a request)",
+                limit: inner.shared.config.command_capacity,
+            };
+            inner.fail(cmd.to, cmd.request, error.clone());
+            Err(error)
+        }
+    }
+}
+
+/// Turn the reply to `request` into its event (none for a successful push).
+fn deliver(inner: &Inner, to: SocketAddr, request: Request, reply: super::frame::Frame) {
+    let shared = &inner.shared;
+    match request {
+        Request::Fetch { agent, label } => {
+            let event = match reply.kind {
+                Kind::Load if reply.name != agent || reply.label != label => Event::FetchFailed {
+                    error: Error::Mismatch {
+                        subject: Subject::PeerName(agent.clone()),
+                        reason: format!(
+                            "the listener at {to} answered with agent '{}' label '{}'",
+                            reply.name, reply.label
+                        )
+                        .into(),
+                    },
+                    agent,
+                    label,
+                },
+                Kind::Load => Event::Load {
+                    agent,
+                    label,
+                    blob: reply.payload,
+                    route: Route::P2p,
+                },
+                Kind::Error => Event::FetchFailed {
+                    error: Error::not_found(Subject::Named(
+                        format!(
+                            "metadata '{label}' at {to}: {}",
+                            String::from_utf8_lossy(&reply.payload)
+                        )
+                        .into(),
+                    )),
+                    agent,
+                    label,
+                },
+                other => Event::FetchFailed {
+                    error: Error::backend(
+                        BACKEND,
+                        format!("{to} answered a send-me with a {other:?} frame"),
+                    ),
+                    agent,
+                    label,
+                },
+            };
+            shared.emit(event);
+        }
+        request @ (Request::Send { .. } | Request::Invalidate) => {
+            let refused = match reply.kind {
+                Kind::Ack => return,
+                Kind::Error => format!("{to} refused: {}", String::from_utf8_lossy(&reply.payload)),
+                other => format!("{to} answered with a {other:?} frame"),
+            };
+            inner.fail(to, request, Error::backend(BACKEND, refused));
+        }
+    }
+}
+
+fn recv_error(e: &RecvError, to: SocketAddr, what: &str) -> Error {
+    match e {
+        RecvError::Io(io) => io_error(BACKEND, format_args!("{what} from {to}"), io),
+        RecvError::Closed => closed_error(to),
+        RecvError::Idle => io_error(
+            BACKEND,
+            format_args!("{what} from {to}"),
+            &std::io::Error::from(std::io::ErrorKind::TimedOut),
+        ),
+        RecvError::Refused(why) => Error::backend(BACKEND, format!("{what} from {to}: {why}")),
+    }
+}
