@@ -56,6 +56,7 @@ pub(crate) fn start(shared: Arc<Shared>, config: &EtcdConfig) -> Result<StoreWor
         endpoint: config.endpoints.join(","),
         ops: CmdSender::Tokio(tx),
         fetches: None,
+        direct: None,
         threads: vec![thread],
     })
 }
@@ -157,7 +158,8 @@ impl Worker {
                     self.failed("invalidate", error);
                 }
             }
-            StoreCmd::Fetch { agent, label } => match self.client().await {
+            // `WaitFor` comes only from the TCPStore direct path; a fetch all the same.
+            StoreCmd::Fetch { agent, label } | StoreCmd::WaitFor { agent, label, .. } => match self.client().await {
                 Ok(client) => {
                     let fetch = Fetch {
                         shared: self.shared.clone(),

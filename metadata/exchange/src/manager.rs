@@ -2,7 +2,7 @@
 //! event queue.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -31,6 +31,8 @@ pub(crate) struct Shared {
     pub(crate) local: LocalMd,
     pub(crate) events: EventQueue,
     pub(crate) stop: AtomicBool,
+    /// Fetches written by the caller's thread (P2P and TCPStore direct paths).
+    pub(crate) direct_fetches: AtomicU64,
     pub(crate) config: ExchangeConfig,
     pub(crate) namespace: String,
 }
@@ -57,6 +59,13 @@ pub(crate) enum StoreCmd {
     Publish { label: String, blob: Arc<[u8]> },
     /// Fetch `agent`'s metadata under `label`, waiting up to the fetch timeout.
     Fetch { agent: String, label: String },
+    /// A fetch whose GET (at `since`) found the key missing: wait for it, up to the
+    /// fetch timeout counted from `since`.
+    WaitFor {
+        agent: String,
+        label: String,
+        since: std::time::Instant,
+    },
     /// Delete everything we published.
     Withdraw,
 }
@@ -70,6 +79,8 @@ pub(crate) struct StoreWorker {
     pub(crate) ops: CmdSender,
     /// Fetches, when the backend runs them on a thread of their own.
     pub(crate) fetches: Option<CmdSender>,
+    /// The TCPStore backend's direct GET path (fetches written by the caller's thread).
+    pub(crate) direct: Option<Arc<tcpstore::direct::Direct>>,
     pub(crate) threads: Vec<JoinHandle<()>>,
 }
 
@@ -140,6 +151,7 @@ impl Manager {
             local: LocalMd::default(),
             events: EventQueue::new(config.event_capacity),
             stop: AtomicBool::new(false),
+            direct_fetches: AtomicU64::new(0),
             config,
             namespace,
         });
@@ -193,6 +205,12 @@ impl Manager {
     /// Counters of the P2P listener, if it runs.
     pub fn p2p_stats(&self) -> Option<&ListenerStats> {
         self.listener.as_ref().map(|l| &*l.stats)
+    }
+
+    /// How many fetches were written by the caller's own thread on an idle connection
+    /// (P2P, TCPStore) rather than handed to a worker. For tests and monitoring.
+    pub fn direct_fetches(&self) -> u64 {
+        self.shared.direct_fetches.load(Ordering::Relaxed)
     }
 
     /// The store in use (`etcd` or `tcpstore`) and its endpoint, if any.
@@ -324,6 +342,11 @@ impl Manager {
                 .into(),
             });
         };
+        if let (StoreCmd::Fetch { agent, label }, Some(direct)) = (&cmd, &store.direct) {
+            if direct.try_fetch(agent, label) {
+                return Ok(());
+            }
+        }
         let tx = match (&cmd, &store.fetches) {
             (StoreCmd::Fetch { .. }, Some(fetches)) => fetches,
             _ => &store.ops,
@@ -352,6 +375,9 @@ impl Drop for Manager {
         }
         drop(lock(&self.p2p_client).take());
         if let Some(store) = self.store.take() {
+            if let Some(direct) = &store.direct {
+                direct.stop();
+            }
             drop(store.ops);
             drop(store.fetches);
             for t in store.threads {

@@ -82,6 +82,49 @@ fn two_agents_exchange_full_and_partial_metadata_and_invalidate() {
 }
 
 #[test]
+fn fetches_on_idle_connections_go_direct_and_survive_a_restarted_peer() {
+    let a = FakeAgent::new("a", listening(None));
+    let mut b = FakeAgent::new("b", ExchangeConfig::default());
+    let md_a = blob("a", 200_000);
+    a.manager.set_local_md(md_a.clone());
+    let to = addr(&a);
+
+    // The first fetch connects (worker); the next ones find the connection idle.
+    for round in 0..3u64 {
+        b.peers.clear();
+        b.manager.fetch_remote_md("a", Via::Peer(to), None).unwrap();
+        b.wait_md("a", FULL_LABEL, &md_a, LONG);
+        assert_eq!(b.manager.direct_fetches(), round);
+    }
+
+    // Two fetches back to back (the second usually finds the first pending, so the
+    // worker writes it after it): both come back.
+    b.peers.clear();
+    let part = blob("a/l", 10);
+    // Sent to A itself: what matters here is A's snapshot under "l".
+    a.manager
+        .send_local_partial_md("l", part.clone(), Via::Peer(to))
+        .unwrap();
+    b.manager.fetch_remote_md("a", Via::Peer(to), None).unwrap();
+    b.manager.fetch_remote_md("a", Via::Peer(to), Some("l")).unwrap();
+    b.wait_md("a", FULL_LABEL, &md_a, LONG);
+    b.wait_md("a", "l", &part, LONG);
+
+    // A goes away and comes back on the same port: B's connection to the old A is
+    // closed; the next fetch reaches the new A.
+    drop(a);
+    let mut cfg = listening(None);
+    cfg.p2p.listen = Some(to);
+    let a2 = FakeAgent::new("a", cfg);
+    let md_a2 = blob("a", 300);
+    a2.manager.set_local_md(md_a2.clone());
+    b.peers.clear();
+    b.manager.fetch_remote_md("a", Via::Peer(to), None).unwrap();
+    b.wait_md("a", FULL_LABEL, &md_a2, LONG);
+    assert!(b.fetch_failures.is_empty(), "{:?}", b.fetch_failures);
+}
+
+#[test]
 fn authenticated_peers_talk_and_wrong_secrets_are_refused() {
     let mut a = FakeAgent::new("a", listening(Some(b"team secret")));
     let mut b = FakeAgent::new("b", listening(Some(b"team secret")));

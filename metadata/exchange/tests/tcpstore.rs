@@ -166,6 +166,61 @@ fn agents_discover_each_other_by_name() {
     assert!(a.send_failures.is_empty() && b.send_failures.is_empty());
 }
 
+/// Fetch `agent` through `b` until one fetch was written by the caller's thread (the
+/// fetch worker makes the direct connection after its first successful fetch).
+fn fetch_until_direct(b: &mut FakeAgent, agent: &str, md: &[u8]) {
+    let deadline = Instant::now() + LONG;
+    while b.manager.direct_fetches() == 0 {
+        assert!(Instant::now() < deadline, "no fetch went direct");
+        b.peers.clear();
+        b.manager.fetch_remote_md(agent, Via::Store, None).unwrap();
+        b.wait_md(agent, FULL_LABEL, md, LONG);
+    }
+}
+
+#[test]
+fn direct_fetches_load_wait_for_missing_keys_and_watch() {
+    let server = serve("127.0.0.1:0".parse().unwrap(), ServerConfig::default()).unwrap();
+    let cfg = store_config(server.local_addr(), "test/direct");
+    let mut a = FakeAgent::new("a", cfg.clone());
+    let mut b = FakeAgent::new("b", cfg.clone());
+    let md_a = blob("a", 70_000);
+    a.manager.set_local_md(md_a.clone());
+    a.manager.send_local_md(Via::Store).unwrap();
+    fetch_until_direct(&mut b, "a", &md_a);
+
+    // Published: one direct GET loads it.
+    b.peers.clear();
+    let direct = b.manager.direct_fetches();
+    b.manager.fetch_remote_md("a", Via::Store, None).unwrap();
+    b.wait_md("a", FULL_LABEL, &md_a, LONG);
+    assert_eq!(b.manager.direct_fetches(), direct + 1);
+
+    // Not yet published: the direct GET finds nothing and the worker waits for it.
+    b.manager.fetch_remote_md("late", Via::Store, None).unwrap();
+    assert_eq!(b.manager.direct_fetches(), direct + 2);
+    std::thread::sleep(Duration::from_millis(200));
+    b.pump();
+    assert!(b.fetch_failures.is_empty(), "{:?}", b.fetch_failures);
+    let mut late = FakeAgent::new("late", cfg);
+    let md_late = blob("late", 100);
+    late.manager.set_local_md(md_late.clone());
+    late.manager.send_local_md(Via::Store).unwrap();
+    b.wait_md("late", FULL_LABEL, &md_late, LONG);
+
+    // Peers loaded through the direct path are watched: a withdrawal reaches B.
+    a.manager.invalidate_local_md(Via::Store).unwrap();
+    b.wait_invalidated("a", LONG);
+    late.manager.invalidate_local_md(Via::Store).unwrap();
+    b.wait_invalidated("late", LONG);
+
+    // The server goes away: a direct fetch is handed to the worker, which reports it.
+    server.stop();
+    b.manager.fetch_remote_md("a", Via::Store, None).unwrap();
+    let e = b.wait_fetch_failure("a", LONG);
+    assert!(matches!(e, Error::Backend { .. }), "{e}");
+}
+
 #[test]
 fn many_pending_fetches_do_not_wait_behind_each_other() {
     let server = serve("127.0.0.1:0".parse().unwrap(), ServerConfig::default()).unwrap();

@@ -264,7 +264,11 @@ impl Client {
         // empty unless the reader closed the connection meanwhile (then the frame goes
         // unsent, on a connection that is gone anyway).
         match conn.write(&mut w, &self.inner.shared.agent, request, false) {
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                let counter = &self.inner.shared.direct_fetches;
+                counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Ok(())
+            }
             Err(WriteError::Closed(request) | WriteError::Invalid(request, _)) => Err(request),
         }
     }

@@ -1,7 +1,12 @@
-//! The TCPStore metadata backend: two threads, each with its own connection.
+//! The TCPStore metadata backend: two worker threads, each with its own connection,
+//! and the direct GET path.
 //!
 //! - The **ops** thread publishes (SET) and withdraws (DELETE_KEY). It remembers what it
 //!   published and, when the server comes back after an outage, publishes it again.
+//! - The **direct** path (`direct.rs`): once the fetch thread has fetched something, it
+//!   opens one more connection with a reader thread; a fetch that finds it idle writes
+//!   its GET there from the caller's thread, and the reader loads the reply (or hands
+//!   a missing key back to the fetch thread). One round trip, no worker wake-up.
 //! - The **fetch** thread answers fetches and watches fetched peers. A fetch first tries
 //!   a GET (Ferry never publishes an empty value, so an empty reply means "missing");
 //!   when the key is missing it WAITs in short slices with a client-side deadline,
@@ -15,18 +20,23 @@
 
 use std::collections::{BTreeSet, VecDeque};
 use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, TryRecvError};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use ferry_storage::Error;
 
 use super::client::{user_key, ClientOptions, TcpStoreClient};
+use super::direct::{Direct, Watched};
 use crate::config::TcpStoreConfig;
 use crate::events::{Event, Route, FULL_LABEL};
 use crate::manager::{CmdSender, Shared, StoreCmd, StoreWorker};
 use crate::util::{io_error, timeout_error};
 
 const BACKEND: &str = "tcpstore";
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
 /// Longest single WAIT while other fetches may be pending.
 const WAIT_SLICE: Duration = Duration::from_millis(50);
 /// How often idle threads look at the stop flag.
@@ -57,13 +67,21 @@ pub(crate) fn start(shared: Arc<Shared>, config: &TcpStoreConfig) -> Result<Stor
             .spawn(move || ops.run(ops_rx))
             .map_err(|e| io_error(BACKEND, "spawning the ops worker", &e))?,
     );
+    let watched: Watched = Arc::default();
+    let direct = Arc::new(Direct::new(
+        shared.clone(),
+        config.endpoint.clone(),
+        fetch_tx.clone(),
+        watched.clone(),
+    ));
     let fetcher = Fetcher {
         shared: shared.clone(),
         endpoint: config.endpoint.clone(),
         options,
         client: None,
         pending: VecDeque::new(),
-        watched: Vec::new(),
+        watched,
+        direct: direct.clone(),
         watch_interval: config.watch_interval,
         watch_outage: false,
         get_first: true,
@@ -75,6 +93,7 @@ pub(crate) fn start(shared: Arc<Shared>, config: &TcpStoreConfig) -> Result<Stor
         Ok(t) => threads.push(t),
         Err(e) => {
             drop(ops_tx);
+            direct.stop();
             for t in threads {
                 let _unused = t.join();
             }
@@ -86,6 +105,7 @@ pub(crate) fn start(shared: Arc<Shared>, config: &TcpStoreConfig) -> Result<Stor
         endpoint: config.endpoint.clone(),
         ops: CmdSender::Std(ops_tx),
         fetches: Some(CmdSender::Std(fetch_tx)),
+        direct: Some(direct),
         threads,
     })
 }
@@ -144,7 +164,7 @@ impl Ops {
                         self.failed("invalidate", error);
                     }
                 }
-                StoreCmd::Fetch { agent, label } => {
+                StoreCmd::Fetch { agent, label } | StoreCmd::WaitFor { agent, label, .. } => {
                     // Fetches have their own thread; this is only reached by mistake.
                     self.shared.emit(Event::FetchFailed {
                         agent,
@@ -296,8 +316,11 @@ struct Fetcher {
     options: ClientOptions,
     client: Option<TcpStoreClient>,
     pending: VecDeque<PendingFetch>,
-    /// (agent, key) of fetched peers, checked for deletion.
-    watched: Vec<(String, Vec<u8>)>,
+    /// (agent, key) of fetched peers, checked for deletion (shared with the direct
+    /// path, which adds to it).
+    watched: Watched,
+    /// The direct GET path: this worker makes its connection.
+    direct: Arc<Direct>,
     watch_interval: Duration,
     watch_outage: bool,
     /// Try a plain GET before waiting. Turned off for good when the server closes the
@@ -313,7 +336,7 @@ impl Fetcher {
                 return;
             }
             if self.pending.is_empty() {
-                let until_watch = if self.watched.is_empty() {
+                let until_watch = if lock(&self.watched).is_empty() {
                     IDLE_TICK
                 } else {
                     next_watch.saturating_duration_since(Instant::now())
@@ -334,7 +357,7 @@ impl Fetcher {
             if let Some(fetch) = self.pending.pop_front() {
                 self.step(fetch);
             }
-            if !self.watched.is_empty() && Instant::now() >= next_watch {
+            if Instant::now() >= next_watch && !lock(&self.watched).is_empty() {
                 self.watch();
                 next_watch = Instant::now() + self.watch_interval;
             }
@@ -351,6 +374,22 @@ impl Fetcher {
                     key,
                     deadline: Instant::now() + self.shared.config.fetch_timeout,
                     tried_get: false,
+                    retried: false,
+                });
+            }
+            StoreCmd::WaitFor {
+                agent,
+                label,
+                since,
+            } => {
+                // The direct path's GET found the key missing: wait for it.
+                let key = user_key(&self.shared.key(&agent, &label)).into_bytes();
+                self.pending.push_back(PendingFetch {
+                    agent,
+                    label,
+                    key,
+                    deadline: since + self.shared.config.fetch_timeout,
+                    tried_get: true,
                     retried: false,
                 });
             }
@@ -406,6 +445,7 @@ impl Fetcher {
                         self.endpoint
                     );
                     self.get_first = false;
+                    self.direct.disable();
                     self.client = None;
                     self.pending.push_front(fetch);
                     return;
@@ -426,8 +466,11 @@ impl Fetcher {
         };
         match found {
             Ok(blob) if !blob.is_empty() => {
-                if !self.watched.iter().any(|(a, _)| *a == fetch.agent) {
-                    self.watched.push((fetch.agent.clone(), fetch.key.clone()));
+                {
+                    let mut watched = lock(&self.watched);
+                    if !watched.iter().any(|(a, _)| *a == fetch.agent) {
+                        watched.push((fetch.agent.clone(), fetch.key.clone()));
+                    }
                 }
                 self.shared.emit(Event::Load {
                     agent: fetch.agent,
@@ -435,6 +478,12 @@ impl Fetcher {
                     blob,
                     route: Route::TcpStore,
                 });
+                // This agent fetches from the store: later fetches go direct.
+                if self.get_first && self.direct.wants_connection() && !self.shared.stopping() {
+                    if let Err(e) = self.direct.connect(&self.options) {
+                        log::info!("tcpstore: no direct GET connection to {}: {e}", self.endpoint);
+                    }
+                }
             }
             // Missing (or deleted between WAIT and GET): wait on, within the deadline.
             Ok(_) if Instant::now() < fetch.deadline => self.pending.push_back(fetch),
@@ -466,34 +515,20 @@ impl Fetcher {
     /// Check fetched peers' keys; a deleted key invalidates that peer.
     fn watch(&mut self) {
         let mut gone = Vec::new();
+        // Checked on a snapshot: the direct path may add peers meanwhile.
+        let snapshot = lock(&self.watched).clone();
         let result = (|| -> Result<(), Error> {
-            let watched = std::mem::take(&mut self.watched);
-            let client = match self.client() {
-                Ok(c) => c,
-                Err(e) => {
-                    self.watched = watched;
-                    return Err(e);
-                }
-            };
-            let mut kept = Vec::with_capacity(watched.len());
-            let mut error = None;
-            for (agent, key) in watched {
-                if error.is_some() {
-                    kept.push((agent, key));
-                    continue;
-                }
-                match client.check(&[&key]) {
-                    Ok(true) => kept.push((agent, key)),
-                    Ok(false) => gone.push(agent),
-                    Err(e) => {
-                        error = Some(e);
-                        kept.push((agent, key));
-                    }
+            let client = self.client()?;
+            for (agent, key) in &snapshot {
+                if !client.check(&[key])? {
+                    gone.push((agent.clone(), key.clone()));
                 }
             }
-            self.watched = kept;
-            error.map_or(Ok(()), Err)
+            Ok(())
         })();
+        if !gone.is_empty() {
+            lock(&self.watched).retain(|w| !gone.contains(w));
+        }
         match result {
             Ok(()) => {
                 if self.watch_outage {
@@ -509,7 +544,7 @@ impl Fetcher {
                 self.watch_outage = true;
             }
         }
-        for agent in gone {
+        for (agent, _) in gone {
             self.shared.emit(Event::Invalidate {
                 agent,
                 route: Route::TcpStore,

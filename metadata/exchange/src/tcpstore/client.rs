@@ -89,6 +89,13 @@ impl TcpStoreClient {
         self.stream.peer_addr().ok()
     }
 
+    /// The connection itself, after the handshake, for a caller that speaks the
+    /// protocol on its own (it has `TCP_NODELAY` and the I/O timeout on reads and
+    /// writes).
+    pub fn into_stream(self) -> TcpStream {
+        self.stream
+    }
+
     /// Whether an earlier error left this connection unusable.
     pub fn is_broken(&self) -> bool {
         self.broken

@@ -3,6 +3,7 @@
 
 pub(crate) mod backend;
 mod client;
+pub(crate) mod direct;
 pub mod proto;
 mod server;
 
