@@ -216,6 +216,12 @@ fn main() {
         row("p2p", regions, len, &stats[1], Some(&stats[0]));
         row("tcpstore", regions, len, &stats[2], Some(&stats[0]));
         drop(paths);
+        println!(
+            "(fetches written by the caller's thread: p2p {}, tcpstore {}, of {} each)",
+            p2p_b.direct_fetches(),
+            ts_b.direct_fetches(),
+            n + n.div_ceil(10)
+        );
         drop((p2p_a, p2p_b, ts_a, ts_b, server));
 
         if let Some(endpoint) = &etcd {

@@ -95,6 +95,12 @@ pub(crate) struct EventQueue {
 /// How long a producer sleeps at most before looking at the queue again, in case a
 /// wake-up raced with its going to sleep.
 const SPACE_RECHECK: Duration = Duration::from_millis(20);
+/// How long [`EventQueue::wait`] keeps looking at the queue before it sleeps: about
+/// two loopback round trips of a small fetch. Bounded, and spent only by a caller that
+/// asked to wait, so an idle agent spins nothing.
+const WAIT_SPIN: Duration = Duration::from_micros(50);
+/// Queue checks between two clock reads (and yields) while spinning.
+const SPIN_CHECKS_PER_CLOCK_READ: u32 = 64;
 
 impl EventQueue {
     pub(crate) fn new(capacity: usize) -> EventQueue {
@@ -118,11 +124,25 @@ impl EventQueue {
     }
 
     /// Block until an event is queued or `timeout` passes; returns whether one is.
+    /// Looks at the queue for up to [`WAIT_SPIN`] before sleeping, so an answer that
+    /// is already on its way (a fetch on loopback) costs the waiter no wake-up.
     pub(crate) fn wait(&self, timeout: Duration) -> bool {
-        if !self.queue.is_empty() {
-            return true;
+        let start = std::time::Instant::now();
+        let spin = WAIT_SPIN.min(timeout);
+        loop {
+            for _ in 0..SPIN_CHECKS_PER_CLOCK_READ {
+                if !self.queue.is_empty() {
+                    return true;
+                }
+                std::hint::spin_loop();
+            }
+            if start.elapsed() >= spin {
+                break;
+            }
+            // Let a thread that shares this core (the one bringing the answer) run.
+            std::thread::yield_now();
         }
-        let deadline = std::time::Instant::now() + timeout;
+        let deadline = start + timeout;
         self.waiting_consumers.fetch_add(1, Ordering::SeqCst);
         let mut guard = self.ready_lock.lock().unwrap_or_else(|e| e.into_inner());
         while self.queue.is_empty() {
