@@ -184,13 +184,9 @@ impl Agent {
     pub fn poll_exchange(&self) -> Result<usize> {
         let manager = self.manager()?;
         self.refresh_snapshot()?;
-        let mut events = Vec::new();
-        manager.poll(|e| events.push(e));
-        let count = events.len();
-        for event in events {
-            self.apply(event);
-        }
-        Ok(count)
+        // Applied as they are popped: the queue holds no lock while `apply` runs, and
+        // nothing is collected on the way (no allocation beyond the events' own).
+        Ok(manager.poll(|event| self.apply(event)))
     }
 
     fn apply(&self, event: Event) {

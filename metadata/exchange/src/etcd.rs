@@ -159,25 +159,27 @@ impl Worker {
                 }
             }
             // `WaitFor` comes only from the TCPStore direct path; a fetch all the same.
-            StoreCmd::Fetch { agent, label } | StoreCmd::WaitFor { agent, label, .. } => match self.client().await {
-                Ok(client) => {
-                    let fetch = Fetch {
-                        shared: self.shared.clone(),
-                        client,
-                        watching: self.watching.clone(),
-                        agent,
-                        label,
-                    };
-                    tokio::spawn(fetch.run());
+            StoreCmd::Fetch { agent, label } | StoreCmd::WaitFor { agent, label, .. } => {
+                match self.client().await {
+                    Ok(client) => {
+                        let fetch = Fetch {
+                            shared: self.shared.clone(),
+                            client,
+                            watching: self.watching.clone(),
+                            agent,
+                            label,
+                        };
+                        tokio::spawn(fetch.run());
+                    }
+                    Err(error) => {
+                        self.shared.emit(Event::FetchFailed {
+                            agent,
+                            label,
+                            error,
+                        });
+                    }
                 }
-                Err(error) => {
-                    self.shared.emit(Event::FetchFailed {
-                        agent,
-                        label,
-                        error,
-                    });
-                }
-            },
+            }
         }
     }
 

@@ -355,7 +355,12 @@ impl Manager {
     }
 }
 
-pub(crate) fn queue<T>(tx: &SyncSender<T>, cmd: T, what: &'static str, limit: usize) -> Result<(), Error> {
+pub(crate) fn queue<T>(
+    tx: &SyncSender<T>,
+    cmd: T,
+    what: &'static str,
+    limit: usize,
+) -> Result<(), Error> {
     match tx.try_send(cmd) {
         Ok(()) => Ok(()),
         Err(TrySendError::Full(_)) => Err(Error::Capacity { what, limit }),

@@ -106,7 +106,9 @@ fn fetches_on_idle_connections_go_direct_and_survive_a_restarted_peer() {
         .send_local_partial_md("l", part.clone(), Via::Peer(to))
         .unwrap();
     b.manager.fetch_remote_md("a", Via::Peer(to), None).unwrap();
-    b.manager.fetch_remote_md("a", Via::Peer(to), Some("l")).unwrap();
+    b.manager
+        .fetch_remote_md("a", Via::Peer(to), Some("l"))
+        .unwrap();
     b.wait_md("a", FULL_LABEL, &md_a, LONG);
     b.wait_md("a", "l", &part, LONG);
 

@@ -182,7 +182,7 @@ fn fetch_until_direct(b: &mut FakeAgent, agent: &str, md: &[u8]) {
 fn direct_fetches_load_wait_for_missing_keys_and_watch() {
     let server = serve("127.0.0.1:0".parse().unwrap(), ServerConfig::default()).unwrap();
     let cfg = store_config(server.local_addr(), "test/direct");
-    let mut a = FakeAgent::new("a", cfg.clone());
+    let a = FakeAgent::new("a", cfg.clone());
     let mut b = FakeAgent::new("b", cfg.clone());
     let md_a = blob("a", 70_000);
     a.manager.set_local_md(md_a.clone());
@@ -202,7 +202,7 @@ fn direct_fetches_load_wait_for_missing_keys_and_watch() {
     std::thread::sleep(Duration::from_millis(200));
     b.pump();
     assert!(b.fetch_failures.is_empty(), "{:?}", b.fetch_failures);
-    let mut late = FakeAgent::new("late", cfg);
+    let late = FakeAgent::new("late", cfg);
     let md_late = blob("late", 100);
     late.manager.set_local_md(md_late.clone());
     late.manager.send_local_md(Via::Store).unwrap();

@@ -259,13 +259,7 @@ impl FrameWriter {
     /// a frame over the limit), the header and the tag. [`Self::finish`] sends it; a
     /// writer whose encoded frame is not sent must be abandoned (the frame used up its
     /// sequence number).
-    pub fn start(
-        &mut self,
-        kind: Kind,
-        name: &str,
-        label: &str,
-        payload: &[u8],
-    ) -> io::Result<()> {
+    pub fn start(&mut self, kind: Kind, name: &str, label: &str, payload: &[u8]) -> io::Result<()> {
         let mac_len = if self.secret.is_some() { MAC_LEN } else { 0 };
         let body_len = FIXED_LEN + name.len() + label.len() + payload.len() + mac_len;
         if body_len > self.max_frame_bytes || name.len() > 255 || label.len() > 255 {
@@ -631,7 +625,10 @@ mod tests {
             .send(Kind::Load, "a", "metadata", &vec![0; 2 << 20])
             .is_err());
         // A hostile sender that ignores the limit.
-        a.writer.stream.write_all(&(1u32 << 30).to_le_bytes()).unwrap();
+        a.writer
+            .stream
+            .write_all(&(1u32 << 30).to_le_bytes())
+            .unwrap();
         assert!(
             matches!(b.recv(Duration::from_secs(2)), Err(RecvError::Refused(r)) if r.contains("over the limit"))
         );

@@ -277,4 +277,3 @@ fn serve_connection(stream: TcpStream, peer: &str, shared: &Shared, stats: &List
         }
     }
 }
-

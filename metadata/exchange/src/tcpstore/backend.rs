@@ -481,7 +481,10 @@ impl Fetcher {
                 // This agent fetches from the store: later fetches go direct.
                 if self.get_first && self.direct.wants_connection() && !self.shared.stopping() {
                     if let Err(e) = self.direct.connect(&self.options) {
-                        log::info!("tcpstore: no direct GET connection to {}: {e}", self.endpoint);
+                        log::info!(
+                            "tcpstore: no direct GET connection to {}: {e}",
+                            self.endpoint
+                        );
                     }
                 }
             }
