@@ -14,7 +14,7 @@
 //! server) the worker turns this path off for good.
 
 use std::collections::VecDeque;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError};
@@ -267,7 +267,7 @@ impl Direct {
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(_) => break,
             }
-            let value = match proto::read_bytes(&mut reader, max_value_bytes) {
+            let value = match read_value(&mut reader, max_value_bytes) {
                 Ok(v) => v,
                 Err(_) => break,
             };
@@ -309,4 +309,34 @@ impl Direct {
             self.hand_over(p, false);
         }
     }
+}
+
+/// Read a GET reply (a length, then the value): what is buffered is copied, the rest of
+/// a long value is read straight from the socket into the value (not through the
+/// buffer: one copy, and reads as large as the socket has data for).
+fn read_value(reader: &mut BufReader<TcpStream>, max_len_bytes: usize) -> std::io::Result<Vec<u8>> {
+    let len = proto::read_u64(reader)?;
+    if len > max_len_bytes as u64 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("length {len} is over the limit of {max_len_bytes} bytes"),
+        ));
+    }
+    let len = len as usize;
+    let mut value = Vec::with_capacity(len);
+    let buffered = reader.buffer();
+    let n = buffered.len().min(len);
+    value.extend_from_slice(&buffered[..n]);
+    reader.consume(n);
+    if value.len() < len {
+        let rest = (len - value.len()) as u64;
+        reader.get_mut().take(rest).read_to_end(&mut value)?;
+    }
+    if value.len() != len {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            "connection closed inside a value",
+        ));
+    }
+    Ok(value)
 }
