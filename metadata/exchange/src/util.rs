@@ -108,25 +108,3 @@ pub(crate) fn wake_addr(addr: SocketAddr) -> SocketAddr {
         _ => addr,
     }
 }
-
-/// `write_all` over several buffers, with as few `writev` calls as the socket allows.
-pub(crate) fn write_all_vectored(
-    stream: &mut impl io::Write,
-    mut slices: &mut [io::IoSlice<'_>],
-) -> io::Result<()> {
-    io::IoSlice::advance_slices(&mut slices, 0);
-    while !slices.is_empty() {
-        match stream.write_vectored(slices) {
-            Ok(0) => {
-                return Err(io::Error::new(
-                    io::ErrorKind::WriteZero,
-                    "the socket accepted no bytes",
-                ))
-            }
-            Ok(n) => io::IoSlice::advance_slices(&mut slices, n),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}

@@ -315,8 +315,27 @@ impl FrameWriter {
             IoSlice::new(payload),
             IoSlice::new(tag.as_ref().map_or(&[][..], |t| &t[..])),
         ];
-        crate::util::write_all_vectored(&mut self.stream, &mut slices)
+        write_all_vectored(&mut self.stream, &mut slices)
     }
+}
+
+/// `write_all` over several buffers, with as few `writev` calls as the socket allows.
+fn write_all_vectored(stream: &mut TcpStream, mut slices: &mut [IoSlice<'_>]) -> io::Result<()> {
+    IoSlice::advance_slices(&mut slices, 0);
+    while !slices.is_empty() {
+        match stream.write_vectored(slices) {
+            Ok(0) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::WriteZero,
+                    "the socket accepted no bytes",
+                ))
+            }
+            Ok(n) => IoSlice::advance_slices(&mut slices, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 impl FrameReader {

@@ -323,13 +323,9 @@ impl Conn<'_> {
         }
         drop(others);
         if let Some(own) = own.as_mut() {
-            match self.reply_tail.take() {
-                // One `writev`: the length and the value leave together.
-                Some(tail) => crate::util::write_all_vectored(
-                    &mut **own,
-                    &mut [io::IoSlice::new(&self.reply), io::IoSlice::new(&tail)],
-                )?,
-                None => own.write_all(&self.reply)?,
+            own.write_all(&self.reply)?;
+            if let Some(tail) = self.reply_tail.take() {
+                own.write_all(&tail)?;
             }
         }
         Ok(())
