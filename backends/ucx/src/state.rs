@@ -334,9 +334,12 @@ impl Core {
         if !status.is_ok() {
             return Err(ucx_error(&ucp, "ucp_config_read", status));
         }
+        let fifo_size = config.shm_fifo_size.map(|n| n.to_string());
         let overrides = [
             (c"NET_DEVICES", &config.devices),
             (c"TLS", &config.transports),
+            // A transport setting: UCX keeps it and applies it to the mm transports.
+            (c"MM_FIFO_SIZE", &fifo_size),
         ];
         for (name, value) in overrides {
             let Some(value) = value else { continue };
