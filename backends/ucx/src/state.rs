@@ -335,11 +335,13 @@ impl Core {
             return Err(ucx_error(&ucp, "ucp_config_read", status));
         }
         let fifo_size = config.shm_fifo_size.map(|n| n.to_string());
+        let seg_size = config.shm_seg_bytes.map(|n| n.to_string());
         let overrides = [
             (c"NET_DEVICES", &config.devices),
             (c"TLS", &config.transports),
             // A transport setting: UCX keeps it and applies it to the mm transports.
             (c"MM_FIFO_SIZE", &fifo_size),
+            (c"MM_SEG_SIZE", &seg_size),
         ];
         for (name, value) in overrides {
             let Some(value) = value else { continue };
