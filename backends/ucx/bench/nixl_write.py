@@ -5,7 +5,10 @@ WRITE (or READ) between two NIXL agents in two processes, UCX backend, DRAM.
 Run through nixl-compare.sh (which installs NIXL from PyPI into a throwaway venv).
 Prints one line per run: median time per transfer, descriptors/s and GB/s.
 
-    python3 nixl_write.py [--block 64] [--count 1024] [--op WRITE] [--seconds 2]
+    python3 nixl_write.py [--block 64] [--count 1024] [--op WRITE] [--seconds 2] [--err-mode none]
+
+--err-mode is NIXL's UCX parameter ucx_error_handling_mode ('peer', NIXL's default, or
+'none'; Ferry's shm benchmark variant uses error_handling=none).
 """
 import argparse
 import multiprocessing as mp
@@ -17,10 +20,16 @@ import numpy as np
 BUFFER_LEN = 256 << 20
 
 
-def target(conn, op_name):
+def make_agent(name, err_mode):
     from nixl._api import nixl_agent, nixl_agent_config
 
-    agent = nixl_agent("nixl-target", nixl_agent_config(backends=["UCX"]))
+    agent = nixl_agent(name, nixl_agent_config(backends=[]))
+    agent.create_backend("UCX", {"ucx_error_handling_mode": err_mode})
+    return agent
+
+
+def target(conn, err_mode):
+    agent = make_agent("nixl-target", err_mode)
     buf = np.zeros(BUFFER_LEN, dtype=np.uint8)
     agent.register_memory([(buf.ctypes.data, BUFFER_LEN, 0, "")], "DRAM")
     conn.send((agent.get_agent_metadata(), buf.ctypes.data))
@@ -37,17 +46,16 @@ def main():
     ap.add_argument("--op", default="WRITE")
     ap.add_argument("--shuffled", type=int, default=1)
     ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--err-mode", default="peer")
     args = ap.parse_args()
-
-    from nixl._api import nixl_agent, nixl_agent_config
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(child, args.op))
+    proc = ctx.Process(target=target, args=(child, args.err_mode))
     proc.start()
     remote_md, remote_base = parent.recv()
 
-    agent = nixl_agent("nixl-initiator", nixl_agent_config(backends=["UCX"]))
+    agent = make_agent("nixl-initiator", args.err_mode)
     buf = np.zeros(BUFFER_LEN, dtype=np.uint8)
     agent.register_memory([(buf.ctypes.data, BUFFER_LEN, 0, "")], "DRAM")
     parent.send(agent.get_agent_metadata())
@@ -88,7 +96,7 @@ def main():
     median = times[len(times) // 2]
     print(
         f"NIXL {args.op} {args.block} B x {args.count} "
-        f"{'shuffled' if args.shuffled else 'contiguous'}: median {median * 1e6:.1f} us  "
+        f"{'shuffled' if args.shuffled else 'contiguous'} err={args.err_mode}: median {median * 1e6:.1f} us  "
         f"{args.count / median / 1e6:.2f} M desc/s  {args.block * args.count / median / 1e9:.2f} GB/s "
         f"({len(times)} iters)",
         flush=True,
