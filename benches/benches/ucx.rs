@@ -3,7 +3,11 @@
 //! default transports with `error_handling=none` (shared memory / CMA where UCX picks
 //! them), and `transports=tcp` with `error_handling=peer`. `FERRY_BENCH_UCX_VARIANT`
 //! (`shm` or `tcp`) runs one; `FERRY_BENCH_UCX_QUICK=1` trims the matrix, and
-//! `FERRY_BENCH_UCX_BLOCKS` / `FERRY_BENCH_UCX_BATCHES` (comma lists) replace it.
+//! `FERRY_BENCH_UCX_BLOCKS` / `FERRY_BENCH_UCX_BATCHES` (comma lists) replace it;
+//! `FERRY_BENCH_UCX_PARAMS` (`key=value;key=value`) adds or replaces backend parameters
+//! of every variant (e.g. `shm_fifo_size=ucx;chunk_bytes=262144`);
+//! `FERRY_BENCH_UCX_TARGET_CPU=1` starts the target under `taskset -c 1` (run the
+//! initiator under `taskset -c 0`).
 
 use std::process::{Command, Stdio};
 
@@ -46,6 +50,16 @@ fn main() {
                 .collect(),
             ..Config::default()
         };
+        if let Ok(extra) = std::env::var("FERRY_BENCH_UCX_PARAMS") {
+            for (key, value) in extra
+                .split(';')
+                .filter_map(|kv| kv.split_once('='))
+                .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+            {
+                config.params.retain(|(k, _)| *k != key);
+                config.params.push((key, value));
+            }
+        }
         if std::env::var_os("FERRY_BENCH_UCX_QUICK").is_some() {
             config.blocks = vec![4 << 10, 1 << 20];
             config.batches = vec![32, 1024];
@@ -68,10 +82,18 @@ fn main() {
         let report = run(
             &config,
             |spec| {
-                Command::new(std::env::current_exe()?)
-                    .env(TARGET_ENV, spec)
-                    .stdin(Stdio::null())
-                    .spawn()
+                let exe = std::env::current_exe()?;
+                // Pinning the target (`taskset -c CPU`, with the initiator pinned by the
+                // caller) keeps the two spinning processes off one core on a busy machine.
+                let mut command = match std::env::var("FERRY_BENCH_UCX_TARGET_CPU") {
+                    Ok(cpu) => {
+                        let mut c = Command::new("taskset");
+                        c.arg("-c").arg(cpu).arg(exe);
+                        c
+                    }
+                    Err(_) => Command::new(exe),
+                };
+                command.env(TARGET_ENV, spec).stdin(Stdio::null()).spawn()
             },
             |case| println!("{case}"),
         );

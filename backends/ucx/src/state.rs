@@ -334,9 +334,14 @@ impl Core {
         if !status.is_ok() {
             return Err(ucx_error(&ucp, "ucp_config_read", status));
         }
+        let fifo_size = config.shm_fifo_size.map(|n| n.to_string());
+        let seg_size = config.shm_seg_bytes.map(|n| n.to_string());
         let overrides = [
             (c"NET_DEVICES", &config.devices),
             (c"TLS", &config.transports),
+            // A transport setting: UCX keeps it and applies it to the mm transports.
+            (c"MM_FIFO_SIZE", &fifo_size),
+            (c"MM_SEG_SIZE", &seg_size),
         ];
         for (name, value) in overrides {
             let Some(value) = value else { continue };
@@ -991,7 +996,16 @@ impl Core {
                     rkey_cache = (range.remote_token, rkey);
                     rkey
                 };
-                let param = request_param();
+                // The registered memh: UCX then skips its registration-cache lookup
+                // for protocols that need the local buffer registered (zero-copy).
+                let mut param = request_param();
+                if let Some(mem) = self
+                    .mem_index(range.local_token)
+                    .and_then(|i| self.mems[i].as_ref())
+                {
+                    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+                    param.memh = mem.memh;
+                }
                 // Large ranges are issued in chunks: UCX pipelines several operations
                 // better than one huge one (measured with UCX 1.13 over shm and tcp).
                 let mut offset = 0u64;

@@ -276,9 +276,10 @@ fn local_transfers_and_notification_to_self() {
         return;
     }
     for &transports in TRANSPORTS {
-        let mut a = backend("solo", transports, &[]);
+        // Buffers first: dropped after the backend, which unmaps them when dropped.
         let src = Buffer::new(1 << 20);
         let mut dst = Buffer::new(1 << 20);
+        let mut a = backend("solo", transports, &[]);
         let mut src = src;
         Rng(5).fill(&mut src.0);
         let (s_tok, _) = register(&mut a, &src);
@@ -415,7 +416,8 @@ fn bad_input_gets_typed_errors() {
     );
     assert!(matches!(e, Err(Error::InvalidMetadata { .. })), "{e:?}");
     // Deregistering twice.
-    let (tok, _) = register(&mut p.a, &Buffer::new(64));
+    let small = Buffer::new(64);
+    let (tok, _) = register(&mut p.a, &small);
     p.a.deregister(MemKind::Dram, tok).unwrap();
     assert!(matches!(
         p.a.deregister(MemKind::Dram, tok),

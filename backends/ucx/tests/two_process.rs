@@ -52,8 +52,10 @@ fn recv_frame(stream: &mut TcpStream) -> Vec<u8> {
 
 fn child_main(addr: &str) {
     let transports = std::env::var("FERRY_UCX_TRANSPORTS").unwrap_or_default();
-    let mut ucx = backend("target", &transports, &[]);
+    // Declared before the backend so it is dropped after it: the backend unmaps the
+    // registration when dropped, and the memory must still be there then.
     let mut buf = Buffer::new(TARGET_LEN);
+    let mut ucx = backend("target", &transports, &[]);
     pattern(READ_SEED, &mut buf.0);
     let (token, md) = register(&mut ucx, &buf);
     let mut stream = TcpStream::connect(addr).expect("child connects to parent");

@@ -115,6 +115,10 @@ pub fn params(pairs: &[(&str, &str)]) -> Params {
 
 pub fn backend(name: &str, transports: &str, extra: &[(&str, &str)]) -> UcxBackend {
     let mut p = params(extra);
+    // Another UCX build for every backend of the tests (e.g. the one in NIXL's wheel).
+    if let Ok(library) = std::env::var("FERRY_UCX_LIBRARY") {
+        p.entry("ucx_library".into()).or_insert(library);
+    }
     if !transports.is_empty() {
         p.insert("transports".into(), transports.into());
     }

@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""NIXL baseline for Ferry's UCX benchmark: BLOCK bytes x COUNT shuffled descriptors,
+WRITE (or READ) between two NIXL agents in two processes, UCX backend, DRAM.
+
+Run through nixl-compare.sh (which installs NIXL from PyPI into a throwaway venv).
+Prints one line per run: median time per transfer, descriptors/s and GB/s.
+
+    python3 nixl_write.py [--block 64] [--count 1024] [--op WRITE] [--seconds 2] [--err-mode none]
+
+--err-mode is NIXL's UCX parameter ucx_error_handling_mode ('peer', NIXL's default, or
+'none'; Ferry's shm benchmark variant uses error_handling=none).
+"""
+import argparse
+import multiprocessing as mp
+import random
+import time
+
+import numpy as np
+
+BUFFER_LEN = 256 << 20
+
+
+def make_agent(name, err_mode):
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    agent = nixl_agent(name, nixl_agent_config(backends=[]))
+    agent.create_backend("UCX", {"ucx_error_handling_mode": err_mode})
+    return agent
+
+
+def target(conn, err_mode):
+    agent = make_agent("nixl-target", err_mode)
+    buf = np.zeros(BUFFER_LEN, dtype=np.uint8)
+    agent.register_memory([(buf.ctypes.data, BUFFER_LEN, 0, "")], "DRAM")
+    conn.send((agent.get_agent_metadata(), buf.ctypes.data))
+    initiator_md = conn.recv()
+    agent.add_remote_agent(initiator_md)
+    conn.recv()  # stop
+    del agent
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--block", type=int, default=64)
+    ap.add_argument("--count", type=int, default=1024)
+    ap.add_argument("--op", default="WRITE")
+    ap.add_argument("--shuffled", type=int, default=1)
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--err-mode", default="peer")
+    args = ap.parse_args()
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, args.err_mode))
+    proc.start()
+    remote_md, remote_base = parent.recv()
+
+    agent = make_agent("nixl-initiator", args.err_mode)
+    buf = np.zeros(BUFFER_LEN, dtype=np.uint8)
+    agent.register_memory([(buf.ctypes.data, BUFFER_LEN, 0, "")], "DRAM")
+    parent.send(agent.get_agent_metadata())
+    name = agent.add_remote_agent(remote_md)
+    if isinstance(name, bytes):
+        name = name.decode()
+
+    slots = max(BUFFER_LEN // args.block, 1)
+    remote_slots = [i % slots for i in range(args.count)]
+    if args.shuffled:
+        random.Random(7).shuffle(remote_slots)
+    local = np.array(
+        [(buf.ctypes.data + (i % slots) * args.block, args.block, 0) for i in range(args.count)],
+        dtype=np.uint64,
+    )
+    remote = np.array(
+        [(remote_base + s * args.block, args.block, 0) for s in remote_slots], dtype=np.uint64
+    )
+    local_prep = agent.prep_xfer_dlist("", agent.get_xfer_descs(local, "DRAM"))
+    remote_prep = agent.prep_xfer_dlist(name, agent.get_xfer_descs(remote, "DRAM"))
+    indices = np.arange(args.count)
+    handle = agent.make_prepped_xfer(args.op, local_prep, indices, remote_prep, indices)
+
+    times = []
+    started = time.perf_counter()
+    first = True
+    while first or time.perf_counter() - started < args.seconds:
+        t0 = time.perf_counter()
+        state = agent.transfer(handle)
+        while state != "DONE":
+            if state == "ERR":
+                raise SystemExit("transfer failed")
+            state = agent.check_xfer_state(handle)
+        if not first:
+            times.append(time.perf_counter() - t0)
+        first = False
+    times.sort()
+    median = times[len(times) // 2]
+    print(
+        f"NIXL {args.op} {args.block} B x {args.count} "
+        f"{'shuffled' if args.shuffled else 'contiguous'} err={args.err_mode}: median {median * 1e6:.1f} us  "
+        f"{args.count / median / 1e6:.2f} M desc/s  {args.block * args.count / median / 1e9:.2f} GB/s "
+        f"({len(times)} iters)",
+        flush=True,
+    )
+    agent.release_xfer_handle(handle)
+    parent.send("stop")
+    proc.join()
+
+
+if __name__ == "__main__":
+    main()
