@@ -128,6 +128,8 @@ pub struct PosixBackend {
     engine: Engine,
     register_buffers: bool,
     register_files: bool,
+    /// `posix_fadvise` advice applied to FILE regions at registration.
+    access_hint: libc::c_int,
     files: Table<FileEntry>,
     buffers: Table<BufEntry>,
     requests: Requests,
@@ -232,6 +234,21 @@ impl PosixBackend {
         let max_buffers = param_u32(&params, "max_buffers", 1, 16384)?;
         let register_buffers = param_bool(&params, "register_buffers")?;
         let register_files = param_bool(&params, "register_files")?;
+        let access_hint = match params
+            .get("access_hint")
+            .map(String::as_str)
+            .unwrap_or("normal")
+        {
+            "normal" => libc::POSIX_FADV_NORMAL,
+            "sequential" => libc::POSIX_FADV_SEQUENTIAL,
+            "random" => libc::POSIX_FADV_RANDOM,
+            other => {
+                return Err(Error::invalid(
+                    Subject::Named("POSIX parameter access_hint".into()),
+                    format!("'{other}' is not normal, sequential or random"),
+                ))
+            }
+        };
         let engine_name = params.get("engine").map(String::as_str).unwrap_or("auto");
 
         let threads = || {
@@ -285,6 +302,7 @@ impl PosixBackend {
             engine,
             register_buffers,
             register_files,
+            access_hint,
             files: Table::new(max_files),
             buffers: Table::new(max_buffers),
             requests: Slab::new(max_requests, None),
@@ -554,6 +572,11 @@ impl PosixBackend {
         }
         if flags & libc::O_DIRECT != 0 {
             entry.direct = Some(direct_alignment(entry.fd));
+        }
+        if self.access_hint != libc::POSIX_FADV_NORMAL {
+            // SAFETY: posix_fadvise only records advice for an open descriptor; a
+            // failure (e.g. a pipe) is harmless and ignored: it is a hint.
+            unsafe { libc::posix_fadvise(entry.fd, 0, 0, self.access_hint) };
         }
         if let Engine::Uring(ring) = &self.engine {
             if self.register_files && ring.fixed_files {

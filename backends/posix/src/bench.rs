@@ -159,6 +159,9 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchResult> {
     let flag = if cfg.register { "true" } else { "false" };
     given.insert("register_buffers".into(), flag.into());
     given.insert("register_files".into(), flag.into());
+    // The pattern is sequential: give the kernel the same hint fio gives by default
+    // (fadvise_hint=1 → POSIX_FADV_SEQUENTIAL for sequential jobs).
+    given.insert("access_hint".into(), "sequential".into());
     let mut backend = PosixBackend::new(effective_params(NAME, PARAMS, &given)?)?;
 
     let mem_token = backend

@@ -112,6 +112,11 @@ pub const PARAMS: &[ParamSpec] = &[
         default: "true",
         doc: "register FILE regions' descriptors in the io_uring fixed-file table",
     },
+    ParamSpec {
+        name: "access_hint",
+        default: "normal",
+        doc: "posix_fadvise hint for FILE regions at registration: normal | sequential (larger readahead, like fio's default for sequential jobs) | random",
+    },
 ];
 
 /// Creates [`PosixBackend`]s.

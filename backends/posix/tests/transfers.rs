@@ -718,6 +718,7 @@ fn bad_parameters_are_refused() {
         ("queue_depth", "0"),
         ("queue_depth", "many"),
         ("register_buffers", "maybe"),
+        ("access_hint", "willneed"),
     ] {
         let mut given = ferry_backend_api::Params::new();
         given.insert(key.into(), value.into());
