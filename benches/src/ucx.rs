@@ -349,13 +349,7 @@ fn run_with_target(
             }
         }
         let local_descs: Vec<Desc> = (0..batch)
-            .map(|i| {
-                Desc::new(
-                    local.addr() + ((i % slots) * block) as u64,
-                    block as u64,
-                    0,
-                )
-            })
+            .map(|i| Desc::new(local.addr() + ((i % slots) * block) as u64, block as u64, 0))
             .collect();
         let remote_descs: Vec<Desc> = remote_slots
             .iter()
