@@ -29,6 +29,76 @@ pub const TARGET_ENV: &str = "FERRY_BENCH_UCX_TARGET";
 /// Buffer size on each side.
 const BUFFER_LEN: usize = 256 << 20;
 
+/// Environment variable: `0` allocates the buffers with plain 4 KiB pages; anything
+/// else (or unset) asks for transparent huge pages (`madvise(MADV_HUGEPAGE)`), which is
+/// what numpy does for large arrays and so what NIXL's Python benchmark gets.
+pub const HUGEPAGES_ENV: &str = "FERRY_BENCH_UCX_HUGEPAGES";
+
+/// Alignment of the buffers: one transparent huge page.
+const HUGE_PAGE_BYTES: usize = 2 << 20;
+
+/// A zeroed anonymous mapping of [`BUFFER_LEN`] bytes, 2 MiB aligned, optionally
+/// backed by transparent huge pages. Unmapped on drop.
+struct Buffer {
+    map: *mut libc::c_void,
+    map_len: usize,
+    base: *mut u8,
+}
+
+impl Buffer {
+    fn new() -> Result<Buffer, String> {
+        let huge = std::env::var(HUGEPAGES_ENV).map_or(true, |v| v != "0");
+        let map_len = BUFFER_LEN + HUGE_PAGE_BYTES;
+        // SAFETY: anonymous private mapping, no address hint; the result is checked.
+        let map = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if map == libc::MAP_FAILED {
+            return Err(format!(
+                "mmap of {map_len} bytes: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        let offset = (map as usize).next_multiple_of(HUGE_PAGE_BYTES) - map as usize;
+        // SAFETY: offset < HUGE_PAGE_BYTES, so base..base+BUFFER_LEN lies in the mapping.
+        let base = unsafe { map.cast::<u8>().add(offset) };
+        let advice = if huge {
+            libc::MADV_HUGEPAGE
+        } else {
+            libc::MADV_NOHUGEPAGE
+        };
+        // SAFETY: the range lies inside our mapping; madvise only changes paging policy.
+        // A kernel without THP refuses it, which leaves ordinary pages: fine for a bench.
+        let _ = unsafe { libc::madvise(base.cast(), BUFFER_LEN, advice) };
+        Ok(Buffer { map, map_len, base })
+    }
+
+    fn addr(&self) -> u64 {
+        self.base as u64
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        // SAFETY: base..base+BUFFER_LEN is mapped, readable and zero-initialised, and
+        // lives as long as self.
+        unsafe { std::slice::from_raw_parts(self.base, BUFFER_LEN) }
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        // SAFETY: unmapping exactly the mapping created in new(); nothing refers to it
+        // any more (the agents that registered it are dropped first).
+        unsafe { libc::munmap(self.map, self.map_len) };
+    }
+}
+
 /// One benchmark run's settings.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -177,15 +247,17 @@ fn ucx_agent(name: &str, params: &[(String, String)]) -> Result<Agent, String> {
 pub fn target_main(spec: &str) -> Result<(), String> {
     let (addr, params) = spec.split_once(',').unwrap_or((spec, ""));
     let params = decode_params(params);
+    // Declared before the agent so that it is dropped after it on every path.
+    let buffer = Buffer::new()?;
     let agent = ucx_agent(&format!("bench-target-{}", std::process::id()), &params)?;
-    let buffer = vec![0u8; BUFFER_LEN];
     // SAFETY: `buffer` lives until this function returns, after the agent is dropped;
     // nothing reads or writes it from Rust meanwhile.
-    unsafe { agent.register(MemKind::Dram, Desc::of_slice(&buffer)) }.map_err(|e| e.to_string())?;
+    unsafe { agent.register(MemKind::Dram, Desc::of_slice(buffer.as_slice())) }
+        .map_err(|e| e.to_string())?;
     let mut stream = TcpStream::connect(addr).map_err(|e| e.to_string())?;
     send_frame(&mut stream, &agent.local_md().map_err(|e| e.to_string())?)
         .map_err(|e| e.to_string())?;
-    send_frame(&mut stream, &(buffer.as_ptr() as u64).to_le_bytes()).map_err(|e| e.to_string())?;
+    send_frame(&mut stream, &buffer.addr().to_le_bytes()).map_err(|e| e.to_string())?;
     stream.set_nonblocking(true).map_err(|e| e.to_string())?;
     let mut byte = [0u8; 1];
     loop {
@@ -236,14 +308,16 @@ fn run_with_target(
             .try_into()
             .map_err(|_| "bad address frame".to_string())?,
     );
+    // Declared before the agent so that it is dropped after it on every path.
+    let local = Buffer::new()?;
     let agent = ucx_agent(
         &format!("bench-initiator-{}", std::process::id()),
         &config.params,
     )?;
-    let local = vec![0u8; BUFFER_LEN];
-    // SAFETY: `local` outlives the agent (dropped at the end of this function, after
-    // the agent); nothing touches it from Rust while transfers run.
-    unsafe { agent.register(MemKind::Dram, Desc::of_slice(&local)) }.map_err(|e| e.to_string())?;
+    // SAFETY: `local` outlives the agent (declared before it, so dropped after it);
+    // nothing touches it from Rust while transfers run.
+    unsafe { agent.register(MemKind::Dram, Desc::of_slice(local.as_slice())) }
+        .map_err(|e| e.to_string())?;
     let peer = agent.load_remote_md(&md).map_err(|e| e.to_string())?;
 
     let mut report = Report::default();
@@ -275,13 +349,7 @@ fn run_with_target(
             }
         }
         let local_descs: Vec<Desc> = (0..batch)
-            .map(|i| {
-                Desc::new(
-                    local.as_ptr() as u64 + ((i % slots) * block) as u64,
-                    block as u64,
-                    0,
-                )
-            })
+            .map(|i| Desc::new(local.addr() + ((i % slots) * block) as u64, block as u64, 0))
             .collect();
         let remote_descs: Vec<Desc> = remote_slots
             .iter()

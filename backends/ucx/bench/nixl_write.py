@@ -7,6 +7,10 @@ Prints one line per run: median time per transfer, descriptors/s and GB/s.
 
     python3 nixl_write.py [--block 64] [--count 1024] [--op WRITE] [--seconds 2] [--err-mode none]
 
+--hugepage 1 (default) keeps numpy's behaviour: numpy asks for transparent huge pages
+(madvise) on large arrays, so NIXL's 256 MiB buffers are THP-backed where THP is in
+`madvise` mode; --hugepage 0 turns that off (plain 4 KiB pages, like a Vec).
+
 --err-mode is NIXL's UCX parameter ucx_error_handling_mode ('peer', NIXL's default, or
 'none'; Ferry's shm benchmark variant uses error_handling=none).
 """
@@ -28,7 +32,12 @@ def make_agent(name, err_mode):
     return agent
 
 
-def target(conn, err_mode):
+def set_hugepage(on):
+    np.core.multiarray._set_madvise_hugepage(bool(on))
+
+
+def target(conn, err_mode, hugepage):
+    set_hugepage(hugepage)
     agent = make_agent("nixl-target", err_mode)
     buf = np.zeros(BUFFER_LEN, dtype=np.uint8)
     agent.register_memory([(buf.ctypes.data, BUFFER_LEN, 0, "")], "DRAM")
@@ -47,11 +56,13 @@ def main():
     ap.add_argument("--shuffled", type=int, default=1)
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--err-mode", default="peer")
+    ap.add_argument("--hugepage", type=int, default=1)
     args = ap.parse_args()
+    set_hugepage(args.hugepage)
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(child, args.err_mode))
+    proc = ctx.Process(target=target, args=(child, args.err_mode, args.hugepage))
     proc.start()
     remote_md, remote_base = parent.recv()
 
@@ -96,7 +107,7 @@ def main():
     median = times[len(times) // 2]
     print(
         f"NIXL {args.op} {args.block} B x {args.count} "
-        f"{'shuffled' if args.shuffled else 'contiguous'} err={args.err_mode}: median {median * 1e6:.1f} us  "
+        f"{'shuffled' if args.shuffled else 'contiguous'} err={args.err_mode} thp={args.hugepage}: median {median * 1e6:.1f} us  "
         f"{args.count / median / 1e6:.2f} M desc/s  {args.block * args.count / median / 1e9:.2f} GB/s "
         f"({len(times)} iters)",
         flush=True,
