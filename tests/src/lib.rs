@@ -197,3 +197,30 @@ pub mod counting {
         (r, COUNT.load(Ordering::SeqCst))
     }
 }
+
+/// `n` blocks of `block` bytes: block `i` of `src` goes to block `order[i]` of `dst`, with
+/// `order` a random permutation. Returns (local descriptors, remote descriptors, order).
+pub fn shuffled_blocks(
+    src: &Buffer,
+    dst: &Buffer,
+    n: usize,
+    block: usize,
+    rng: &mut Rng,
+) -> (Vec<Desc>, Vec<Desc>, Vec<usize>) {
+    let mut order: Vec<usize> = (0..n).collect();
+    rng.shuffle(&mut order);
+    let local = (0..n).map(|i| src.desc(i * block, block)).collect();
+    let remote = order.iter().map(|&j| dst.desc(j * block, block)).collect();
+    (local, remote, order)
+}
+
+/// Assert that block `i` of `src` landed at block `order[i]` of `dst`.
+pub fn assert_shuffled_copy(src: &Buffer, dst: &Buffer, order: &[usize], block: usize, what: &str) {
+    for (i, &j) in order.iter().enumerate() {
+        assert_eq!(
+            &dst.bytes()[j * block..(j + 1) * block],
+            &src.bytes()[i * block..(i + 1) * block],
+            "{what}: block {i}"
+        );
+    }
+}

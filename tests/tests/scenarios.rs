@@ -422,10 +422,7 @@ fn sixteen_thousand_descriptor_request() {
     let src = Buffer::random(n * block, &mut rng);
     let dst = Buffer::zeroed(n * block);
     let p = pair(&src, &dst);
-    let mut order: Vec<usize> = (0..n).collect();
-    rng.shuffle(&mut order);
-    let local: Vec<Desc> = (0..n).map(|i| src.desc(i * block, block)).collect();
-    let remote: Vec<Desc> = order.iter().map(|&j| dst.desc(j * block, block)).collect();
+    let (local, remote, order) = ferry_tests::shuffled_blocks(&src, &dst, n, block, &mut rng);
     let x =
         p.a.create(
             Op::Write,
@@ -438,12 +435,7 @@ fn sixteen_thousand_descriptor_request() {
         )
         .unwrap();
     assert_eq!(p.a.post(x).unwrap(), XferStatus::Done);
-    for (i, &j) in order.iter().enumerate() {
-        assert_eq!(
-            &dst.bytes()[j * block..(j + 1) * block],
-            &src.bytes()[i * block..(i + 1) * block]
-        );
-    }
+    ferry_tests::assert_shuffled_copy(&src, &dst, &order, block, "16k request");
     let t = p.a.telemetry(x).unwrap();
     assert_eq!(t.desc_count_unmerged, n as u64);
     assert!(t.desc_count > (n / 2) as u64, "shuffled pairs rarely merge");

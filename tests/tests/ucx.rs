@@ -189,10 +189,8 @@ fn shuffled_batch_of_1024_descriptors() {
         let src = Buffer::random(BLOCK * 1024, &mut rng);
         let dst = Buffer::zeroed(BLOCK * 1024);
         let p = pair(transports, &src, &dst);
-        let mut order: Vec<usize> = (0..1024).collect();
-        rng.shuffle(&mut order);
-        let local: Vec<Desc> = (0..1024).map(|i| src.desc(i * BLOCK, BLOCK)).collect();
-        let remote: Vec<Desc> = order.iter().map(|&j| dst.desc(j * BLOCK, BLOCK)).collect();
+        let (local, remote, order) =
+            ferry_tests::shuffled_blocks(&src, &dst, 1024, BLOCK, &mut rng);
         let x =
             p.a.create(
                 Op::Write,
@@ -206,13 +204,7 @@ fn shuffled_batch_of_1024_descriptors() {
             .unwrap();
         let first = p.a.post(x).unwrap();
         finish(&p, x, first);
-        for (i, &j) in order.iter().enumerate() {
-            assert_eq!(
-                &dst.bytes()[j * BLOCK..(j + 1) * BLOCK],
-                &src.bytes()[i * BLOCK..(i + 1) * BLOCK],
-                "[{transports}] block {i}"
-            );
-        }
+        ferry_tests::assert_shuffled_copy(&src, &dst, &order, BLOCK, &format!("[{transports}]"));
     }
 }
 
