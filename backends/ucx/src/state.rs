@@ -333,6 +333,16 @@ fn request_param() -> ucp_request_param_t {
 /// shuffled ~9× faster and leaves 1 MiB ranges on CMA (see the README).
 pub(crate) const ZCOPY_THRESH_NEW_UCX: &str = "16k";
 
+/// Whether a `UCX_TLS` value may select a shared-memory (mm) transport: an exclusion
+/// list (`^…`) may, an inclusion list must name one.
+fn may_use_shared_memory(tls: &str) -> bool {
+    let tls = tls.trim();
+    tls.starts_with('^')
+        || tls
+            .split(',')
+            .any(|t| matches!(t.trim(), "all" | "sm" | "shm" | "mm" | "posix" | "sysv" | "xpmem"))
+}
+
 /// The `ZCOPY_THRESH` override for this UCX version, if any.
 fn zcopy_thresh_override(version: ferry_ucx_sys::UcxVersion) -> Option<String> {
     let new_protocols = version
@@ -356,8 +366,12 @@ impl Core {
         if !status.is_ok() {
             return Err(ucx_error(&ucp, "ucp_config_read", status));
         }
-        let fifo_size = config.shm_fifo_size.map(|n| n.to_string());
-        let seg_size = config.shm_seg_bytes.map(|n| n.to_string());
+        // Shared-memory settings only where a shared-memory transport may be used (UCX
+        // warns about settings no transport takes, e.g. with `UCX_TLS=tcp`).
+        let tls = config.transports.clone().or_else(|| std::env::var("UCX_TLS").ok());
+        let shm = tls.as_deref().is_none_or(may_use_shared_memory);
+        let fifo_size = config.shm_fifo_size.filter(|_| shm).map(|n| n.to_string());
+        let seg_size = config.shm_seg_bytes.filter(|_| shm).map(|n| n.to_string());
         let zcopy_thresh = zcopy_thresh_override(ucp.version());
         let overrides = [
             (c"NET_DEVICES", &config.devices),
@@ -1429,6 +1443,21 @@ pub(crate) fn summarize_lanes(info: &str) -> String {
         "unknown transports".to_string()
     } else {
         lanes.join(", ")
+    }
+}
+
+#[cfg(test)]
+mod shm_tests {
+    use super::may_use_shared_memory;
+
+    #[test]
+    fn shared_memory_settings_follow_the_transport_list() {
+        assert!(may_use_shared_memory("sm,self"));
+        assert!(may_use_shared_memory("posix,tcp"));
+        assert!(may_use_shared_memory("^cma"));
+        assert!(may_use_shared_memory("all"));
+        assert!(!may_use_shared_memory("tcp"));
+        assert!(!may_use_shared_memory("tcp,self"));
     }
 }
 
