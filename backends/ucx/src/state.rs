@@ -338,9 +338,12 @@ pub(crate) const ZCOPY_THRESH_NEW_UCX: &str = "16k";
 fn may_use_shared_memory(tls: &str) -> bool {
     let tls = tls.trim();
     tls.starts_with('^')
-        || tls
-            .split(',')
-            .any(|t| matches!(t.trim(), "all" | "sm" | "shm" | "mm" | "posix" | "sysv" | "xpmem"))
+        || tls.split(',').any(|t| {
+            matches!(
+                t.trim(),
+                "all" | "sm" | "shm" | "mm" | "posix" | "sysv" | "xpmem"
+            )
+        })
 }
 
 /// The `ZCOPY_THRESH` override for this UCX version, if any.
@@ -368,7 +371,10 @@ impl Core {
         }
         // Shared-memory settings only where a shared-memory transport may be used (UCX
         // warns about settings no transport takes, e.g. with `UCX_TLS=tcp`).
-        let tls = config.transports.clone().or_else(|| std::env::var("UCX_TLS").ok());
+        let tls = config
+            .transports
+            .clone()
+            .or_else(|| std::env::var("UCX_TLS").ok());
         let shm = tls.as_deref().is_none_or(may_use_shared_memory);
         let fifo_size = config.shm_fifo_size.filter(|_| shm).map(|n| n.to_string());
         let seg_size = config.shm_seg_bytes.filter(|_| shm).map(|n| n.to_string());
