@@ -222,16 +222,14 @@ impl Agent {
         record: impl FnOnce(&mut CommandBuffer) -> u32,
         read: impl FnOnce(&CommandBuffer, u32) -> Result<T>,
     ) -> Result<T> {
-        let mut state = self.lock();
-        let mut scratch = std::mem::take(&mut state.scratch);
+        // Same path as a recorded buffer (exchange pre-phase, snapshot refresh); the
+        // scratch buffer is reused across calls (a concurrent caller gets a fresh one).
+        let mut scratch = std::mem::take(&mut self.lock().scratch);
         scratch.clear();
         let index = record(&mut scratch);
-        {
-            let AgentState { world, md, .. } = &mut *state;
-            flush(world, md, &mut scratch);
-        }
+        self.flush(&mut scratch);
         let result = read(&scratch, index);
-        state.scratch = scratch;
+        self.lock().scratch = scratch;
         result
     }
 

@@ -92,7 +92,7 @@ pub fn flush(
         phase_metadata(world, loader, cmds, &buckets[0]);
         phase_register(world, cmds, &buckets[1]);
         let created_preps = phase_prep(world, &arena, cmds, &buckets[2]);
-        phase_make(world, cmds, &buckets[3], &buckets[2], &created_preps);
+        phase_make(world, cmds, &buckets[3], &created_preps);
         let posted = phase_dispatch(world, &arena, cmds, &buckets[4]);
         summary.posted = posted.len() as u32;
         summary.completed = phase_progress(world, cmds, &posted, &buckets[5]);
@@ -308,7 +308,6 @@ impl World {
             .ok_or_else(|| Error::not_found(Subject::Region(id)))?;
         let kind = self.regions.kinds[row];
         let desc = self.regions.descs[row];
-        let tag = handle_to_tag(id);
         let tokens = self.regions.tokens[row];
         let backends = self.regions.backends[row];
         // In-flight check: a request's local ranges carry the region's token for its
@@ -350,7 +349,6 @@ impl World {
                 });
             }
         }
-        let _ = tag;
         let indexed = if kind == MemKind::File && desc.len == 0 {
             Desc::new(desc.addr, u64::MAX - desc.addr, desc.dev)
         } else {
@@ -670,11 +668,9 @@ fn phase_make(
     world: &mut World,
     cmds: &mut CommandBuffer,
     makes: &[u32],
-    preps: &[u32],
     created: &CreatedPreps<'_>,
 ) {
     phase_span!("ferry::make");
-    let _ = preps;
     // `create` commands: build from their temporary lists, then drop the lists.
     for (i, pair) in created.iter() {
         let Command::Create {
@@ -1066,15 +1062,15 @@ fn phase_dispatch<'a>(
                 .rows
                 .row(id)
                 .ok_or_else(|| Error::not_found(Subject::Xfer(id)))?;
+            // A request posted earlier in this buffer is already marked in progress,
+            // so a second post of it is refused like any repost of an active request.
             if world.xfers.states[row] == XferState::InProgress {
-                return Err(Error::RepostActive { xfer: id });
-            }
-            if posted.iter().any(|p| p.xfer == id) {
                 return Err(Error::RepostActive { xfer: id });
             }
             if let Endpoint::Peer(peer) = world.xfers.endpoints[row] {
                 world.check_peer_generation(peer, world.xfers.generations[row])?;
             }
+            world.xfers.states[row] = XferState::InProgress;
             let key = dispatch_key(
                 world.xfers.slots[row],
                 endpoint_rank(world.xfers.endpoints[row]),

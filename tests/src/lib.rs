@@ -224,3 +224,26 @@ pub fn assert_shuffled_copy(src: &Buffer, dst: &Buffer, order: &[usize], block: 
         );
     }
 }
+
+impl Pair {
+    /// A one-shot DRAM request at A: `local` (A's memory) ↔ `remote` (B's memory).
+    pub fn create(
+        &self,
+        op: ferry::Op,
+        local: &[Desc],
+        remote: &[Desc],
+        notif: Option<&[u8]>,
+    ) -> ferry::XferId {
+        self.a
+            .create(
+                op,
+                MemKind::Dram,
+                local,
+                self.b_at_a,
+                MemKind::Dram,
+                remote,
+                notif,
+            )
+            .expect("create request")
+    }
+}

@@ -44,17 +44,7 @@ fn write_and_read_random_sizes_and_offsets_verified_byte_for_byte() {
         let remote: Vec<Desc> = pieces.iter().map(|&(_, r, n)| dst.desc(r, n)).collect();
 
         // WRITE: A's bytes land in B's buffer at the shuffled places.
-        let x =
-            p.a.create(
-                Op::Write,
-                MemKind::Dram,
-                &local,
-                p.b_at_a,
-                MemKind::Dram,
-                &remote,
-                None,
-            )
-            .unwrap();
+        let x = p.create(Op::Write, &local, &remote, None);
         assert_eq!(p.a.post(x).unwrap(), XferStatus::Done, "round {round}");
         for &(l, r, n) in &pieces {
             assert_eq!(
@@ -68,17 +58,7 @@ fn write_and_read_random_sizes_and_offsets_verified_byte_for_byte() {
         let back = Buffer::zeroed(total);
         register(&p.a, &back);
         let local_back: Vec<Desc> = pieces.iter().map(|&(l, _, n)| back.desc(l, n)).collect();
-        let y =
-            p.a.create(
-                Op::Read,
-                MemKind::Dram,
-                &local_back,
-                p.b_at_a,
-                MemKind::Dram,
-                &remote,
-                None,
-            )
-            .unwrap();
+        let y = p.create(Op::Read, &local_back, &remote, None);
         assert_eq!(p.a.post(y).unwrap(), XferStatus::Done);
         assert_eq!(
             back.bytes(),
@@ -155,17 +135,12 @@ fn notifications_with_transfer_standalone_to_self_and_empty() {
     let p = pair(&src, &dst);
 
     // With a transfer: when B sees it, the data is there.
-    let x =
-        p.a.create(
-            Op::Write,
-            MemKind::Dram,
-            &[src.whole()],
-            p.b_at_a,
-            MemKind::Dram,
-            &[dst.whole()],
-            Some(b"blocks-ready"),
-        )
-        .unwrap();
+    let x = p.create(
+        Op::Write,
+        &[src.whole()],
+        &[dst.whole()],
+        Some(b"blocks-ready"),
+    );
     p.a.post(x).unwrap();
     let got = p.b.drain_notifications();
     assert_eq!(
@@ -208,17 +183,7 @@ fn repost_of_active_request_is_refused_and_of_finished_is_fine() {
     let dst = Buffer::zeroed(KIB);
     let p = pair(&src, &dst);
     let faults = ferry::loopback::faults(p.a.name()).unwrap();
-    let x =
-        p.a.create(
-            Op::Write,
-            MemKind::Dram,
-            &[src.whole()],
-            p.b_at_a,
-            MemKind::Dram,
-            &[dst.whole()],
-            None,
-        )
-        .unwrap();
+    let x = p.create(Op::Write, &[src.whole()], &[dst.whole()], None);
     assert_eq!(p.a.check(x).unwrap(), XferStatus::NotPosted);
     faults.complete_late(3);
     assert_eq!(p.a.post(x).unwrap(), XferStatus::InProgress);
@@ -423,17 +388,7 @@ fn sixteen_thousand_descriptor_request() {
     let dst = Buffer::zeroed(n * block);
     let p = pair(&src, &dst);
     let (local, remote, order) = ferry_tests::shuffled_blocks(&src, &dst, n, block, &mut rng);
-    let x =
-        p.a.create(
-            Op::Write,
-            MemKind::Dram,
-            &local,
-            p.b_at_a,
-            MemKind::Dram,
-            &remote,
-            Some(b"16k"),
-        )
-        .unwrap();
+    let x = p.create(Op::Write, &local, &remote, Some(b"16k"));
     assert_eq!(p.a.post(x).unwrap(), XferStatus::Done);
     ferry_tests::assert_shuffled_copy(&src, &dst, &order, block, "16k request");
     let t = p.a.telemetry(x).unwrap();
@@ -483,17 +438,7 @@ fn fault_injection_failed_transfer_and_dropped_peer_leave_agent_usable() {
     let dst = Buffer::zeroed(KIB);
     let p = pair(&src, &dst);
     let faults = ferry::loopback::faults(p.a.name()).unwrap();
-    let x =
-        p.a.create(
-            Op::Write,
-            MemKind::Dram,
-            &[src.whole()],
-            p.b_at_a,
-            MemKind::Dram,
-            &[dst.whole()],
-            None,
-        )
-        .unwrap();
+    let x = p.create(Op::Write, &[src.whole()], &[dst.whole()], None);
     faults.fail_next(1);
     let e = p.a.post(x).unwrap_err();
     assert!(matches!(e, Error::Backend { errno: 5, .. }), "{e}");
@@ -508,12 +453,8 @@ fn fault_injection_failed_transfer_and_dropped_peer_leave_agent_usable() {
     assert_eq!(p.a.post(x).unwrap(), XferStatus::Done);
 
     // The peer really goes away: posts fail with remote-disconnect, not a crash.
-    let Pair2 { a, b_at_a, .. } = Pair2 {
-        a: p.a,
-        b_at_a: p.b_at_a,
-        _b: (),
-    };
-    drop(p.b);
+    let ferry_tests::Pair { a, b, b_at_a, .. } = p;
+    drop(b);
     let e = a.post(x).unwrap_err();
     assert!(matches!(e, Error::RemoteDisconnect { .. }), "{e}");
     a.invalidate_remote_md(b_at_a).unwrap();
@@ -536,12 +477,6 @@ fn fault_injection_failed_transfer_and_dropped_peer_leave_agent_usable() {
         .unwrap();
     assert_eq!(a.post(y).unwrap(), XferStatus::Done);
     assert_eq!(c_buf.bytes(), src.bytes());
-}
-
-struct Pair2 {
-    a: Agent,
-    b_at_a: ferry::PeerId,
-    _b: (),
 }
 
 #[test]

@@ -56,6 +56,8 @@ struct Inbox {
 pub struct Faults {
     fail_next: AtomicU32,
     late_progress_calls: AtomicU32,
+    /// Whether any peer is dropped: lets a post skip the lock in the common case.
+    any_dropped: AtomicBool,
     dropped: Mutex<Vec<String>>,
 }
 
@@ -75,11 +77,14 @@ impl Faults {
         if !dropped.iter().any(|n| n == name) {
             dropped.push(name.to_string());
         }
+        self.any_dropped.store(true, Ordering::SeqCst);
     }
     /// Undo [`Faults::drop_peer`].
     pub fn restore_peer(&self, name: &str) {
         let mut dropped = self.dropped.lock().unwrap_or_else(|e| e.into_inner());
         dropped.retain(|n| n != name);
+        self.any_dropped
+            .store(!dropped.is_empty(), Ordering::SeqCst);
     }
     /// Clear every fault.
     pub fn clear(&self) {
@@ -96,8 +101,11 @@ impl Faults {
             .is_ok()
     }
     fn is_dropped(&self, name: &str) -> bool {
+        if !self.any_dropped.load(Ordering::Relaxed) {
+            return false;
+        }
         let dropped = self.dropped.lock().unwrap_or_else(|e| e.into_inner());
-        !dropped.is_empty() && dropped.iter().any(|n| n == name)
+        dropped.iter().any(|n| n == name)
     }
 }
 
