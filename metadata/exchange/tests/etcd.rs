@@ -8,6 +8,11 @@ mod common;
 #[cfg(not(feature = "etcd"))]
 #[test]
 fn etcd_tests_need_the_feature() {
+    assert!(
+        !common::under_ci(),
+        "CI=true but ferry-exchange was built without the `etcd` feature: the etcd tests \
+         did not run (tools/test.sh enables it; protoc and libprotobuf-dev are needed)"
+    );
     eprintln!("skipping: the etcd tests need `cargo test -p ferry-exchange --features etcd`");
 }
 
