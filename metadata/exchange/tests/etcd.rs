@@ -20,7 +20,8 @@ mod with_etcd {
     use std::thread::JoinHandle;
     use std::time::{Duration, Instant};
 
-    use super::common::{blob, under_ci, FakeAgent, LONG};
+    use super::common::{blob, FakeAgent, LONG};
+    use ferry_testkit::ci::under_ci;
     use ferry_exchange::{EtcdConfig, ExchangeConfig, Route, StoreConfig, Via, FULL_LABEL};
     use ferry_storage::Error;
 
