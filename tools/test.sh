@@ -71,6 +71,11 @@ if command -v protoc >/dev/null && grep -q '^etcd' metadata/exchange/Cargo.toml 
   features+=(--features ferry-exchange/etcd)
 fi
 
+log "format, rust-version and lints"
+cargo fmt --all -- --check
+tools/check-msrv.sh
+cargo clippy --workspace --all-targets "${features[@]}" -- -D warnings -D clippy::incompatible_msrv
+
 log "cargo test --workspace ${features[*]}"
 cargo test --workspace "${features[@]}" --no-fail-fast
 

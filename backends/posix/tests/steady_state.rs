@@ -32,7 +32,11 @@ fn long_loop_allocates_nothing_and_leaks_nothing() {
         let mut done = Completions::with_capacity(4);
         let mut cycle = |b: &mut ferry_posix::PosixBackend, i: u64| {
             done.clear();
-            let op = if i % 2 == 0 { Op::Write } else { Op::Read };
+            let op = if i.is_multiple_of(2) {
+                Op::Write
+            } else {
+                Op::Read
+            };
             let batch = [post(i, op, &ranges), post(i + (1 << 40), op, &ranges[..1])];
             b.post(Endpoint::Local, &batch, &mut done).unwrap();
             while done.len() < 2 {
