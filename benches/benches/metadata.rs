@@ -21,7 +21,8 @@ struct Region {
     public_md: Vec<u8>,
 }
 
-/// 15,000 KV-cache-block-sized regions 2 MiB apart on two GPUs, in shuffled order
+/// 15,000 KV-cache-block-sized regions 2 MiB apart on two GPUs (metadata only: the
+/// codec encodes any memory kind, though no backend registers VRAM yet), in shuffled order
 /// (the writer has to sort), each with 16..32 bytes of public metadata.
 fn regions() -> Vec<Region> {
     let mut rng = Rng::new(1);
