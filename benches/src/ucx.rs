@@ -333,21 +333,12 @@ fn run_with_target(
     if config.control_path {
         cases.push((64, 1024, true));
     }
-    let mut rng = 0x2545_f491_4f6c_dd1du64;
-    let mut next = move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
-    };
+    let mut rng = ferry_testkit::Rng::new(0x2545_f491_4f6c_dd1d);
     for (block, batch, shuffled) in cases {
         let slots = (BUFFER_LEN / block).max(1);
         let mut remote_slots: Vec<usize> = (0..batch).map(|i| i % slots).collect();
         if shuffled {
-            for i in (1..remote_slots.len()).rev() {
-                let j = (next() % (i as u64 + 1)) as usize;
-                remote_slots.swap(i, j);
-            }
+            rng.shuffle(&mut remote_slots);
         }
         let local_descs: Vec<Desc> = (0..batch)
             .map(|i| Desc::new(local.addr() + ((i % slots) * block) as u64, block as u64, 0))
