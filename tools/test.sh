@@ -73,6 +73,14 @@ if [[ "${CI:-}" == "true" ]] || command -v protoc >/dev/null; then
   features+=(--features ferry-exchange/etcd)
 fi
 
+log "format, rust-version and lints"
+cargo fmt --all -- --check
+tools/check-msrv.sh
+cargo clippy --workspace --all-targets "${features[@]}" -- -D warnings -D clippy::incompatible_msrv
+# The fuzz targets live outside the workspace; keep them compiling on stable (running
+# them needs nightly: tools/fuzz.sh).
+(cd metadata/fuzz && cargo fmt -- --check && cargo clippy -q --all-targets -- -D warnings)
+
 log "cargo test --workspace ${features[*]}"
 cargo test --workspace "${features[@]}" --no-fail-fast
 

@@ -8,23 +8,12 @@ use std::hint::black_box;
 use criterion::{criterion_group, criterion_main, Criterion};
 use ferry_metadata::{decode_descs, encode_descs, MdWriter, PeerMd};
 use ferry_storage::{Desc, MemKind};
+use ferry_testkit::Rng;
 
 /// Regions (and descriptors) per agent, the size of the reference system's worst case.
 const REGION_COUNT: usize = 15_000;
 /// Lookups per `find` iteration.
 const LOOKUP_COUNT: usize = 1_000;
-
-/// A small deterministic generator (xorshift64), so runs are comparable.
-struct XorShift(u64);
-
-impl XorShift {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
 
 /// One registered region and its public metadata.
 struct Region {
@@ -32,18 +21,21 @@ struct Region {
     public_md: Vec<u8>,
 }
 
-/// 15,000 KV-cache-block-sized regions 2 MiB apart on two GPUs, in shuffled order
+/// 15,000 KV-cache-block-sized regions 2 MiB apart on two GPUs (metadata only: the
+/// codec encodes any memory kind, though no backend registers VRAM yet), in shuffled order
 /// (the writer has to sort), each with 16..32 bytes of public metadata.
 fn regions() -> Vec<Region> {
-    let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
+    let mut rng = Rng::new(1);
     let mut regions: Vec<Region> = (0..REGION_COUNT as u64)
         .map(|i| Region {
             desc: Desc::new(0x7f00_0000_0000 + (i / 2) * (2 << 20), 1 << 20, i % 2),
-            public_md: (0..16 + rng.next() % 17).map(|b| (b ^ i) as u8).collect(),
+            public_md: (0..16 + rng.next_u64() % 17)
+                .map(|b| (b ^ i) as u8)
+                .collect(),
         })
         .collect();
     for i in (1..regions.len()).rev() {
-        let j = (rng.next() % (i as u64 + 1)) as usize;
+        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
         regions.swap(i, j);
     }
     regions
@@ -91,11 +83,11 @@ fn bench_metadata(c: &mut Criterion) {
     });
 
     let peer = PeerMd::from_bytes(&blob).expect("valid");
-    let mut rng = XorShift(7);
+    let mut rng = Rng::new(7);
     let queries: Vec<Desc> = (0..LOOKUP_COUNT)
         .map(|_| {
-            let r = &regions[(rng.next() % REGION_COUNT as u64) as usize].desc;
-            let offset = rng.next() % (r.len / 2);
+            let r = &regions[(rng.next_u64() % REGION_COUNT as u64) as usize].desc;
+            let offset = rng.next_u64() % (r.len / 2);
             Desc::new(r.addr + offset, 4096, r.dev)
         })
         .collect();

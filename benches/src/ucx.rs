@@ -20,6 +20,7 @@ use std::process::Child;
 use std::time::{Duration, Instant};
 
 use ferry::{Agent, AgentConfig, Desc, MemKind, Op, Params, XferStatus};
+use ferry_testkit::cpu::{clock_ticks_per_second, thread_cpu_ticks};
 
 /// Environment variable that tells a spawned process to act as the target; its value is
 /// the initiator's control address (`127.0.0.1:port`), followed by `,` and the UCX
@@ -332,21 +333,12 @@ fn run_with_target(
     if config.control_path {
         cases.push((64, 1024, true));
     }
-    let mut rng = 0x2545_f491_4f6c_dd1du64;
-    let mut next = move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
-    };
+    let mut rng = ferry_testkit::Rng::new(0x2545_f491_4f6c_dd1d);
     for (block, batch, shuffled) in cases {
         let slots = (BUFFER_LEN / block).max(1);
         let mut remote_slots: Vec<usize> = (0..batch).map(|i| i % slots).collect();
         if shuffled {
-            for i in (1..remote_slots.len()).rev() {
-                let j = (next() % (i as u64 + 1)) as usize;
-                remote_slots.swap(i, j);
-            }
+            rng.shuffle(&mut remote_slots);
         }
         let local_descs: Vec<Desc> = (0..batch)
             .map(|i| Desc::new(local.addr() + ((i % slots) * block) as u64, block as u64, 0))
@@ -429,37 +421,6 @@ fn idle_thread_cpu(params: &[(String, String)]) -> Result<f64, String> {
     let ticks = thread_cpu_ticks("ferry-ucx-progr") - before;
     let elapsed = t0.elapsed().as_secs_f64();
     drop(agent);
-    let hz = clock_ticks_per_second();
+    let hz = clock_ticks_per_second() as f64;
     Ok(ticks as f64 / hz / elapsed * 100.0)
-}
-
-fn clock_ticks_per_second() -> f64 {
-    // Linux reports utime/stime in USER_HZ, which is 100 on every mainstream kernel.
-    100.0
-}
-
-fn thread_cpu_ticks(name: &str) -> u64 {
-    let mut total = 0;
-    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
-        return 0;
-    };
-    for entry in dir.flatten() {
-        let comm = std::fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
-        if !comm.trim_end().starts_with(name) {
-            continue;
-        }
-        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
-        if let Some((_, rest)) = stat.rsplit_once(')') {
-            let fields: Vec<&str> = rest.split_whitespace().collect();
-            total += fields
-                .get(11)
-                .and_then(|f| f.parse::<u64>().ok())
-                .unwrap_or(0);
-            total += fields
-                .get(12)
-                .and_then(|f| f.parse::<u64>().ok())
-                .unwrap_or(0);
-        }
-    }
-    total
 }

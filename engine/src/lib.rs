@@ -1,8 +1,11 @@
 //! # Ferry
 //!
 //! A data-movement engine for AI inference: it moves bytes (above all KV-cache blocks)
-//! between host memory, GPU memory, files and remote agents through one batched API,
-//! whatever backend does the work.
+//! between host memory, files and remote agents through one batched API, whatever
+//! backend does the work. The backends today are `LOOPBACK` (in-process DRAM), `POSIX`
+//! (DRAM ↔ FILE) and `UCX` (DRAM between agents); GPU memory ([`MemKind::Vram`]) and
+//! the `BLOCK`/`OBJECT` kinds are named in the API but no backend moves them yet
+//! (registering them fails with [`Error::NotSupported`]).
 //!
 //! Callers record commands into a [`CommandBuffer`] (no I/O, no agent borrow) and
 //! submit it with [`Agent::flush`], which runs fixed phases: resolve → register → prep

@@ -13,14 +13,15 @@ pub const MAX_BACKENDS: usize = 8;
 pub enum MemKind {
     /// Host memory.
     Dram = 0,
-    /// GPU memory; the device id is the GPU ordinal.
+    /// GPU memory; the device id is the GPU ordinal. Planned: no backend supports it
+    /// yet, so registering it fails with not-supported.
     Vram = 1,
     /// A file; the device id is a file descriptor or a file registered by path, the
     /// address is the offset in the file.
     File = 2,
-    /// A block device.
+    /// A block device. Planned: no backend supports it yet.
     Block = 3,
-    /// An object in an object store.
+    /// An object in an object store. Planned: no backend supports it yet.
     Object = 4,
 }
 

@@ -1,5 +1,5 @@
-//! Shared helpers of Ferry's integration tests: test buffers, a deterministic RNG, and
-//! two-agent set-ups on the loopback backend.
+//! Shared helpers of Ferry's integration tests: test buffers and two-agent set-ups on
+//! the loopback backend; the RNG and the counting allocator come from `ferry-testkit`.
 // Reason: tests register their own buffers, which is the caller-side promise that
 // `Agent::register` asks for (an `unsafe fn`); no other unsafe code lives here.
 #![allow(unsafe_code)]
@@ -7,42 +7,7 @@
 use ferry::{Agent, AgentConfig, Desc, MemKind, Params, PeerId, RegionId};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// A small deterministic xorshift generator (tests must be reproducible).
-#[derive(Clone, Debug)]
-pub struct Rng(u64);
-
-impl Rng {
-    /// Seeded generator (seed 0 is remapped).
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed.max(1).wrapping_mul(0x9E37_79B9_7F4A_7C15))
-    }
-    /// Next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.0 = x;
-        x
-    }
-    /// Uniform in `[0, n)`.
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n.max(1)
-    }
-    /// Shuffle a slice in place.
-    pub fn shuffle<T>(&mut self, items: &mut [T]) {
-        for i in (1..items.len()).rev() {
-            let j = self.below(i as u64 + 1) as usize;
-            items.swap(i, j);
-        }
-    }
-    /// Fill bytes.
-    pub fn fill(&mut self, bytes: &mut [u8]) {
-        for b in bytes {
-            *b = self.next_u64() as u8;
-        }
-    }
-}
+pub use ferry_testkit::Rng;
 
 /// A unique agent name for this process (tests run in parallel threads).
 pub fn unique(prefix: &str) -> String {
@@ -153,50 +118,8 @@ pub fn try_register(agent: &Agent, kind: MemKind, desc: Desc) -> ferry::Result<R
     unsafe { agent.register(kind, desc) }
 }
 
-/// A global allocator that counts allocations while counting is switched on; the
-/// no-allocation tests install it with `#[global_allocator]`.
-pub mod counting {
-    use std::alloc::{GlobalAlloc, Layout, System};
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-
-    /// Forwards to the system allocator, counting `alloc`/`realloc` calls while on.
-    pub struct CountingAlloc;
-
-    static ON: AtomicBool = AtomicBool::new(false);
-    static COUNT: AtomicUsize = AtomicUsize::new(0);
-
-    // SAFETY: every method forwards to the system allocator with the caller's
-    // arguments unchanged; counting has no effect on the memory handed out.
-    unsafe impl GlobalAlloc for CountingAlloc {
-        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-            if ON.load(Ordering::Relaxed) {
-                COUNT.fetch_add(1, Ordering::Relaxed);
-            }
-            // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract for us.
-            unsafe { System.alloc(layout) }
-        }
-        unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-            // SAFETY: `ptr` came from `System` through this allocator with `layout`.
-            unsafe { System.dealloc(ptr, layout) }
-        }
-        unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-            if ON.load(Ordering::Relaxed) {
-                COUNT.fetch_add(1, Ordering::Relaxed);
-            }
-            // SAFETY: `ptr` came from `System` through this allocator with `layout`.
-            unsafe { System.realloc(ptr, layout, new_size) }
-        }
-    }
-
-    /// Run `f` and give how many allocations happened (process-wide) meanwhile.
-    pub fn counted<R>(f: impl FnOnce() -> R) -> (R, usize) {
-        COUNT.store(0, Ordering::SeqCst);
-        ON.store(true, Ordering::SeqCst);
-        let r = f();
-        ON.store(false, Ordering::SeqCst);
-        (r, COUNT.load(Ordering::SeqCst))
-    }
-}
+/// The counting global allocator of the no-allocation tests (`ferry_testkit::alloc`).
+pub use ferry_testkit::alloc as counting;
 
 /// `n` blocks of `block` bytes: block `i` of `src` goes to block `order[i]` of `dst`, with
 /// `order` a random permutation. Returns (local descriptors, remote descriptors, order).

@@ -9,6 +9,7 @@ use ferry::{
     Agent, AgentConfig, BackendId, Desc, Error, FileMode, MemKind, Op, Params, Side, XferId,
     XferStatus,
 };
+use ferry_testkit::ci::under_ci as ci;
 use ferry_tests::{register, unique, Buffer, Rng};
 
 /// A scratch directory removed on drop.
@@ -30,10 +31,6 @@ impl Drop for Scratch {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
-}
-
-fn ci() -> bool {
-    std::env::var("CI").is_ok_and(|v| v == "true")
 }
 
 /// An agent with a POSIX backend on `engine`.

@@ -26,11 +26,10 @@ fn ucx_ready() -> bool {
     match &ucx.available {
         Ok(()) => true,
         Err(reason) => {
-            assert!(
-                std::env::var("CI").as_deref() != Ok("true"),
-                "UCX is required under CI=true: {reason}"
+            ferry_testkit::ci::skip(
+                "UCX",
+                format!("unavailable ({reason}); apt-get install libucx0"),
             );
-            eprintln!("skipping: UCX unavailable ({reason}); apt-get install libucx0");
             false
         }
     }

@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use ferry::{Agent, AgentConfig, CommandBuffer, Desc, MemKind, Op, Params, Side};
+use ferry::{Agent, AgentConfig, CommandBuffer, Desc, MemKind, Op, Params, Side, XferStatus};
 
 use crate::buffers::HostBuffer;
 use crate::opt;
@@ -58,30 +58,38 @@ fn control(args: &[String]) -> Result<(), String> {
         "full" => true,
         other => return Err(format!("--path must be prepared or full, not {other}")),
     };
-    let turn = |cmds: &mut CommandBuffer| {
+    // One timed turn, which must succeed: no command failed and the request is done
+    // (a scan of a few outcomes; a failure ends the benchmark with an error).
+    let turn = |cmds: &mut CommandBuffer| -> Result<(), String> {
         cmds.clear();
-        if full {
+        let done = if full {
             let l = cmds.prep(Side::Local, MemKind::Dram, &local);
             let r = cmds.prep(peer, MemKind::Dram, &remote);
             let x = cmds.make(Op::Write, l, &[], r, &[]).ticket();
             cmds.post(x);
-            cmds.check(x);
+            let done = cmds.check(x);
             cmds.release(x);
             cmds.release_prep(l);
             cmds.release_prep(r);
+            done
         } else {
             let x = cmds.make(Op::Write, lp, &[], rp, &[]).ticket();
             cmds.post(x);
-            cmds.check(x);
+            let done = cmds.check(x);
             cmds.release(x);
-        }
+            done
+        };
         a.flush(cmds);
+        if let Some((i, e)) = cmds.errors().next() {
+            return Err(format!("command #{i}: {e}"));
+        }
+        match cmds.status(done) {
+            Ok(XferStatus::Done) => Ok(()),
+            other => Err(format!("the timed transfer is not done: {other:?}")),
+        }
     };
     for _ in 0..16 {
-        turn(&mut cmds);
-    }
-    if let Some((i, e)) = cmds.errors().next() {
-        return Err(format!("command #{i}: {e}"));
+        turn(&mut cmds)?;
     }
     let turns_per_round = (200_000 / batch).max(1);
     let mut rounds = Vec::new();
@@ -89,9 +97,17 @@ fn control(args: &[String]) -> Result<(), String> {
     while Instant::now() < deadline || rounds.len() < 5 {
         let t = Instant::now();
         for _ in 0..turns_per_round {
-            turn(&mut cmds);
+            turn(&mut cmds)?;
         }
         rounds.push(t.elapsed().as_nanos() as f64 / (turns_per_round * batch) as f64);
+    }
+    // The bytes arrived where the descriptors said.
+    for (i, &j) in order.iter().enumerate() {
+        if src.bytes()[i * block..(i + 1) * block] != dst.bytes()[j * block..(j + 1) * block] {
+            return Err(format!(
+                "block {i} did not arrive at block {j} of the target"
+            ));
+        }
     }
     let ns = median(rounds.clone());
     println!(

@@ -409,11 +409,11 @@ impl PosixBackend {
         let Some(align) = file.direct else {
             return Ok(());
         };
-        let what = if range.local_addr % align.mem_bytes != 0 {
+        let what = if !range.local_addr.is_multiple_of(align.mem_bytes) {
             Some(("memory address", range.local_addr, range.local_dev))
-        } else if range.len % align.offset_bytes != 0 {
+        } else if !range.len.is_multiple_of(align.offset_bytes) {
             Some(("length", range.len, range.remote_dev))
-        } else if range.remote_addr % align.offset_bytes != 0 {
+        } else if !range.remote_addr.is_multiple_of(align.offset_bytes) {
             Some(("file offset", range.remote_addr, range.remote_dev))
         } else {
             None

@@ -110,7 +110,7 @@ fn invalidate(path: &std::path::Path) -> Result<()> {
 /// Run one configuration.
 pub fn run(cfg: &BenchConfig) -> Result<BenchResult> {
     let bad = |why: &'static str| Error::invalid(Subject::Named("benchmark config".into()), why);
-    if cfg.block_bytes == 0 || cfg.total_bytes % cfg.block_bytes != 0 {
+    if cfg.block_bytes == 0 || !cfg.total_bytes.is_multiple_of(cfg.block_bytes) {
         return Err(bad(
             "total_bytes must be a non-zero multiple of block_bytes",
         ));

@@ -3,47 +3,16 @@
 //! leaked one allocation per request). One test only in this binary, so the global
 //! allocation counter sees nothing but the backend and this loop.
 
-// A counting global allocator has to implement the unsafe `GlobalAlloc` trait.
-#![allow(unsafe_code)]
-
 mod common;
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::*;
 use ferry_backend_api::{Backend, Completions, Endpoint, Op};
-
-struct Counting;
-
-static COUNTING: AtomicBool = AtomicBool::new(false);
-static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: forwards every call to the system allocator unchanged; only counts.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        if COUNTING.load(Ordering::Relaxed) {
-            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        }
-        // SAFETY: same contract as ours.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: same contract as ours.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        if COUNTING.load(Ordering::Relaxed) {
-            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        }
-        // SAFETY: same contract as ours.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
+use ferry_testkit::alloc::{self as counting, CountingAlloc};
 
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: CountingAlloc = CountingAlloc;
 
 #[test]
 fn long_loop_allocates_nothing_and_leaks_nothing() {
@@ -63,7 +32,11 @@ fn long_loop_allocates_nothing_and_leaks_nothing() {
         let mut done = Completions::with_capacity(4);
         let mut cycle = |b: &mut ferry_posix::PosixBackend, i: u64| {
             done.clear();
-            let op = if i % 2 == 0 { Op::Write } else { Op::Read };
+            let op = if i.is_multiple_of(2) {
+                Op::Write
+            } else {
+                Op::Read
+            };
             let batch = [post(i, op, &ranges), post(i + (1 << 40), op, &ranges[..1])];
             b.post(Endpoint::Local, &batch, &mut done).unwrap();
             while done.len() < 2 {
@@ -76,15 +49,13 @@ fn long_loop_allocates_nothing_and_leaks_nothing() {
         for i in 0..200 {
             cycle(&mut b, i);
         }
-        ALLOCATIONS.store(0, Ordering::SeqCst);
-        COUNTING.store(true, Ordering::SeqCst);
+        counting::start();
         let iterations = 2_000;
         let started = std::time::Instant::now();
         for i in 200..200 + iterations {
             cycle(&mut b, i);
         }
-        COUNTING.store(false, Ordering::SeqCst);
-        let allocations = ALLOCATIONS.load(Ordering::SeqCst);
+        let allocations = counting::stop();
         let stats = b.stats();
         assert_eq!(
             allocations, 0,

@@ -49,7 +49,7 @@
 
 mod state;
 mod thread;
-mod wire;
+pub mod wire;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};

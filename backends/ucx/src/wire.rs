@@ -1,20 +1,43 @@
-//! The connection info this backend publishes: the addresses of its UCP workers.
+//! The bytes this backend exchanges with peers, and their parsers: connection info
+//! (the addresses of its UCP workers) and public region metadata (a framed packed rkey).
 //!
-//! Layout: `b"FUCX"`, a format byte (1), a worker count byte (1..=255), then per worker
-//! a little-endian `u32` length and that many address bytes. Peer bytes are checked
-//! here once; nothing later trusts them further than "an opaque UCP address".
+//! Connection info layout: `b"FUCX"`, a format byte (1), a worker count byte (1..=255),
+//! then per worker a little-endian `u32` length and that many address bytes. Peer bytes
+//! are checked here once; nothing later trusts them further than "an opaque UCP
+//! address".
+//!
+//! This module is plain byte handling: nothing in it loads or calls libucp, so fuzz
+//! targets (`metadata/fuzz`, target `ucx_wire`) and property tests call it directly.
 
 use ferry_backend_api::{Error, Result};
 
-const MAGIC: &[u8; 4] = b"FUCX";
-const FORMAT: u8 = 1;
+/// The first bytes of connection info.
+pub const MAGIC: &[u8; 4] = b"FUCX";
+/// The connection-info format this build writes and reads.
+pub const FORMAT: u8 = 1;
 /// The largest worker address accepted from a peer (UCP addresses are a few hundred
 /// bytes; this leaves room for many transports).
-const ADDRESS_LEN_MAX: usize = 64 * 1024;
+pub const ADDRESS_LEN_MAX: usize = 64 * 1024;
 
 /// Encode worker addresses as connection info.
-pub(crate) fn encode(addresses: &[Vec<u8>]) -> Vec<u8> {
-    debug_assert!(!addresses.is_empty() && addresses.len() <= usize::from(u8::MAX));
+///
+/// # Panics
+///
+/// If `addresses` is empty or has more than 255 entries, or an address is empty or
+/// longer than [`ADDRESS_LEN_MAX`]: the backend encodes only its own workers'
+/// addresses, and such a list is a bug here, never peer input.
+pub fn encode(addresses: &[Vec<u8>]) -> Vec<u8> {
+    assert!(
+        !addresses.is_empty() && addresses.len() <= usize::from(u8::MAX),
+        "{} worker addresses (1..=255 fit the format)",
+        addresses.len()
+    );
+    assert!(
+        addresses
+            .iter()
+            .all(|a| !a.is_empty() && a.len() <= ADDRESS_LEN_MAX),
+        "a worker address is empty or longer than {ADDRESS_LEN_MAX} bytes"
+    );
     let mut out = Vec::with_capacity(6 + addresses.iter().map(|a| 4 + a.len()).sum::<usize>());
     out.extend_from_slice(MAGIC);
     out.push(FORMAT);
@@ -26,8 +49,9 @@ pub(crate) fn encode(addresses: &[Vec<u8>]) -> Vec<u8> {
     out
 }
 
-/// Decode connection info into worker addresses, refusing anything malformed.
-pub(crate) fn decode(bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+/// Decode connection info into worker addresses, refusing anything malformed with
+/// [`Error::InvalidMetadata`] naming what is wrong.
+pub fn decode(bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
     let bad = |why: &str| Error::InvalidMetadata {
         reason: format!("UCX connection info: {why}").into(),
     };
@@ -94,7 +118,33 @@ mod tests {
     }
 }
 
-const RKEY_MAGIC: &[u8; 4] = b"FRK1";
+/// The first bytes of framed rkey metadata.
+pub const RKEY_MAGIC: &[u8; 4] = b"FRK1";
+/// Bytes before the packed rkey in framed rkey metadata (magic, length, checksum).
+pub const RKEY_HEADER_LEN_BYTES: usize = 16;
+
+/// Why public region metadata is not a framed rkey.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RkeyFrameError {
+    /// Shorter than the header, or not starting with [`RKEY_MAGIC`].
+    MissingHeader,
+    /// The header's length is 0 or differs from the bytes that follow it.
+    LengthMismatch,
+    /// The bytes do not hash to the header's checksum.
+    ChecksumMismatch,
+}
+
+impl std::fmt::Display for RkeyFrameError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RkeyFrameError::MissingHeader => "not a Ferry UCX rkey (missing FRK1 header)",
+            RkeyFrameError::LengthMismatch => "rkey length does not match its header",
+            RkeyFrameError::ChecksumMismatch => "rkey checksum mismatch",
+        })
+    }
+}
+
+impl std::error::Error for RkeyFrameError {}
 
 fn fnv1a64(bytes: &[u8]) -> u64 {
     let mut hash = 0xcbf2_9ce4_8422_2325u64;
@@ -109,28 +159,38 @@ fn fnv1a64(bytes: &[u8]) -> u64 {
 /// of the rkey, the rkey. UCX does not validate packed rkeys (garbage can crash it),
 /// so corrupt or foreign bytes are refused here first. (A deliberately forged but
 /// well-framed rkey is still trusted: peers are trusted not to be malicious.)
-pub(crate) fn frame_rkey(rkey: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(16 + rkey.len());
+///
+/// # Panics
+///
+/// If `rkey` is longer than `u32::MAX` bytes (UCX packs rkeys of a few hundred bytes).
+pub fn frame_rkey(rkey: &[u8]) -> Vec<u8> {
+    let len = u32::try_from(rkey.len()).expect("a packed rkey shorter than 4 GiB");
+    let mut out = Vec::with_capacity(RKEY_HEADER_LEN_BYTES + rkey.len());
     out.extend_from_slice(RKEY_MAGIC);
-    out.extend_from_slice(&(rkey.len() as u32).to_le_bytes());
+    out.extend_from_slice(&len.to_le_bytes());
     out.extend_from_slice(&fnv1a64(rkey).to_le_bytes());
     out.extend_from_slice(rkey);
     out
 }
 
 /// The packed rkey inside public region metadata, or why the bytes are refused.
-pub(crate) fn unframe_rkey(md: &[u8]) -> std::result::Result<&[u8], &'static str> {
-    if md.len() < 16 || &md[..4] != RKEY_MAGIC {
-        return Err("not a Ferry UCX rkey (missing FRK1 header)");
+pub fn unframe_rkey(md: &[u8]) -> std::result::Result<&[u8], RkeyFrameError> {
+    let Some((header, rkey)) = md.split_first_chunk::<RKEY_HEADER_LEN_BYTES>() else {
+        return Err(RkeyFrameError::MissingHeader);
+    };
+    let (magic, rest) = header.split_at(4);
+    let (len, hash) = rest.split_at(4);
+    if magic != RKEY_MAGIC {
+        return Err(RkeyFrameError::MissingHeader);
     }
-    let len = u32::from_le_bytes([md[4], md[5], md[6], md[7]]) as usize;
-    let rkey = &md[16..];
+    let len = u32::from_le_bytes([len[0], len[1], len[2], len[3]]) as usize;
     if len == 0 || rkey.len() != len {
-        return Err("rkey length does not match its header");
+        return Err(RkeyFrameError::LengthMismatch);
     }
-    let hash = u64::from_le_bytes(md[8..16].try_into().expect("8 bytes"));
-    if fnv1a64(rkey) != hash {
-        return Err("rkey checksum mismatch");
+    let mut hash_bytes = [0u8; 8];
+    hash_bytes.copy_from_slice(hash);
+    if fnv1a64(rkey) != u64::from_le_bytes(hash_bytes) {
+        return Err(RkeyFrameError::ChecksumMismatch);
     }
     Ok(rkey)
 }

@@ -12,6 +12,7 @@ use ferry_backend_api::{
     Backend, Completions, Endpoint, Error, FailureKind, MemKind, Op, Post, Range, RegionSpec,
     RemoteAgent,
 };
+use ferry_testkit::cpu::thread_cpu_seconds;
 use ferry_ucx::UcxBackend;
 
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -111,7 +112,7 @@ fn write_and_read_random_sizes_byte_for_byte() {
     for &transports in TRANSPORTS {
         const LEN: usize = 4 << 20;
         let mut p = pair(transports, LEN, &[]);
-        let mut rng = Rng(0x1234_5678 ^ transports.len() as u64);
+        let mut rng = Rng::new(0x1234_5678 ^ transports.len() as u64);
         for round in 0..24u64 {
             let len = 1 + rng.below(if round % 4 == 0 { LEN as u64 } else { 70_000 }) as usize;
             let lo = rng.below((LEN - len + 1) as u64) as usize;
@@ -153,7 +154,7 @@ fn shuffled_batch_of_1024_ranges() {
         const BLOCK: usize = 4096;
         const COUNT: usize = 1024;
         let mut p = pair(transports, BLOCK * COUNT, &[]);
-        let mut rng = Rng(99);
+        let mut rng = Rng::new(99);
         let mut order: Vec<usize> = (0..COUNT).collect();
         rng.shuffle(&mut order);
         for op in [Op::Write, Op::Read] {
@@ -190,7 +191,7 @@ fn notification_arrives_after_its_data() {
     for &transports in TRANSPORTS {
         const LEN: usize = 8 << 20;
         let mut p = pair(transports, LEN, &[]);
-        let mut rng = Rng(7);
+        let mut rng = Rng::new(7);
         for round in 0..8u8 {
             rng.fill(&mut p.a_buf.0);
             let ranges = [range(&p, 0, 0, LEN)];
@@ -281,7 +282,7 @@ fn local_transfers_and_notification_to_self() {
         let mut dst = Buffer::new(1 << 20);
         let mut a = backend("solo", transports, &[]);
         let mut src = src;
-        Rng(5).fill(&mut src.0);
+        Rng::new(5).fill(&mut src.0);
         let (s_tok, _) = register(&mut a, &src);
         let (d_tok, _) = register(&mut a, &dst);
         let ranges = [Range {
@@ -310,7 +311,7 @@ fn local_transfers_and_notification_to_self() {
         assert_eq!(inbox.0, vec![("solo".to_string(), b"local done".to_vec())]);
 
         dst.0.fill(0);
-        Rng(6).fill(&mut dst.0);
+        Rng::new(6).fill(&mut dst.0);
         let mut done = Completions::with_capacity(4);
         a.post(
             Endpoint::Local,
@@ -481,7 +482,7 @@ fn unload_fails_in_flight_requests_with_remote_disconnect() {
         &p.b.conn_info(),
         &[(bt, bmd.public_md.clone()), (bmd.token, bmd.public_md)],
     );
-    Rng(3).fill(&mut p.a_buf.0);
+    Rng::new(3).fill(&mut p.a_buf.0);
     run(&mut p, &[post(13, Op::Write, &ranges, None)]);
     assert!(p.a_buf.0 == p.b_buf.0);
 }
@@ -495,7 +496,7 @@ fn progress_thread_serves_the_target_and_sleeps_when_idle() {
     // completes only if b's thread drives its worker.
     let mut p = pair("tcp", 1 << 20, &[("progress_thread", "true")]);
     assert!(p.b.has_progress_thread());
-    Rng(11).fill(&mut p.a_buf.0);
+    Rng::new(11).fill(&mut p.a_buf.0);
     let ranges = [range(&p, 0, 0, 1 << 20)];
     let mut done = Completions::with_capacity(4);
     p.a.post(
@@ -520,39 +521,14 @@ fn progress_thread_serves_the_target_and_sleeps_when_idle() {
     }
 
     // Idle: the thread must sleep, not spin. Measure its CPU time over half a second.
-    let before = thread_cpu_ticks("ferry-ucx-progr");
+    let before = thread_cpu_seconds("ferry-ucx-progr");
     std::thread::sleep(Duration::from_millis(500));
-    let after = thread_cpu_ticks("ferry-ucx-progr");
-    let used = after.saturating_sub(before);
-    eprintln!("idle progress thread used {used} clock ticks in 500 ms");
-    // 50 ticks at 100 Hz would be a full core; allow scheduler noise only.
+    let after = thread_cpu_seconds("ferry-ucx-progr");
+    let used_s = (after - before).max(0.0);
+    eprintln!("idle progress thread used {used_s:.3} s of CPU in 500 ms");
+    // 0.5 s would be a full core; allow scheduler noise only (5 ticks at 100 Hz).
     assert!(
-        used <= 5,
-        "idle progress thread is spinning ({used} ticks in 500 ms)"
+        used_s <= 0.05,
+        "idle progress thread is spinning ({used_s:.3} s of CPU in 500 ms)"
     );
-}
-
-/// utime+stime (clock ticks) of this process's threads whose name starts with `name`.
-fn thread_cpu_ticks(name: &str) -> u64 {
-    let mut total = 0;
-    for entry in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
-        let comm = std::fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
-        if !comm.trim_end().starts_with(name) {
-            continue;
-        }
-        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
-        // Fields after the ")" of the command name: state is field 3; utime/stime are 14/15.
-        if let Some((_, rest)) = stat.rsplit_once(')') {
-            let fields: Vec<&str> = rest.split_whitespace().collect();
-            total += fields
-                .get(11)
-                .and_then(|f| f.parse::<u64>().ok())
-                .unwrap_or(0);
-            total += fields
-                .get(12)
-                .and_then(|f| f.parse::<u64>().ok())
-                .unwrap_or(0);
-        }
-    }
-    total
 }

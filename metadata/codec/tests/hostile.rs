@@ -1,11 +1,15 @@
 //! Hostile bytes: garbage, truncations and corruptions never panic; headers give
-//! named errors; descriptor lists round trip.
+//! named errors; descriptor lists round trip; a seed corpus of valid encodings (the
+//! fuzzer's committed seeds in `metadata/fuzz/seeds/peer_md` included) and thousands of
+//! mutations of it get typed errors.
 
 use ferry_metadata::{
     decode_descs, encode_descs, MdWriter, PeerMd, DESCS_MAGIC, FLAG_PARTIAL, MAGIC, VERSION,
 };
 use ferry_storage::{Desc, Error, MemKind};
+use ferry_testkit::mutate;
 use proptest::prelude::*;
+use std::path::{Path, PathBuf};
 
 fn sample_blob() -> Vec<u8> {
     let mut w = MdWriter::new("prefill-7", 3);
@@ -185,6 +189,115 @@ fn wrapping_descriptor_is_refused() {
     )
     .unwrap();
     invalid_metadata(decode_descs(&bytes), &["descriptor #1", "wraps"]);
+}
+
+/// The valid encodings the mutation test and the fuzzer start from, by seed file name.
+fn valid_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    let mut partial = MdWriter::new("decode-3", 0xdead_beef);
+    partial.partial();
+    let ucx = partial.backend("UCX", Some(&[0x5a; 64]));
+    partial.region(
+        ucx,
+        MemKind::Dram,
+        Desc::new(0x7f00_0000_0000, 1 << 21, 0),
+        &[1; 40],
+    );
+    let mut empty = MdWriter::new("idle", 1);
+    empty.backend("LOOPBACK", Some(b"pid:1:7"));
+    let mut wide = MdWriter::new("wide", 9);
+    let backends: Vec<u8> = ["LOOPBACK", "UCX", "POSIX", "GDS"]
+        .iter()
+        .map(|name| wide.backend(name, Some(name.as_bytes())))
+        .collect();
+    for i in 0..32u64 {
+        let backend = backends[i as usize % backends.len()];
+        let kind = MemKind::from_u8((i % 5) as u8).unwrap();
+        wide.region(
+            backend,
+            kind,
+            Desc::new(i << 16, 0x1000 + i, i % 3),
+            &[i as u8; 3],
+        );
+    }
+    let descs: Vec<Desc> = (0..8).map(|i| Desc::new(i * 4096, 4096, i % 2)).collect();
+    vec![
+        ("valid-full", sample_blob()),
+        ("valid-partial", partial.finish().unwrap()),
+        ("valid-no-regions", empty.finish().unwrap()),
+        ("valid-wide", wide.finish().unwrap()),
+        (
+            "valid-descs-dram",
+            encode_descs(MemKind::Dram, &descs).unwrap(),
+        ),
+        (
+            "valid-descs-empty",
+            encode_descs(MemKind::File, &[]).unwrap(),
+        ),
+    ]
+}
+
+fn seed_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/seeds/peer_md")
+}
+
+/// The committed seeds exist and still parse: a change of the wire format that makes
+/// them invalid fails here. `FERRY_BLESS_SEEDS=1` rewrites them from the encoder.
+#[test]
+fn committed_fuzz_seeds_are_valid_encodings() {
+    let dir = seed_dir();
+    for (name, bytes) in valid_seeds() {
+        let path = dir.join(name);
+        if std::env::var_os("FERRY_BLESS_SEEDS").is_some() {
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(&path, &bytes).unwrap();
+        }
+        let committed = std::fs::read(&path)
+            .unwrap_or_else(|e| panic!("{}: {e} (FERRY_BLESS_SEEDS=1 writes it)", path.display()));
+        let parsed = if name.starts_with("valid-descs") {
+            decode_descs(&committed).map(drop)
+        } else {
+            PeerMd::from_bytes(&committed).map(|md| exercise(&md))
+        };
+        assert!(parsed.is_ok(), "{}: {parsed:?}", path.display());
+    }
+}
+
+/// Every seed (generated and committed, fuzzer regressions included) and thousands of
+/// mutations of them — bit flips, truncations, inflated length fields, splices — never
+/// panic, and every refusal is `InvalidMetadata` with a reason.
+#[test]
+fn mutated_seed_corpus_gets_typed_errors() {
+    let mut seeds: Vec<Vec<u8>> = valid_seeds().into_iter().map(|(_, b)| b).collect();
+    seeds.extend(mutate::seed_files(&seed_dir()));
+    let mutants = mutate::mutants(&seeds, 4000, 0x5eed_0001);
+    let typed = |result: Result<(), Error>| match result {
+        Ok(()) => true,
+        Err(Error::InvalidMetadata { reason }) => {
+            assert!(!reason.is_empty(), "empty reason");
+            false
+        }
+        Err(other) => panic!("refused with an untyped error: {other:?}"),
+    };
+    let tally = mutate::check("peer_md", &mutants, |bytes| {
+        let md = typed(PeerMd::from_bytes(bytes).map(|md| {
+            assert_eq!(md.as_bytes(), bytes);
+            exercise(&md);
+        }));
+        let descs = typed(decode_descs(bytes).map(|(_, descs)| {
+            assert!(
+                descs.iter().all(|d| d.end().is_some()),
+                "wrapping descriptor"
+            );
+        }));
+        md || descs
+    });
+    eprintln!("{tally:?}");
+    // Most mutations are refused; some (in addresses, names, public bytes) stay valid.
+    assert!(
+        tally.total > 4000 && tally.accepted > seeds.len(),
+        "{tally:?}"
+    );
+    assert!(tally.refused > tally.total / 2, "{tally:?}");
 }
 
 proptest! {

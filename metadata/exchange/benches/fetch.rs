@@ -64,21 +64,21 @@ fn spin() -> bool {
 }
 
 /// One fetch through `b`, then poll (blocking in `Manager::wait` between polls, as a
-/// caller with nothing else to do would) until loaded.
-fn fetch_once(b: &Manager, agent: &str, via: Via, len_bytes: usize) -> Duration {
+/// caller with nothing else to do would) until loaded. The loaded blob must be
+/// `expected`, from `agent` (compared after the clock stops).
+fn fetch_once(b: &Manager, agent: &str, via: Via, expected: &[u8]) -> Duration {
     let t = Instant::now();
     b.fetch_remote_md(agent, via, None).expect("queued");
-    let mut done = false;
-    while !done {
+    let mut loaded = None;
+    while loaded.is_none() {
         b.poll(|e| match e {
-            Event::Load { blob, .. } => {
-                assert_eq!(blob.len(), len_bytes);
-                done = true;
-            }
+            Event::Load {
+                agent: from, blob, ..
+            } => loaded = Some((from, blob)),
             Event::FetchFailed { error, .. } => panic!("fetch failed: {error}"),
             _ => {}
         });
-        if !done {
+        if loaded.is_none() {
             if spin() {
                 std::thread::yield_now();
             } else {
@@ -86,7 +86,14 @@ fn fetch_once(b: &Manager, agent: &str, via: Via, len_bytes: usize) -> Duration 
             }
         }
     }
-    t.elapsed()
+    let elapsed = t.elapsed();
+    let (from, blob) = loaded.expect("loop ends when loaded");
+    assert_eq!(from, agent, "metadata of the wrong agent");
+    assert!(
+        blob == expected,
+        "fetched metadata differs from the published"
+    );
+    elapsed
 }
 
 /// A loopback TCP server that answers each 32-byte request with `len_bytes` bytes;
@@ -205,10 +212,10 @@ fn main() {
 
         let mut paths: Vec<Path<'_>> = vec![
             ("bare_tcp", Box::new(bare_round_trip(len))),
-            ("p2p", Box::new(|| fetch_once(&p2p_b, "bench-a", to, len))),
+            ("p2p", Box::new(|| fetch_once(&p2p_b, "bench-a", to, &md))),
             (
                 "tcpstore",
-                Box::new(|| fetch_once(&ts_b, "bench-a", Via::Store, len)),
+                Box::new(|| fetch_once(&ts_b, "bench-a", Via::Store, &md)),
             ),
         ];
         let stats = interleaved(n, &mut paths);
@@ -247,14 +254,14 @@ fn etcd_rows(endpoint: &str, regions: usize, md: &Arc<[u8]>, n: usize) {
     a.send_local_md(Via::Store).unwrap();
     let b = Manager::new("bench-b", cfg).unwrap();
     // Wait until published.
-    fetch_once(&b, "bench-a", Via::Store, md.len());
+    fetch_once(&b, "bench-a", Via::Store, md);
     let reference = etcdctl_get(
         endpoint,
         &format!("{namespace}/bench-a/metadata"),
         md.len(),
         n.min(30),
     );
-    let s = measure(n, || fetch_once(&b, "bench-a", Via::Store, md.len()));
+    let s = measure(n, || fetch_once(&b, "bench-a", Via::Store, md));
     match &reference {
         Some(r) => row("etcdctl_get", regions, md.len(), r, None),
         None => println!("(etcdctl not found: no etcdctl reference row)"),

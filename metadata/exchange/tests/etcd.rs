@@ -25,9 +25,10 @@ mod with_etcd {
     use std::thread::JoinHandle;
     use std::time::{Duration, Instant};
 
-    use super::common::{blob, under_ci, FakeAgent, LONG};
+    use super::common::{blob, FakeAgent, LONG};
     use ferry_exchange::{EtcdConfig, ExchangeConfig, Route, StoreConfig, Via, FULL_LABEL};
     use ferry_storage::Error;
+    use ferry_testkit::ci::under_ci;
 
     /// The test etcd's endpoint, or `None` (skip) outside CI.
     fn endpoint() -> Option<String> {

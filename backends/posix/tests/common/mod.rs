@@ -1,5 +1,5 @@
 //! Helpers shared by the POSIX backend tests: engine selection (with the io_uring
-//! probe), aligned buffers, a tiny deterministic PRNG, and a post-and-wait driver.
+//! probe), aligned buffers, the test kit's PRNG, and a post-and-wait driver.
 
 #![allow(dead_code)]
 
@@ -18,12 +18,7 @@ pub fn engines() -> Vec<&'static str> {
     let mut list = vec!["threads"];
     match ferry_posix::uring_supported() {
         Ok(()) => list.push("uring"),
-        Err(why) => {
-            if std::env::var("CI").is_ok_and(|v| v == "true") {
-                panic!("io_uring is required under CI=true but unavailable: {why}");
-            }
-            eprintln!("skipping the io_uring engine: {why}");
-        }
+        Err(why) => ferry_testkit::ci::skip("the io_uring engine", why),
     }
     list
 }
@@ -67,31 +62,7 @@ impl AlignedBuf {
     }
 }
 
-/// xorshift64*: deterministic bytes and numbers for the tests.
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed.max(1))
-    }
-    pub fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    pub fn fill(&mut self, buf: &mut [u8]) {
-        for chunk in buf.chunks_mut(8) {
-            let v = self.next().to_le_bytes();
-            chunk.copy_from_slice(&v[..chunk.len()]);
-        }
-    }
-}
+pub use ferry_testkit::Rng;
 
 /// Register a DRAM region covering `buf`.
 pub fn register_dram(b: &mut PosixBackend, buf: &[u8]) -> u64 {

@@ -24,10 +24,10 @@ pub fn setup() -> bool {
     match UcxFactory.available() {
         Ok(()) => true,
         Err(reason) => {
-            if std::env::var("CI").as_deref() == Ok("true") {
-                panic!("UCX is required under CI=true but unavailable: {reason}");
-            }
-            eprintln!("skipping: libucp.so.0 not usable ({reason}); apt-get install libucx0");
+            ferry_testkit::ci::skip(
+                "UCX",
+                format!("libucp.so.0 not usable ({reason}); apt-get install libucx0"),
+            );
             false
         }
     }
@@ -36,34 +36,7 @@ pub fn setup() -> bool {
 /// Transport variants every data test runs under.
 pub const TRANSPORTS: &[&str] = &["", "tcp"];
 
-/// Deterministic xorshift generator (tests need reproducible, not secure, randomness).
-pub struct Rng(pub u64);
-
-impl Rng {
-    pub fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.0 = x;
-        x
-    }
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    pub fn fill(&mut self, bytes: &mut [u8]) {
-        for chunk in bytes.chunks_mut(8) {
-            let v = self.next().to_le_bytes();
-            chunk.copy_from_slice(&v[..chunk.len()]);
-        }
-    }
-    pub fn shuffle<T>(&mut self, items: &mut [T]) {
-        for i in (1..items.len()).rev() {
-            let j = self.below(i as u64 + 1) as usize;
-            items.swap(i, j);
-        }
-    }
-}
+pub use ferry_testkit::Rng;
 
 /// A peer's regions as the engine would hand them over.
 #[derive(Default, Clone)]

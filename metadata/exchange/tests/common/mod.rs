@@ -127,11 +127,6 @@ pub fn blob(agent: &str, len_bytes: usize) -> Arc<[u8]> {
     Arc::from(v)
 }
 
-/// Whether we run under CI (`CI=true`).
-pub fn under_ci() -> bool {
-    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
-}
-
 pub const LONG: Duration = Duration::from_secs(10);
 
 pub fn label_full() -> &'static str {

@@ -1,0 +1,150 @@
+//! The UCX backend's wire parsers (`ferry_ucx::wire`: connection info and framed rkeys)
+//! on a seed corpus of valid encodings — the fuzzer's committed seeds in
+//! `metadata/fuzz/seeds/ucx_wire` included — and thousands of mutations of it: nothing
+//! panics, every refusal is typed, everything accepted re-encodes to the same bytes.
+//! Plain byte handling: no libucp is loaded.
+
+use std::path::{Path, PathBuf};
+
+use ferry_storage::Error;
+use ferry_testkit::{mutate, Rng};
+use ferry_ucx::wire::{self, RkeyFrameError, ADDRESS_LEN_MAX};
+
+/// The valid encodings the mutation test and the fuzzer start from, by seed file name.
+fn valid_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    let mut rng = Rng::new(0x0cc5);
+    let mut bytes = |len: usize| {
+        let mut b = vec![0u8; len];
+        rng.fill(&mut b);
+        b
+    };
+    // UCP worker addresses are a few hundred bytes; rkeys a few dozen to a few hundred.
+    let one = vec![bytes(187)];
+    let three = vec![bytes(187), bytes(1), bytes(530)];
+    let many: Vec<Vec<u8>> = (1..=255).map(|i| bytes(i % 7 + 1)).collect();
+    vec![
+        ("conn-one-worker", wire::encode(&one)),
+        ("conn-three-workers", wire::encode(&three)),
+        ("conn-255-workers", wire::encode(&many)),
+        ("rkey-small", wire::frame_rkey(&bytes(1))),
+        ("rkey-typical", wire::frame_rkey(&bytes(58))),
+        ("rkey-large", wire::frame_rkey(&bytes(300))),
+    ]
+}
+
+fn seed_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../metadata/fuzz/seeds/ucx_wire")
+}
+
+/// Parse `bytes` both ways; whether either parser accepted it. Asserts that every
+/// refusal is typed and every acceptance round trips.
+fn parse_both(bytes: &[u8]) -> bool {
+    let conn = match wire::decode(bytes) {
+        Ok(addresses) => {
+            assert!((1..=255).contains(&addresses.len()));
+            assert!(addresses
+                .iter()
+                .all(|a| !a.is_empty() && a.len() <= ADDRESS_LEN_MAX));
+            assert_eq!(
+                wire::encode(&addresses),
+                bytes,
+                "connection info round trip"
+            );
+            true
+        }
+        Err(Error::InvalidMetadata { reason }) => {
+            assert!(reason.starts_with("UCX connection info: "), "{reason}");
+            false
+        }
+        Err(other) => panic!("connection info refused with an untyped error: {other:?}"),
+    };
+    let rkey = match wire::unframe_rkey(bytes) {
+        Ok(rkey) => {
+            assert_eq!(wire::frame_rkey(rkey), bytes, "rkey frame round trip");
+            true
+        }
+        Err(why) => {
+            assert!(!why.to_string().is_empty());
+            false
+        }
+    };
+    conn || rkey
+}
+
+/// The committed seeds exist and still parse: a format change that makes them invalid
+/// fails here. `FERRY_BLESS_SEEDS=1` rewrites them from the encoder.
+#[test]
+fn committed_fuzz_seeds_are_valid_encodings() {
+    let dir = seed_dir();
+    for (name, bytes) in valid_seeds() {
+        let path = dir.join(name);
+        if std::env::var_os("FERRY_BLESS_SEEDS").is_some() {
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(&path, &bytes).unwrap();
+        }
+        let committed = std::fs::read(&path)
+            .unwrap_or_else(|e| panic!("{}: {e} (FERRY_BLESS_SEEDS=1 writes it)", path.display()));
+        assert!(parse_both(&committed), "{} is refused", path.display());
+    }
+}
+
+#[test]
+fn mutated_seed_corpus_gets_typed_errors() {
+    let mut seeds: Vec<Vec<u8>> = valid_seeds().into_iter().map(|(_, b)| b).collect();
+    seeds.extend(mutate::seed_files(&seed_dir()));
+    let mutants = mutate::mutants(&seeds, 4000, 0x5eed_0002);
+    let tally = mutate::check("ucx_wire", &mutants, parse_both);
+    eprintln!("{tally:?}");
+    assert!(
+        tally.total > 4000 && tally.accepted >= seeds.len(),
+        "{tally:?}"
+    );
+    assert!(tally.refused > tally.total / 2, "{tally:?}");
+}
+
+#[test]
+fn each_refusal_names_its_cause() {
+    let rkey = wire::frame_rkey(&[7; 24]);
+    assert_eq!(
+        wire::unframe_rkey(&rkey[..15]),
+        Err(RkeyFrameError::MissingHeader)
+    );
+    let mut bad = rkey.clone();
+    bad[0] = b'X';
+    assert_eq!(wire::unframe_rkey(&bad), Err(RkeyFrameError::MissingHeader));
+    let mut bad = rkey.clone();
+    bad[4] = 25;
+    assert_eq!(
+        wire::unframe_rkey(&bad),
+        Err(RkeyFrameError::LengthMismatch)
+    );
+    assert_eq!(
+        wire::unframe_rkey(&rkey[..16]),
+        Err(RkeyFrameError::LengthMismatch)
+    );
+    let mut bad = rkey.clone();
+    bad[20] ^= 1;
+    assert_eq!(
+        wire::unframe_rkey(&bad),
+        Err(RkeyFrameError::ChecksumMismatch)
+    );
+
+    let reason = |bytes: &[u8]| match wire::decode(bytes) {
+        Err(Error::InvalidMetadata { reason }) => reason.into_owned(),
+        other => panic!("expected InvalidMetadata, got {other:?}"),
+    };
+    let conn = wire::encode(&[vec![1; 10], vec![2; 10]]);
+    assert!(reason(b"FUCX").contains("missing FUCX header"));
+    assert!(reason(b"FUCX\x09\x01").contains("unknown format 9"));
+    assert!(reason(b"FUCX\x01\x00").contains("no worker address"));
+    assert!(reason(&conn[..conn.len() - 12]).contains("worker address #1 truncated"));
+    assert!(
+        reason(&conn[..conn.len() - 1]).contains("worker address #1 has length 10 (9 bytes left)")
+    );
+    let mut inflated = conn.clone();
+    inflated[6..10].copy_from_slice(&(ADDRESS_LEN_MAX as u32 + 1).to_le_bytes());
+    assert!(reason(&inflated).contains("worker address #0 has length 65537"));
+    let mut trailing = conn;
+    trailing.push(0);
+    assert!(reason(&trailing).contains("1 trailing bytes"));
+}

@@ -1,0 +1,53 @@
+//! Feed arbitrary bytes to the UCX backend's wire parsers (`ferry_ucx::wire`): the
+//! connection info (worker addresses) and the framed rkey of public region metadata.
+//! No libucp is loaded. Any panic is a bug; so is an accepted input that does not
+//! re-encode to the same bytes, or a parser that accepts what it should refuse.
+#![no_main]
+
+use ferry_ucx::wire::{self, ADDRESS_LEN_MAX, FORMAT, MAGIC, RKEY_MAGIC};
+use libfuzzer_sys::fuzz_target;
+
+fn check_conn_info(bytes: &[u8]) {
+    if let Ok(addresses) = wire::decode(bytes) {
+        assert!(!addresses.is_empty() && addresses.len() <= 255);
+        assert!(addresses
+            .iter()
+            .all(|a| !a.is_empty() && a.len() <= ADDRESS_LEN_MAX));
+        assert_eq!(wire::encode(&addresses), bytes, "decode/encode round trip");
+    }
+}
+
+fn check_rkey(bytes: &[u8]) {
+    if let Ok(rkey) = wire::unframe_rkey(bytes) {
+        assert!(!rkey.is_empty());
+        assert_eq!(wire::frame_rkey(rkey), bytes, "unframe/frame round trip");
+    }
+}
+
+fuzz_target!(|data: &[u8]| {
+    check_conn_info(data);
+    check_rkey(data);
+    // Also try the bytes behind valid headers, so the fuzzer need not find them: the
+    // first byte as the worker count, and an rkey frame whose length field is right
+    // (the checksum is what must refuse it, unless the fuzzer forged it).
+    if let Some((&count, rest)) = data.split_first() {
+        let mut framed = Vec::with_capacity(6 + rest.len());
+        framed.extend_from_slice(MAGIC);
+        framed.extend_from_slice(&[FORMAT, count]);
+        framed.extend_from_slice(rest);
+        check_conn_info(&framed);
+    }
+    if data.len() >= 8 {
+        let (hash, rkey) = data.split_at(8);
+        let mut framed = Vec::with_capacity(16 + rkey.len());
+        framed.extend_from_slice(RKEY_MAGIC);
+        framed.extend_from_slice(&(rkey.len() as u32).to_le_bytes());
+        framed.extend_from_slice(hash);
+        framed.extend_from_slice(rkey);
+        check_rkey(&framed);
+        // A correct frame of the same bytes is always accepted.
+        if !rkey.is_empty() {
+            assert_eq!(wire::unframe_rkey(&wire::frame_rkey(rkey)), Ok(rkey));
+        }
+    }
+});

@@ -1,0 +1,76 @@
+//! A global allocator that counts allocations while counting is on, for the
+//! no-allocation proofs. A test binary installs it with
+//!
+//! ```
+//! use ferry_testkit::alloc::{counted, CountingAlloc};
+//!
+//! #[global_allocator]
+//! static GLOBAL: CountingAlloc = CountingAlloc;
+//!
+//! let (v, allocations) = counted(|| vec![1u8; 3]);
+//! assert_eq!((v.len(), allocations), (3, 1));
+//! ```
+//!
+//! and measures with [`counted`] (or [`start`] / [`stop`] around a loop). The count is
+//! process-wide (every thread), so such a binary should hold one test, or tests that do
+//! not run concurrently with a measurement.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+/// Forwards to the system allocator, counting `alloc`, `alloc_zeroed` and `realloc`
+/// calls while counting is on.
+pub struct CountingAlloc;
+
+static ON: AtomicBool = AtomicBool::new(false);
+static COUNT: AtomicUsize = AtomicUsize::new(0);
+
+fn note() {
+    if ON.load(Ordering::Relaxed) {
+        COUNT.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+// SAFETY: every method forwards to the system allocator with the caller's arguments
+// unchanged; counting touches only two atomics and never the memory handed out.
+unsafe impl GlobalAlloc for CountingAlloc {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        note();
+        // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract, which is System's.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        note();
+        // SAFETY: as for `alloc`.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from `System` through this allocator with `layout`.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        note();
+        // SAFETY: `ptr` came from `System` through this allocator with `layout`; the
+        // caller upholds the rest of `realloc`'s contract.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+/// Reset the count and switch counting on.
+pub fn start() {
+    COUNT.store(0, Ordering::SeqCst);
+    ON.store(true, Ordering::SeqCst);
+}
+
+/// Switch counting off and give the allocations since [`start`].
+pub fn stop() -> usize {
+    ON.store(false, Ordering::SeqCst);
+    COUNT.load(Ordering::SeqCst)
+}
+
+/// Run `f` and give how many allocations happened (process-wide) meanwhile.
+pub fn counted<R>(f: impl FnOnce() -> R) -> (R, usize) {
+    start();
+    let r = f();
+    (r, stop())
+}
