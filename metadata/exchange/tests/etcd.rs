@@ -9,7 +9,7 @@ mod common;
 #[test]
 fn etcd_tests_need_the_feature() {
     assert!(
-        !common::under_ci(),
+        !ferry_testkit::ci::under_ci(),
         "CI=true but ferry-exchange was built without the `etcd` feature: the etcd tests \
          did not run (tools/test.sh enables it; protoc and libprotobuf-dev are needed)"
     );
