@@ -170,10 +170,10 @@ impl ConnCtx {
         }
     }
 
-    /// The request in progress is answered: idle again (a parked connection stays
-    /// parked).
+    /// The request in progress (or the hello) is answered: idle again (a parked
+    /// connection stays parked).
     pub fn done(&self) {
-        if self.state.load(Ordering::Acquire) == BUSY {
+        if matches!(self.state.load(Ordering::Acquire), BUSY | HANDSHAKE) {
             self.idle();
         }
     }
@@ -377,6 +377,7 @@ fn admit(core: &Arc<Core>, stream: TcpStream, id: u64) {
                 .map(|(&id, _)| id);
             match victim {
                 Some(v) if live < max.saturating_mul(2) => {
+                    core.stats.evicted.fetch_add(1, Ordering::Relaxed);
                     if let Some(e) = conns.remove(&v) {
                         e.ctx.state.store(CLOSED, Ordering::Release);
                         let _unused = e.stream.shutdown(Shutdown::Both);
@@ -387,7 +388,6 @@ fn admit(core: &Arc<Core>, stream: TcpStream, id: u64) {
                             ctx.peer
                         );
                     }
-                    core.stats.evicted.fetch_add(1, Ordering::Relaxed);
                 }
                 _ => {
                     log::warn!(
@@ -481,9 +481,10 @@ fn watchdog(core: &Core) {
                 core.what,
                 e.ctx.peer
             );
+            // Counted before the shutdown, so whoever sees the close sees the count.
+            core.stats.timed_out.fetch_add(1, Ordering::Relaxed);
             e.ctx.state.store(CLOSED, Ordering::Release);
             let _unused = e.stream.shutdown(Shutdown::Both);
-            core.stats.timed_out.fetch_add(1, Ordering::Relaxed);
         }
     }
 }

@@ -247,6 +247,17 @@ enum Stop {
     Refuse(ParseError),
 }
 
+impl Stop {
+    /// `items` more items of at least `min_bytes` each follow the one that stopped: a
+    /// buffer shorter than that is not worth parsing again.
+    fn plus(self, items: usize, min_bytes: usize) -> Stop {
+        match self {
+            Stop::Need(n) => Stop::Need(n.saturating_add(items.saturating_mul(min_bytes))),
+            refuse => refuse,
+        }
+    }
+}
+
 struct Cursor<'a> {
     buf: &'a [u8],
     pos: usize,
@@ -314,8 +325,8 @@ impl<'a> Cursor<'a> {
         // `count` saw at least 8 bytes per key in the buffer: the reservation is
         // bounded by twice the bytes that arrived.
         let mut keys = Vec::with_capacity(n);
-        for _ in 0..n {
-            keys.push(self.key()?);
+        for i in 0..n {
+            keys.push(self.key().map_err(|s| s.plus(n - i - 1, 8))?);
         }
         Ok(keys)
     }
@@ -381,8 +392,9 @@ fn parse_fields<'a>(c: &mut Cursor<'a>) -> Result<Request<'a>, Stop> {
         op::MULTI_SET => {
             let n = c.count(16)?;
             let mut pairs = Vec::with_capacity(n);
-            for _ in 0..n {
-                pairs.push((c.key()?, c.value()?));
+            for i in 0..n {
+                let rest = |s: Stop| s.plus(n - i - 1, 16);
+                pairs.push((c.key().map_err(rest)?, c.value().map_err(rest)?));
             }
             Request::MultiSet { pairs }
         }

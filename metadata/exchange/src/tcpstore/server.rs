@@ -820,18 +820,21 @@ fn serve_requests(
                 }
             }
             Ok(Parsed::Incomplete { need }) => {
-                let was_empty = rb.pending().is_empty();
-                if rb.read_more(&mut stream, need, &shared.budget)? == 0 {
-                    if was_empty {
-                        return Ok(());
+                // Parse again only once `need` bytes are there.
+                while rb.pending().len() < need {
+                    let was_empty = rb.pending().is_empty();
+                    if rb.read_more(&mut stream, need, &shared.budget)? == 0 {
+                        if was_empty {
+                            return Ok(());
+                        }
+                        return Err(io::Error::new(
+                            io::ErrorKind::UnexpectedEof,
+                            "connection closed inside a request",
+                        ));
                     }
-                    return Err(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        "connection closed inside a request",
-                    ));
-                }
-                if was_empty && !ctx.is_parked() {
-                    ctx.busy();
+                    if was_empty && !ctx.is_parked() {
+                        ctx.busy();
+                    }
                 }
             }
             Err(e @ ParseError::UnknownOpcode(_)) | Err(e @ ParseError::OverLimit { .. }) => {
