@@ -46,6 +46,8 @@ const INLINE_VALUE_MAX_BYTES: usize = 16 << 10;
 const READ_CHUNK_BYTES: usize = 16 << 10;
 /// A request buffer larger than this is given back once its request is served.
 const KEEP_BUFFER_BYTES: usize = 64 << 10;
+/// Keys of a WAIT indexed (or un-indexed) per store-lock hold.
+const WAIT_CHUNK_KEYS: usize = 1024;
 /// Bookkeeping bytes counted per stored key or queued value on top of its bytes.
 const ENTRY_OVERHEAD_BYTES: usize = 64;
 
@@ -276,10 +278,12 @@ type Value = Arc<Vec<u8>>;
 type Key = Arc<[u8]>;
 
 enum Until {
-    /// `missing` of the waiter's keys are still to be set.
+    /// `missing` of the waiter's keys are still to be set; while `registering`, more
+    /// keys are being added (a chunk per store-lock hold) and the waiter cannot wake.
     Keys {
         keys: Vec<Key>,
         missing: usize,
+        registering: bool,
     },
     Counter {
         key: Key,
@@ -494,15 +498,21 @@ impl State {
         while i < conns.len() {
             let conn = conns[i];
             let Some(w) = self.waiters.get_mut(&conn) else {
+                // A waiter being canceled, chunk by chunk.
                 conns.swap_remove(i);
+                self.waiting_keys -= 1;
                 continue;
             };
             let (done, drop_entry) = match &mut w.until {
-                Until::Keys { missing, .. } => {
+                Until::Keys {
+                    missing,
+                    registering,
+                    ..
+                } => {
                     if present {
                         *missing -= 1;
                         self.waiting_keys -= 1;
-                        (*missing == 0, true)
+                        (*missing == 0 && !*registering, true)
                     } else {
                         (false, false)
                     }
@@ -533,15 +543,19 @@ impl State {
         }
     }
 
-    /// Forget the parked waiter of `conn`, if any (CANCEL_WAIT, closed connection).
-    fn cancel(&mut self, conn: u64) -> bool {
-        let Some(w) = self.waiters.remove(&conn) else {
-            return false;
-        };
-        let keys: &[Key] = match &w.until {
-            Until::Keys { keys, .. } => keys,
-            Until::Counter { key, .. } => std::slice::from_ref(key),
-        };
+    /// Forget the parked waiter of `conn`, if any (CANCEL_WAIT, closed connection):
+    /// it can no longer wake. Returns its keys, whose index entries
+    /// [`Self::unindex`] removes (a chunk per store-lock hold).
+    fn cancel(&mut self, conn: u64) -> Vec<Key> {
+        match self.waiters.remove(&conn).map(|w| w.until) {
+            Some(Until::Keys { keys, .. }) => keys,
+            Some(Until::Counter { key, .. }) => vec![key],
+            None => Vec::new(),
+        }
+    }
+
+    /// Remove `conn`'s index entries of `keys` (those not removed yet).
+    fn unindex(&mut self, conn: u64, keys: &[Key]) {
         for key in keys {
             if let Entry::Occupied(mut e) = self.by_key.entry(key.clone()) {
                 if let Some(i) = e.get().iter().position(|&c| c == conn) {
@@ -553,18 +567,22 @@ impl State {
                 }
             }
         }
-        true
     }
 
-    fn park(&mut self, conn: u64, writer: &Writer, ctx: &Arc<ConnCtx>, until: Until) {
-        let keys: &[Key] = match &until {
-            Until::Keys { keys, .. } => keys,
-            Until::Counter { key, .. } => std::slice::from_ref(key),
-        };
-        for key in keys {
+    /// Park `conn` on `until` (a counter, or keys with nothing registered yet),
+    /// reserving `reserve` waited keys (given back as keys turn out present).
+    fn park(
+        &mut self,
+        conn: u64,
+        writer: &Writer,
+        ctx: &Arc<ConnCtx>,
+        until: Until,
+        reserve: usize,
+    ) {
+        if let Until::Counter { key, .. } = &until {
             self.by_key.entry(key.clone()).or_default().push(conn);
         }
-        self.waiting_keys += keys.len();
+        self.waiting_keys += reserve;
         ctx.park();
         self.waiters.insert(
             conn,
@@ -576,8 +594,57 @@ impl State {
         );
     }
 
+    /// Index the missing keys of `chunk` for `conn`'s registering waiter, within
+    /// `max_waiting_keys`.
+    fn register(&mut self, config: &ServerConfig, conn: u64, chunk: &[Key]) -> io::Result<()> {
+        let missing: Vec<&Key> = chunk.iter().filter(|k| !self.present(k)).collect();
+        self.check_park(config, missing.len())?;
+        self.waiting_keys += missing.len();
+        for key in &missing {
+            self.by_key.entry((*key).clone()).or_default().push(conn);
+        }
+        if let Some(Waiter {
+            until: Until::Keys {
+                keys, missing: m, ..
+            },
+            ..
+        }) = self.waiters.get_mut(&conn)
+        {
+            *m += missing.len();
+            keys.extend(missing.into_iter().cloned());
+        }
+        Ok(())
+    }
+
+    /// Registration of `conn`'s waiter is complete: true (and the waiter gone) when
+    /// every key is there already.
+    fn registered(&mut self, conn: u64) -> bool {
+        let done = match self.waiters.get_mut(&conn) {
+            Some(Waiter {
+                until:
+                    Until::Keys {
+                        missing,
+                        registering,
+                        ..
+                    },
+                ..
+            }) => {
+                *registering = false;
+                *missing == 0
+            }
+            _ => false,
+        };
+        if done {
+            if let Some(w) = self.waiters.remove(&conn) {
+                w.ctx.unpark();
+            }
+        }
+        done
+    }
+
+    /// Room for one more parked waiter (`keys` = 0), or for `keys` more waited keys.
     fn check_park(&self, config: &ServerConfig, keys: usize) -> io::Result<()> {
-        if self.waiters.len() >= config.max_waiters {
+        if keys == 0 && self.waiters.len() >= config.max_waiters {
             return Err(over(
                 "parked waiters",
                 self.waiters.len() + 1,
@@ -771,7 +838,8 @@ fn serve_connection(stream: TcpStream, ctx: &Arc<ConnCtx>, shared: &Shared) {
     let mut rb = RequestBuf::new();
     let result = serve_requests(stream, ctx, shared, &mut rb);
     rb.release(&shared.budget);
-    lock(&shared.state).cancel(ctx.id());
+    let keys = lock(&shared.state).cancel(ctx.id());
+    unindex(shared, ctx.id(), &keys);
     if let Err(e) = result {
         if !ctx.closed_by_server() {
             log::warn!("tcpstore server: closing connection of {}: {e}", ctx.peer());
@@ -959,27 +1027,33 @@ fn handle(conn: &mut Conn<'_>, request: Request<'_>) -> io::Result<()> {
             // Duplicates out and the keys' copies made before the store lock.
             keys.sort_unstable();
             keys.dedup();
-            let mut state = lock_checked(conn)?;
-            let missing: Vec<Key> = keys
-                .iter()
-                .filter(|k| !state.present(k))
-                .map(|&k| Arc::from(k))
-                .collect();
-            if missing.is_empty() {
+            let keys: Vec<Key> = keys.into_iter().map(Arc::from).collect();
+            let (id, writer, ctx) = (conn.id, conn.writer.clone(), conn.ctx.clone());
+            {
+                let mut state = lock_checked(conn)?;
+                // A small WAIT whose keys are all there needs no waiter (and no room
+                // among the parked ones).
+                if keys.len() <= WAIT_CHUNK_KEYS && keys.iter().all(|k| state.present(k)) {
+                    conn.reply.head.push(proto::STOP_WAITING);
+                    return conn.answer(state, woken);
+                }
+                state.check_park(config, 0)?;
+                let until = Until::Keys {
+                    keys: Vec::new(),
+                    missing: 0,
+                    registering: true,
+                };
+                state.park(id, &writer, &ctx, until, 0);
+            }
+            // A chunk of keys per lock hold: a WAIT of 100,000 keys does not stall
+            // other clients. The waiter cannot wake before the last chunk. Past a
+            // limit the connection closes, which un-indexes what was registered.
+            for chunk in keys.chunks(WAIT_CHUNK_KEYS) {
+                lock(&conn.shared.state).register(config, id, chunk)?;
+            }
+            let mut state = lock(&conn.shared.state);
+            if state.registered(id) {
                 conn.reply.head.push(proto::STOP_WAITING);
-            } else {
-                state.check_park(config, missing.len())?;
-                let n = missing.len();
-                let (id, writer, ctx) = (conn.id, conn.writer.clone(), conn.ctx.clone());
-                state.park(
-                    id,
-                    &writer,
-                    &ctx,
-                    Until::Keys {
-                        keys: missing,
-                        missing: n,
-                    },
-                );
             }
             conn.answer(state, woken)
         }
@@ -989,26 +1063,25 @@ fn handle(conn: &mut Conn<'_>, request: Request<'_>) -> io::Result<()> {
             if n >= world {
                 conn.reply.head.push(proto::STOP_WAITING);
             } else {
+                state.check_park(config, 0)?;
                 state.check_park(config, 1)?;
                 let (id, writer, ctx) = (conn.id, conn.writer.clone(), conn.ctx.clone());
-                state.park(
-                    id,
-                    &writer,
-                    &ctx,
-                    Until::Counter {
-                        key: Arc::from(key),
-                        world,
-                    },
-                );
+                let until = Until::Counter {
+                    key: Arc::from(key),
+                    world,
+                };
+                state.park(id, &writer, &ctx, until, 1);
             }
             state.written(key, &mut woken);
             conn.answer(state, woken)
         }
         Request::CancelWait => {
             let mut state = lock(&conn.shared.state);
-            state.cancel(conn.id);
+            let keys = state.cancel(conn.id);
             conn.reply.head.push(proto::WAIT_CANCELED);
-            conn.answer(state, woken)
+            conn.answer(state, woken)?;
+            unindex(conn.shared, conn.id, &keys);
+            Ok(())
         }
         Request::GetNumKeys => {
             let state = lock_checked(conn)?;
@@ -1114,6 +1187,13 @@ fn handle(conn: &mut Conn<'_>, request: Request<'_>) -> io::Result<()> {
             conn.answer_unlocked()
         }
         Request::Validate { .. } => Err(bad("VALIDATE handled by the caller")),
+    }
+}
+
+/// Remove a canceled waiter's index entries, a chunk per store-lock hold.
+fn unindex(shared: &Shared, conn: u64, keys: &[Key]) {
+    for chunk in keys.chunks(WAIT_CHUNK_KEYS) {
+        lock(&shared.state).unindex(conn, chunk);
     }
 }
 

@@ -468,6 +468,7 @@ pub fn p2p_big_frames(addr: SocketAddr, n: usize, len: u32, send: usize) -> Vec<
     (0..n)
         .filter_map(|_| {
             let mut s = TcpStream::connect(addr).ok()?;
+            s.set_write_timeout(Some(Duration::from_secs(10))).ok()?;
             s.write_all(&p2p_hello()).ok()?;
             let mut f = len.to_le_bytes().to_vec();
             // kind Load, seq 0, name "x", label "y".
