@@ -34,7 +34,8 @@ pub struct ListenerStats {
     /// Connections accepted and served.
     pub connections_accepted: AtomicU64,
     /// Connections closed because of a bad hello or frame (malformed, oversized,
-    /// unauthenticated, out of sequence) or over the connection limit.
+    /// unauthenticated, out of sequence). Connections refused or evicted at the
+    /// connection limit, or closed at a deadline, are counted by the server core.
     pub connections_refused: AtomicU64,
     /// Frames handled (load, send-me, invalidate).
     pub frames_served: AtomicU64,
