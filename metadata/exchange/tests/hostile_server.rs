@@ -329,6 +329,13 @@ fn waiters_wake_by_key_with_duplicates_and_cancels() {
         &keys_req(proto::op::CHECK, &[b"/k1", b"/k2", b"/k3"]),
     );
     assert_eq!(reply_byte(&mut w4), proto::READY);
+    // While parked, anything but CANCEL_WAIT is refused at its first byte (no slow
+    // request hides behind the park deadline).
+    send(&mut w4, &keys_req(proto::op::WAIT, &[b"/never"]));
+    assert!(eventually(|| server.parked_waiters() == 1));
+    send(&mut w4, &[proto::op::SET]);
+    assert!(closed_within(&mut w4, LONG));
+    assert!(eventually(|| server.parked_waiters() == 0));
     // A BARRIER of two.
     let mut barrier = vec![proto::op::BARRIER];
     proto::put_bytes(&mut barrier, b"/b");

@@ -547,7 +547,10 @@ impl State {
     /// it can no longer wake. Returns its keys, whose index entries
     /// [`Self::unindex`] removes (a chunk per store-lock hold).
     fn cancel(&mut self, conn: u64) -> Vec<Key> {
-        match self.waiters.remove(&conn).map(|w| w.until) {
+        match self.waiters.remove(&conn).map(|w| {
+            w.ctx.unpark();
+            w.until
+        }) {
             Some(Until::Keys { keys, .. }) => keys,
             Some(Until::Counter { key, .. }) => vec![key],
             None => Vec::new(),
@@ -900,7 +903,16 @@ fn serve_requests(
                             "connection closed inside a request",
                         ));
                     }
-                    if was_empty && !ctx.is_parked() {
+                    if was_empty && ctx.is_parked() {
+                        // While a WAIT is parked only CANCEL_WAIT may come (one byte);
+                        // anything else is refused at its first byte, so the park
+                        // deadline never covers a slow request.
+                        if rb.pending()[0] != proto::op::CANCEL_WAIT {
+                            return Err(bad(
+                                "request sent while a WAIT or BARRIER of the same connection is pending",
+                            ));
+                        }
+                    } else if was_empty {
                         ctx.busy();
                     }
                 }
