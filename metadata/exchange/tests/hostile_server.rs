@@ -581,3 +581,43 @@ fn shared_limits_reach_the_embedded_server_from_the_environment() {
         "{e}"
     );
 }
+
+#[test]
+fn at_the_limit_busy_connections_keep_their_slots_and_a_new_one_is_closed() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let _serial = serial();
+    let c = ServerConfig {
+        max_connections: 4,
+        request_timeout: Duration::from_secs(2),
+        ..config()
+    };
+    let server = serve("127.0.0.1:0".parse().unwrap(), c).unwrap();
+    let addr = server.local_addr();
+    // Four connections in the middle of a request (busy).
+    let mut busy: Vec<_> = (0..4)
+        .map(|_| {
+            let mut s = raw(addr).unwrap();
+            send(&mut s, &[proto::op::SET, 3]);
+            s
+        })
+        .collect();
+    assert!(eventually(|| server.conn_stats().open.load(Relaxed) == 4));
+    // Let their threads read the partial requests.
+    std::thread::sleep(Duration::from_millis(300));
+    let mut late = std::net::TcpStream::connect(addr).unwrap();
+    assert!(
+        closed_within(&mut late, LONG),
+        "the fifth connection was served"
+    );
+    assert_eq!(server.conn_stats().refused_full.load(Relaxed), 1);
+    assert_eq!(server.conn_stats().evicted.load(Relaxed), 0);
+    // At the request deadline the busy ones are closed, and the server serves again.
+    for s in &mut busy {
+        assert!(closed_within(s, LONG));
+    }
+    let mut good =
+        ferry_exchange::tcpstore::TcpStoreClient::connect(&addr.to_string(), Default::default())
+            .unwrap();
+    good.set(b"/after", b"1").unwrap();
+    assert_eq!(good.get(b"/after").unwrap(), b"1");
+}
