@@ -621,3 +621,52 @@ fn at_the_limit_busy_connections_keep_their_slots_and_a_new_one_is_closed() {
     good.set(b"/after", b"1").unwrap();
     assert_eq!(good.get(b"/after").unwrap(), b"1");
 }
+
+#[test]
+fn queues_wake_waiters_and_give_their_bytes_back() {
+    use std::io::Read;
+    let _serial = serial();
+    let c = ServerConfig {
+        max_total_bytes: 4096,
+        ..config()
+    };
+    let server = serve("127.0.0.1:0".parse().unwrap(), c).unwrap();
+    let addr = server.local_addr();
+    let mut waiter = raw(addr).unwrap();
+    let mut q = raw(addr).unwrap();
+    send(&mut waiter, &keys_req(proto::op::WAIT, &[b"/q"]));
+    assert!(eventually(|| server.parked_waiters() == 1));
+    send(&mut q, &kv_req(proto::op::QUEUE_PUSH, &[b"/q", b"one"]));
+    assert_eq!(reply_byte(&mut waiter), proto::STOP_WAITING);
+    send(&mut q, &kv_req(proto::op::QUEUE_PUSH, &[b"/q", b"two"]));
+    send(&mut q, &kv_req(proto::op::QUEUE_LEN, &[b"/q"]));
+    let mut n = [0u8; 8];
+    q.read_exact(&mut n).unwrap();
+    assert_eq!(i64::from_le_bytes(n), 2);
+    for want in [&b"one"[..], b"two"] {
+        send(&mut q, &kv_req(proto::op::QUEUE_POP, &[b"/q"]));
+        let mut head = [0u8; 16];
+        q.read_exact(&mut head).unwrap();
+        let mut v = vec![0u8; u64::from_le_bytes(head[8..].try_into().unwrap()) as usize];
+        q.read_exact(&mut v).unwrap();
+        assert_eq!(v, want);
+    }
+    send(&mut q, &kv_req(proto::op::QUEUE_LEN, &[b"/q"]));
+    q.read_exact(&mut n).unwrap();
+    assert_eq!(i64::from_le_bytes(n), 0);
+    assert_eq!(server.stored_bytes(), 0, "an emptied queue keeps nothing");
+    // Queued bytes count against max_total_bytes.
+    send(
+        &mut q,
+        &kv_req(proto::op::QUEUE_PUSH, &[b"/q", &[0u8; 5000]]),
+    );
+    assert!(closed_within(&mut q, LONG));
+}
+
+fn kv_req(op: u8, parts: &[&[u8]]) -> Vec<u8> {
+    let mut r = vec![op];
+    for p in parts {
+        proto::put_bytes(&mut r, p);
+    }
+    r
+}

@@ -1176,6 +1176,11 @@ fn handle(conn: &mut Conn<'_>, request: Request<'_>) -> io::Result<()> {
                 state.bytes -= value.len() + ENTRY_OVERHEAD_BYTES;
                 conn.reply.bytes(&value);
             }
+            if len == 1 {
+                // Emptied: the queue stops counting as a key.
+                state.queues.remove(key);
+                state.bytes -= key.len() + ENTRY_OVERHEAD_BYTES;
+            }
             conn.answer(state, woken)
         }
         Request::QueueLen { key } => {
