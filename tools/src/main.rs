@@ -10,7 +10,9 @@
 //! ferry backends                       backend types, parameters, availability
 //! ferry inspect FILE                   summarize a metadata blob
 //! ferry store serve [--listen ADDR]    Ferry's own TCPStore server (c10d wire protocol),
-//!                                      for name-based discovery without torch or etcd
+//!                                      for name-based discovery without torch or etcd;
+//!                                      limits from FERRY_TCPSTORE_MAX_* and
+//!                                      FERRY_TCPSTORE_*_TIMEOUT_MS (metadata/exchange/README.md)
 //! ```
 // Reason: the tool registers its own buffers, which is the caller-side promise
 // `Agent::register` asks for; each block says why it holds.
