@@ -10,7 +10,9 @@
 //! ferry backends                       backend types, parameters, availability
 //! ferry inspect FILE                   summarize a metadata blob
 //! ferry store serve [--listen ADDR]    Ferry's own TCPStore server (c10d wire protocol),
-//!                                      for name-based discovery without torch or etcd
+//!                                      for name-based discovery without torch or etcd;
+//!                                      limits from FERRY_TCPSTORE_MAX_* and
+//!                                      FERRY_TCPSTORE_*_TIMEOUT_MS (metadata/exchange/README.md)
 //! ```
 // Reason: the tool registers its own buffers, which is the caller-side promise
 // `Agent::register` asks for; each block says why it holds.
@@ -121,11 +123,12 @@ fn store_serve(args: &[String]) -> Result<(), String> {
     if listen.ip().is_unspecified() {
         eprintln!("ferry: warning: listening on every interface ({listen}); the TCPStore protocol has no authentication");
     }
-    let server = ferry::exchange::tcpstore::serve(
-        listen,
-        ferry::exchange::tcpstore::ServerConfig::default(),
-    )
-    .map_err(|e| e.to_string())?;
+    // Limits from FERRY_TCPSTORE_MAX_* / FERRY_TCPSTORE_*_TIMEOUT_MS (the exchange
+    // crate's README has the table).
+    let config = ferry::exchange::tcpstore::ServerConfig::default()
+        .with_env_overrides()
+        .map_err(|e| e.to_string())?;
+    let server = ferry::exchange::tcpstore::serve(listen, config).map_err(|e| e.to_string())?;
     println!("ferry TCPStore server listening on {}", server.local_addr());
     // Serve until killed.
     loop {

@@ -14,6 +14,7 @@
 //! | `FERRY_TCPSTORE_ENDPOINT` | `HOST:PORT` of one TCPStore server; selects TCPStore | none |
 //! | `FERRY_TCPSTORE_PING` | `1`/`0`: send PING after VALIDATE (torch >= 2.5 servers need not; 2.2-2.4 die on it) | 1 |
 //! | `FERRY_TCPSTORE_SERVE` | `HOST:PORT` on which the agent runs Ferry's own TCPStore server (and uses it when no store is set), or `off` | off |
+//! | `FERRY_TCPSTORE_MAX_*`, `FERRY_TCPSTORE_*_TIMEOUT_MS` | limits of the embedded (and `ferry store serve`) TCPStore server: the table in the crate README | see there |
 //! | `FERRY_STORE_WATCH_INTERVAL_MS` | how often TCPStore looks for deleted keys of fetched peers | 1000 |
 //!
 //! Setting both `FERRY_ETCD_ENDPOINTS` and `FERRY_TCPSTORE_ENDPOINT` is an error.
@@ -40,6 +41,9 @@ pub struct ExchangeConfig {
     /// Run Ferry's own TCPStore server on this address; when `store` is
     /// [`StoreConfig::None`] the agent then uses it as its TCPStore.
     pub embedded_store: Option<SocketAddr>,
+    /// Limits of the embedded TCPStore server (`FERRY_TCPSTORE_MAX_*` and
+    /// `FERRY_TCPSTORE_*_TIMEOUT_MS`; see the crate README).
+    pub embedded_store_limits: crate::tcpstore::ServerConfig,
     /// Bound on every connect, read and write of a worker.
     pub io_timeout: Duration,
     /// How long a fetch waits for the peer's metadata to be published.
@@ -144,6 +148,7 @@ impl Default for ExchangeConfig {
             store: StoreConfig::None,
             namespace: DEFAULT_NAMESPACE.to_owned(),
             embedded_store: None,
+            embedded_store_limits: crate::tcpstore::ServerConfig::default(),
             io_timeout: Duration::from_secs(5),
             fetch_timeout: Duration::from_secs(10),
             event_capacity: 1024,
@@ -216,6 +221,7 @@ impl ExchangeConfig {
         if let Some(v) = get("FERRY_TCPSTORE_SERVE") {
             self.embedded_store = parse_addr_or_off("FERRY_TCPSTORE_SERVE", &v)?;
         }
+        self.embedded_store_limits = self.embedded_store_limits.with_overrides(get)?;
         let etcd = get("FERRY_ETCD_ENDPOINTS");
         let tcpstore = get("FERRY_TCPSTORE_ENDPOINT");
         match (etcd, tcpstore) {

@@ -26,6 +26,7 @@
 //! Configuration and its environment variables: [`config`].
 
 pub mod config;
+mod conn_server;
 #[cfg(feature = "etcd")]
 mod etcd;
 mod events;
@@ -36,6 +37,7 @@ pub mod tcpstore;
 mod util;
 
 pub use config::{EtcdConfig, ExchangeConfig, P2pConfig, StoreConfig, TcpStoreConfig};
+pub use conn_server::ConnStats;
 pub use events::{Event, Route, FULL_LABEL};
 pub use local::{check_agent_name, check_label, NAME_LEN_MAX_BYTES};
 pub use manager::{Manager, Via};

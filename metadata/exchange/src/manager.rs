@@ -13,7 +13,7 @@ use crate::config::{store_key, ExchangeConfig, StoreConfig, TcpStoreConfig};
 use crate::events::{Event, EventQueue, Route, FULL_LABEL};
 use crate::local::{check_agent_name, check_label, LocalMd};
 use crate::p2p::{self, ListenerStats};
-use crate::tcpstore::{self, ServerConfig, ServerHandle};
+use crate::tcpstore::{self, ServerHandle};
 
 /// Where a call goes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -137,7 +137,7 @@ impl Manager {
         let mut config = config;
         let embedded = match config.embedded_store {
             Some(addr) => {
-                let server = tcpstore::serve(addr, ServerConfig::default())?;
+                let server = tcpstore::serve(addr, config.embedded_store_limits.clone())?;
                 if matches!(config.store, StoreConfig::None) {
                     config.store =
                         StoreConfig::TcpStore(TcpStoreConfig::new(server.local_addr().to_string()));

@@ -2,9 +2,11 @@
 //! connects to theirs (see `client.rs`: a reader thread per outbound connection, fetches
 //! on idle connections written by the caller's thread). Wire format in [`frame`].
 //!
-//! Listener threads: one accept thread and one thread per connection (at most
-//! [`crate::P2pConfig::max_connections`]); every read has a timeout (idle timeout
-//! between frames, I/O timeout inside one). A malformed, oversized or unauthenticated
+//! Listener threads: the connection-server core ([`crate::conn_server`]): one accept
+//! thread, one thread per connection (at most [`crate::P2pConfig::max_connections`];
+//! at the limit the connection idle the longest makes room), a watchdog that closes a
+//! connection whose hello is not done within the I/O timeout, or whose next frame is
+//! not whole within the idle plus the I/O timeout. A malformed, oversized or unauthenticated
 //! frame closes only its own connection, with a log line, and counts in
 //! [`ListenerStats::connections_refused`].
 
@@ -13,18 +15,15 @@ pub mod frame;
 
 pub(crate) use client::Client;
 
-use std::collections::HashMap;
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread::JoinHandle;
-use std::time::Duration;
+use std::sync::Arc;
 
 use ferry_storage::Error;
 
+use crate::conn_server::{ConnCtx, ConnLimits, ConnServer, ConnStats};
 use crate::events::{Event, Route, FULL_LABEL};
 use crate::manager::Shared;
-use crate::util::io_error;
 use frame::{FramedConn, Kind, RecvError};
 
 pub(crate) const BACKEND: &str = "p2p";
@@ -35,151 +34,77 @@ pub struct ListenerStats {
     /// Connections accepted and served.
     pub connections_accepted: AtomicU64,
     /// Connections closed because of a bad hello or frame (malformed, oversized,
-    /// unauthenticated, out of sequence) or over the connection limit.
+    /// unauthenticated, out of sequence). Connections refused or evicted at the
+    /// connection limit, or closed at a deadline, are counted by the server core.
     pub connections_refused: AtomicU64,
     /// Frames handled (load, send-me, invalidate).
     pub frames_served: AtomicU64,
 }
 
-/// The running listener.
+/// The running listener: the shared connection-server core ([`crate::conn_server`])
+/// with [`serve_connection`] as the handler of each connection.
 pub(crate) struct Listener {
-    addr: SocketAddr,
-    accept: Option<JoinHandle<()>>,
-    conns: Arc<Mutex<HashMap<u64, TcpStream>>>,
-    threads: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    server: ConnServer,
     pub(crate) stats: Arc<ListenerStats>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Listener {
     pub(crate) fn start(shared: Arc<Shared>, listen: SocketAddr) -> Result<Listener, Error> {
-        let listener = TcpListener::bind(listen).map_err(|e| {
-            io_error(
-                BACKEND,
-                format_args!("binding the listener to {listen}"),
-                &e,
-            )
-        })?;
-        let addr = listener
-            .local_addr()
-            .map_err(|e| io_error(BACKEND, "reading the listener address", &e))?;
+        let p2p = &shared.config.p2p;
+        // The hello and each frame must arrive whole within the I/O timeout of their
+        // first byte; a connection between frames is closed after the idle timeout.
+        let limits = ConnLimits {
+            max_connections: p2p.max_connections,
+            idle_timeout: p2p.idle_timeout,
+            request_timeout: shared.config.io_timeout,
+            park_timeout: p2p.idle_timeout,
+            write_timeout: shared.config.io_timeout,
+        };
+        let stats = Arc::new(ListenerStats::default());
+        let (handler_shared, handler_stats) = (shared.clone(), stats.clone());
+        let server = ConnServer::start(
+            BACKEND,
+            listen,
+            limits,
+            Arc::new(move |stream, ctx: &Arc<ConnCtx>| {
+                handler_stats
+                    .connections_accepted
+                    .fetch_add(1, Ordering::Relaxed);
+                serve_connection(stream, ctx, &handler_shared, &handler_stats);
+            }),
+        )?;
+        let addr = server.local_addr();
         if addr.ip().is_unspecified() {
             log::warn!(
                 "p2p listener of '{}' listens on all interfaces ({addr})",
                 shared.agent
             );
         }
-        let conns = Arc::new(Mutex::new(HashMap::new()));
-        let threads = Arc::new(Mutex::new(Vec::new()));
-        let stats = Arc::new(ListenerStats::default());
-        let accept = {
-            let (conns, threads, stats) = (conns.clone(), threads.clone(), stats.clone());
-            std::thread::Builder::new()
-                .name(format!("ferry-p2p-accept-{}", addr.port()))
-                .spawn(move || accept_loop(listener, shared, conns, threads, stats))
-                .map_err(|e| io_error(BACKEND, "spawning the accept thread", &e))?
-        };
-        Ok(Listener {
-            addr,
-            accept: Some(accept),
-            conns,
-            threads,
-            stats,
-        })
+        Ok(Listener { server, stats })
     }
 
     pub(crate) fn local_addr(&self) -> SocketAddr {
-        self.addr
+        self.server.local_addr()
+    }
+
+    /// Counters of the connection-server core (refused at the limit, evicted, timed
+    /// out).
+    #[allow(dead_code)]
+    pub(crate) fn conn_stats(&self) -> &ConnStats {
+        self.server.stats()
     }
 
     /// Stop accepting, close every connection, join every thread. The caller has
     /// raised the stop flag.
     pub(crate) fn stop(&mut self) {
-        let Some(accept) = self.accept.take() else {
-            return;
-        };
-        let _unused =
-            TcpStream::connect_timeout(&crate::util::wake_addr(self.addr), Duration::from_secs(1));
-        let _unused = accept.join();
-        for s in lock(&self.conns).values() {
-            let _unused = s.shutdown(Shutdown::Both);
-        }
-        let threads = std::mem::take(&mut *lock(&self.threads));
-        for t in threads {
-            let _unused = t.join();
-        }
+        self.server.stop();
     }
 }
 
-impl Drop for Listener {
-    fn drop(&mut self) {
-        self.stop();
-    }
-}
-
-fn accept_loop(
-    listener: TcpListener,
-    shared: Arc<Shared>,
-    conns: Arc<Mutex<HashMap<u64, TcpStream>>>,
-    threads: Arc<Mutex<Vec<JoinHandle<()>>>>,
-    stats: Arc<ListenerStats>,
-) {
-    let mut next_id = 0u64;
-    for stream in listener.incoming() {
-        if shared.stopping() {
-            break;
-        }
-        let stream = match stream {
-            Ok(s) => s,
-            Err(e) => {
-                log::warn!("p2p listener: accept failed: {e}");
-                std::thread::sleep(Duration::from_millis(10));
-                continue;
-            }
-        };
-        let peer = stream
-            .peer_addr()
-            .map(|a| a.to_string())
-            .unwrap_or_else(|_| "?".into());
-        lock(&threads).retain(|t| !t.is_finished());
-        if lock(&conns).len() >= shared.config.p2p.max_connections {
-            log::warn!(
-                "p2p listener: refusing {peer}: {} connections already (max_connections)",
-                shared.config.p2p.max_connections
-            );
-            stats.connections_refused.fetch_add(1, Ordering::Relaxed);
-            continue;
-        }
-        let Ok(clone) = stream.try_clone() else {
-            continue;
-        };
-        next_id += 1;
-        let id = next_id;
-        lock(&conns).insert(id, clone);
-        stats.connections_accepted.fetch_add(1, Ordering::Relaxed);
-        let (shared2, conns2, stats2) = (shared.clone(), conns.clone(), stats.clone());
-        let spawned = std::thread::Builder::new()
-            .name(format!("ferry-p2p-conn-{id}"))
-            .spawn(move || {
-                serve_connection(stream, &peer, &shared2, &stats2);
-                lock(&conns2).remove(&id);
-            });
-        match spawned {
-            Ok(t) => lock(&threads).push(t),
-            Err(e) => {
-                log::warn!("p2p listener: cannot spawn a connection thread: {e}");
-                if let Some(s) = lock(&conns).remove(&id) {
-                    let _unused = s.shutdown(Shutdown::Both);
-                }
-            }
-        }
-    }
-}
-
-fn serve_connection(stream: TcpStream, peer: &str, shared: &Shared, stats: &ListenerStats) {
+/// Serve one inbound connection: the hello, then frames until the peer closes, goes
+/// idle or breaks the protocol. `ctx` carries the core's deadlines.
+fn serve_connection(stream: TcpStream, ctx: &ConnCtx, shared: &Shared, stats: &ListenerStats) {
+    let peer = ctx.peer();
     let p2p = &shared.config.p2p;
     let _unused = stream.set_nodelay(true);
     let mut conn = match FramedConn::handshake(
@@ -198,6 +123,9 @@ fn serve_connection(stream: TcpStream, peer: &str, shared: &Shared, stats: &List
         }
     };
     loop {
+        // The frame reader buffers ahead, so the first byte of a frame is not seen
+        // here: the next frame must be whole within idle + I/O timeout.
+        ctx.idle_then_busy();
         let frame = match conn.recv(p2p.idle_timeout) {
             Ok(f) => f,
             Err(RecvError::Closed | RecvError::Idle) => return,

@@ -2,60 +2,266 @@
 //! deployment needs neither torch nor etcd for name-based discovery. It interoperates
 //! with torch's `TCPStore` clients (torch >= 2.2).
 //!
-//! Threads: one accept thread and one thread per connection (bounded by
-//! [`ServerConfig::max_connections`]). A WAIT whose keys are missing registers a waiter
-//! and the connection thread goes on reading (the next request may be CANCEL_WAIT); the
-//! thread whose write satisfies the waiter sends its `STOP_WAITING` byte. Every write to
-//! a connection happens under that connection's writer lock, taken while the store lock
-//! is held, so a wake-up and a CANCEL_WAIT reply always leave in the order of events.
+//! Connections are served by the shared connection-server core
+//! ([`crate::conn_server`]): at most `max_connections`, each request whole within
+//! `request_timeout` of its first byte, idle connections closed after `idle_timeout`,
+//! parked WAITs after `park_timeout`. Requests are read into a per-connection buffer
+//! that grows only as bytes arrive (a length prefix reserves nothing) and parsed by the
+//! pure [`super::proto::parse_request`]; every buffer counts against one budget of the
+//! whole server (`max_buffered_bytes`).
+//!
+//! The store enforces its own limits (keys, bytes, value size, reply size, parked
+//! waiters); a request over any limit closes its connection, as torch's libuv server
+//! does, and every other client goes on. Work under the store lock is bounded by the
+//! request's size: replies are checked for size before they are built, values and keys
+//! are shared (`Arc`) so a reply copies no value under the lock, and waiters are
+//! indexed by key, so a write wakes only the waiters of the key it changed.
+//!
+//! A WAIT whose keys are missing registers a waiter and the connection goes on reading
+//! (the next request may be CANCEL_WAIT); the thread whose write satisfies the waiter
+//! sends its `STOP_WAITING` byte. Every write to a connection happens under that
+//! connection's writer lock, taken while the store lock is held, so a wake-up and a
+//! CANCEL_WAIT reply always leave in the order of events.
 //!
 //! Deliberately absent: persistence, authentication (like torch's server; bind it to
 //! loopback or a private network), the pre-2.2 opcode numbering.
 
+use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
-use std::io::{self, BufReader, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread::JoinHandle;
 use std::time::Duration;
 
-use ferry_storage::Error;
+use ferry_storage::{Error, Subject};
 
-use super::proto::{self, op};
-use crate::util::{io_error, nonzero};
+use super::proto::{self, parse_request, ParseError, Parsed, Request, RequestLimits};
+use crate::conn_server::{ByteBudget, ConnCtx, ConnLimits, ConnServer, ConnStats};
 
 const BACKEND: &str = "tcpstore-server";
 /// Values up to this size are copied into the reply; larger ones are written from the
 /// store's shared buffer.
 const INLINE_VALUE_MAX_BYTES: usize = 16 << 10;
+/// Bytes a connection's request buffer grows by at least, and reads at most at once.
+const READ_CHUNK_BYTES: usize = 16 << 10;
+/// A request buffer larger than this is given back once its request is served.
+const KEEP_BUFFER_BYTES: usize = 64 << 10;
+/// Keys of a WAIT indexed (or un-indexed) per store-lock hold.
+const WAIT_CHUNK_KEYS: usize = 1024;
+/// Bookkeeping bytes counted per stored key or queued value on top of its bytes.
+const ENTRY_OVERHEAD_BYTES: usize = 64;
 
-/// Limits of the server.
+/// Limits of the server. Every one can also be set from the environment
+/// ([`ServerConfig::with_overrides`]); the crate README has the table.
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
-    /// Most connections served at once; more are closed at accept.
+    /// Most connections served at once; at the limit a new connection takes the slot of
+    /// the one idle the longest, or is closed at once when all are busy.
     pub max_connections: usize,
-    /// Longest key, in bytes.
-    pub max_key_bytes: usize,
-    /// Longest value, in bytes.
-    pub max_value_bytes: usize,
-    /// Most keys in one CHECK, WAIT or MULTI_* request.
-    pub max_keys_per_request: usize,
-    /// Once a request's first byte arrived, the rest must arrive within this time.
+    /// A connection with no request in progress is closed after this long.
+    pub idle_timeout: Duration,
+    /// Once a request's first byte arrived, the whole request must arrive within this.
     pub request_timeout: Duration,
+    /// A connection parked on a WAIT or BARRIER is closed after this long.
+    pub park_timeout: Duration,
     /// Bound on every write to a client.
     pub write_timeout: Duration,
+    /// Longest key, in bytes.
+    pub max_key_bytes: usize,
+    /// Longest value (after APPEND too), in bytes.
+    pub max_value_bytes: usize,
+    /// Most keys in one CHECK, WAIT, MULTI_GET or MULTI_SET request.
+    pub max_keys_per_request: usize,
+    /// Longest request, in bytes.
+    pub max_request_bytes: usize,
+    /// All connections' request buffers together, in bytes.
+    pub max_buffered_bytes: usize,
+    /// Most keys in the store (queues count as keys).
+    pub max_keys: usize,
+    /// Most bytes in the store: keys, values and queued values, plus 64 bytes each.
+    pub max_total_bytes: usize,
+    /// Largest MULTI_GET or LIST_KEYS reply, in bytes.
+    pub max_reply_bytes: usize,
+    /// Most parked WAITs and BARRIERs.
+    pub max_waiters: usize,
+    /// Most missing keys all parked WAITs wait for together.
+    pub max_waiting_keys: usize,
 }
 
 impl Default for ServerConfig {
     fn default() -> ServerConfig {
         ServerConfig {
             max_connections: 1024,
-            max_key_bytes: 64 << 10,
-            max_value_bytes: 256 << 20,
-            max_keys_per_request: 131_072,
+            idle_timeout: Duration::from_secs(600),
             request_timeout: Duration::from_secs(30),
+            park_timeout: Duration::from_secs(3600),
             write_timeout: Duration::from_secs(10),
+            max_key_bytes: 64 << 10,
+            max_value_bytes: 64 << 20,
+            max_keys_per_request: 131_072,
+            max_request_bytes: 128 << 20,
+            max_buffered_bytes: 512 << 20,
+            max_keys: 1 << 20,
+            max_total_bytes: 1 << 30,
+            max_reply_bytes: 64 << 20,
+            max_waiters: 1024,
+            max_waiting_keys: 1 << 20,
+        }
+    }
+}
+
+/// The environment variables of [`ServerConfig`]: name, field, whether it is in ms.
+const ENV_VARS: &[(&str, &str, bool)] = &[
+    ("FERRY_TCPSTORE_MAX_CONNECTIONS", "max_connections", false),
+    ("FERRY_TCPSTORE_IDLE_TIMEOUT_MS", "idle_timeout", true),
+    ("FERRY_TCPSTORE_REQUEST_TIMEOUT_MS", "request_timeout", true),
+    ("FERRY_TCPSTORE_PARK_TIMEOUT_MS", "park_timeout", true),
+    ("FERRY_TCPSTORE_WRITE_TIMEOUT_MS", "write_timeout", true),
+    ("FERRY_TCPSTORE_MAX_KEY_BYTES", "max_key_bytes", false),
+    ("FERRY_TCPSTORE_MAX_VALUE_BYTES", "max_value_bytes", false),
+    (
+        "FERRY_TCPSTORE_MAX_KEYS_PER_REQUEST",
+        "max_keys_per_request",
+        false,
+    ),
+    (
+        "FERRY_TCPSTORE_MAX_REQUEST_BYTES",
+        "max_request_bytes",
+        false,
+    ),
+    (
+        "FERRY_TCPSTORE_MAX_BUFFERED_BYTES",
+        "max_buffered_bytes",
+        false,
+    ),
+    ("FERRY_TCPSTORE_MAX_KEYS", "max_keys", false),
+    ("FERRY_TCPSTORE_MAX_TOTAL_BYTES", "max_total_bytes", false),
+    ("FERRY_TCPSTORE_MAX_REPLY_BYTES", "max_reply_bytes", false),
+    ("FERRY_TCPSTORE_MAX_WAITERS", "max_waiters", false),
+    ("FERRY_TCPSTORE_MAX_WAITING_KEYS", "max_waiting_keys", false),
+];
+
+/// Longest timeout accepted (so deadlines never overflow): one year.
+const MAX_TIMEOUT: Duration = Duration::from_secs(365 * 24 * 3600);
+
+impl ServerConfig {
+    /// This config with the `FERRY_TCPSTORE_*` limit variables of the environment
+    /// applied (see [`Self::with_overrides`]).
+    pub fn with_env_overrides(self) -> Result<ServerConfig, Error> {
+        self.with_overrides(|name| std::env::var(name).ok())
+    }
+
+    /// This config with overrides looked up through `var`: `FERRY_TCPSTORE_<FIELD>` for
+    /// each field (`_MS` for timeouts, in milliseconds). Unset or empty variables change
+    /// nothing; a value that is not a whole number, or a config that [`Self::check`]
+    /// refuses, is a typed error naming the variable.
+    pub fn with_overrides(
+        mut self,
+        var: impl Fn(&str) -> Option<String>,
+    ) -> Result<ServerConfig, Error> {
+        for &(name, field, is_ms) in ENV_VARS {
+            let Some(v) = var(name).filter(|v| !v.trim().is_empty()) else {
+                continue;
+            };
+            let n: u64 = v.trim().parse().map_err(|_| {
+                Error::invalid(
+                    Subject::Named(format!("environment variable {name}='{v}'").into()),
+                    if is_ms {
+                        "expected a whole number of milliseconds"
+                    } else {
+                        "expected a whole number"
+                    },
+                )
+            })?;
+            let d = Duration::from_millis(n);
+            let u = usize::try_from(n).unwrap_or(usize::MAX);
+            match field {
+                "max_connections" => self.max_connections = u,
+                "idle_timeout" => self.idle_timeout = d,
+                "request_timeout" => self.request_timeout = d,
+                "park_timeout" => self.park_timeout = d,
+                "write_timeout" => self.write_timeout = d,
+                "max_key_bytes" => self.max_key_bytes = u,
+                "max_value_bytes" => self.max_value_bytes = u,
+                "max_keys_per_request" => self.max_keys_per_request = u,
+                "max_request_bytes" => self.max_request_bytes = u,
+                "max_buffered_bytes" => self.max_buffered_bytes = u,
+                "max_keys" => self.max_keys = u,
+                "max_total_bytes" => self.max_total_bytes = u,
+                "max_reply_bytes" => self.max_reply_bytes = u,
+                "max_waiters" => self.max_waiters = u,
+                _ => self.max_waiting_keys = u,
+            }
+            self.check().map_err(|e| {
+                Error::invalid(
+                    Subject::Named(format!("environment variable {name}='{v}'").into()),
+                    match e {
+                        Error::InvalidParam { reason, .. } => reason,
+                        _ => "out of range".into(),
+                    },
+                )
+            })?;
+        }
+        Ok(self)
+    }
+
+    /// Check the values: every limit above zero, timeouts at most a year, a request
+    /// able to hold one key and one value, the buffer budget able to hold a request.
+    pub fn check(&self) -> Result<(), Error> {
+        let bad = |what: &str, reason: &'static str| {
+            Err(Error::invalid(
+                Subject::Named(format!("tcpstore server {what}").into()),
+                reason,
+            ))
+        };
+        for (what, d) in [
+            ("idle_timeout", self.idle_timeout),
+            ("request_timeout", self.request_timeout),
+            ("park_timeout", self.park_timeout),
+            ("write_timeout", self.write_timeout),
+        ] {
+            if d.is_zero() || d > MAX_TIMEOUT {
+                return bad(what, "must be above zero and at most one year");
+            }
+        }
+        for (what, n) in [
+            ("max_connections", self.max_connections),
+            ("max_key_bytes", self.max_key_bytes),
+            ("max_keys_per_request", self.max_keys_per_request),
+            ("max_keys", self.max_keys),
+            ("max_waiters", self.max_waiters),
+            ("max_waiting_keys", self.max_waiting_keys),
+            ("max_reply_bytes", self.max_reply_bytes),
+            ("max_total_bytes", self.max_total_bytes),
+        ] {
+            if n == 0 {
+                return bad(what, "must be above zero");
+            }
+        }
+        if self.max_connections > 1 << 20 {
+            return bad("max_connections", "must be at most 1048576");
+        }
+        let one_set = 1 + 16usize
+            .saturating_add(self.max_key_bytes)
+            .saturating_add(self.max_value_bytes);
+        if self.max_request_bytes < one_set {
+            return bad(
+                "max_request_bytes",
+                "must hold a SET of the longest key and value (17 + max_key_bytes + max_value_bytes)",
+            );
+        }
+        if self.max_buffered_bytes < self.max_request_bytes {
+            return bad("max_buffered_bytes", "must be at least max_request_bytes");
+        }
+        Ok(())
+    }
+
+    fn request_limits(&self) -> RequestLimits {
+        RequestLimits {
+            max_key_bytes: self.max_key_bytes,
+            max_value_bytes: self.max_value_bytes,
+            max_keys_per_request: self.max_keys_per_request,
+            max_request_bytes: self.max_request_bytes,
         }
     }
 }
@@ -63,77 +269,91 @@ impl Default for ServerConfig {
 /// A running server; dropping it (or [`ServerHandle::stop`]) closes every connection and
 /// joins every thread.
 pub struct ServerHandle {
-    addr: SocketAddr,
+    server: ConnServer,
     shared: Arc<Shared>,
-    accept: Option<JoinHandle<()>>,
 }
 
 type Writer = Arc<Mutex<TcpStream>>;
+type Value = Arc<Vec<u8>>;
+type Key = Arc<[u8]>;
 
 enum Until {
-    Keys(Vec<Vec<u8>>),
-    Counter { key: Vec<u8>, world: i64 },
+    /// `missing` of the waiter's keys are still to be set; while `registering`, more
+    /// keys are being added (a chunk per store-lock hold) and the waiter cannot wake.
+    Keys {
+        keys: Vec<Key>,
+        missing: usize,
+        registering: bool,
+    },
+    Counter {
+        key: Key,
+        world: i64,
+    },
 }
 
 struct Waiter {
-    conn: u64,
     writer: Writer,
+    ctx: Arc<ConnCtx>,
     until: Until,
 }
 
 #[derive(Default)]
 struct State {
     /// Values are shared, so a GET copies nothing while it holds the store lock.
-    kv: HashMap<Vec<u8>, Arc<[u8]>>,
-    queues: HashMap<Vec<u8>, VecDeque<Vec<u8>>>,
-    waiters: Vec<Waiter>,
+    kv: HashMap<Key, Value>,
+    queues: HashMap<Key, VecDeque<Vec<u8>>>,
+    /// Bytes of `kv` and `queues`, [`ENTRY_OVERHEAD_BYTES`] per key and queued value
+    /// included.
+    bytes: usize,
+    /// Bytes of `kv`'s keys (the size of a LIST_KEYS reply, less its headers).
+    kv_key_bytes: usize,
+    /// Parked WAITs and BARRIERs, by connection (at most one each).
+    waiters: HashMap<u64, Waiter>,
+    /// Connections waiting for each key.
+    by_key: HashMap<Key, Vec<u64>>,
+    /// Keys the parked waiters still wait for, together.
+    waiting_keys: usize,
 }
 
 struct Shared {
     config: ServerConfig,
+    limits: RequestLimits,
     state: Mutex<State>,
-    /// A clone of every open connection, to shut them down at stop.
-    conns: Mutex<HashMap<u64, TcpStream>>,
-    threads: Mutex<Vec<JoinHandle<()>>>,
-    stop: AtomicBool,
-    next_conn: AtomicU64,
+    budget: ByteBudget,
 }
 
 /// Start a server listening on `listen` (port 0: ephemeral). Bind loopback unless the
 /// store must be reachable from other hosts.
 pub fn serve(listen: SocketAddr, config: ServerConfig) -> Result<ServerHandle, Error> {
-    let listener = TcpListener::bind(listen)
-        .map_err(|e| io_error(BACKEND, format_args!("binding {listen}"), &e))?;
-    let addr = listener
-        .local_addr()
-        .map_err(|e| io_error(BACKEND, "reading the bound address", &e))?;
+    config.check()?;
     let shared = Arc::new(Shared {
-        config,
+        limits: config.request_limits(),
+        budget: ByteBudget::new(config.max_buffered_bytes),
         state: Mutex::new(State::default()),
-        conns: Mutex::new(HashMap::new()),
-        threads: Mutex::new(Vec::new()),
-        stop: AtomicBool::new(false),
-        next_conn: AtomicU64::new(1),
+        config,
     });
-    let accept = {
-        let shared = shared.clone();
-        std::thread::Builder::new()
-            .name(format!("ferry-tcpstore-accept-{}", addr.port()))
-            .spawn(move || accept_loop(listener, shared))
-            .map_err(|e| io_error(BACKEND, "spawning the accept thread", &e))?
+    let limits = ConnLimits {
+        max_connections: shared.config.max_connections,
+        idle_timeout: shared.config.idle_timeout,
+        request_timeout: shared.config.request_timeout,
+        park_timeout: shared.config.park_timeout,
+        write_timeout: shared.config.write_timeout,
     };
-    log::info!("tcpstore server listening on {addr}");
-    Ok(ServerHandle {
-        addr,
-        shared,
-        accept: Some(accept),
-    })
+    let handler_shared = shared.clone();
+    let server = ConnServer::start(
+        BACKEND,
+        listen,
+        limits,
+        Arc::new(move |stream, ctx: &Arc<ConnCtx>| serve_connection(stream, ctx, &handler_shared)),
+    )?;
+    log::info!("tcpstore server listening on {}", server.local_addr());
+    Ok(ServerHandle { server, shared })
 }
 
 impl ServerHandle {
     /// The address the server listens on.
     pub fn local_addr(&self) -> SocketAddr {
-        self.addr
+        self.server.local_addr()
     }
 
     /// How many keys the store holds (queues excluded).
@@ -141,34 +361,37 @@ impl ServerHandle {
         lock(&self.shared.state).kv.len()
     }
 
-    /// Stop serving: close the listener and every connection, join the threads.
-    pub fn stop(mut self) {
-        self.shutdown();
+    /// Bytes the store holds (keys, values, queued values, 64 bytes of bookkeeping per
+    /// entry), as counted against `max_total_bytes`.
+    pub fn stored_bytes(&self) -> usize {
+        lock(&self.shared.state).bytes
     }
 
-    fn shutdown(&mut self) {
-        let Some(accept) = self.accept.take() else {
-            return;
-        };
-        self.shared.stop.store(true, Ordering::Release);
-        // Wake the accept thread with a connection of our own.
-        let _unused =
-            TcpStream::connect_timeout(&crate::util::wake_addr(self.addr), Duration::from_secs(1));
-        let _unused = accept.join();
-        for stream in lock(&self.shared.conns).values() {
-            let _unused = stream.shutdown(Shutdown::Both);
-        }
-        let threads = std::mem::take(&mut *lock(&self.shared.threads));
-        for t in threads {
-            let _unused = t.join();
-        }
-        log::info!("tcpstore server on {} stopped", self.addr);
+    /// Parked WAITs and BARRIERs now.
+    pub fn parked_waiters(&self) -> usize {
+        lock(&self.shared.state).waiters.len()
+    }
+
+    /// Bytes all connections' request buffers hold now.
+    pub fn buffered_bytes(&self) -> usize {
+        self.shared.budget.used()
+    }
+
+    /// The connection counters.
+    pub fn conn_stats(&self) -> &ConnStats {
+        self.server.stats()
+    }
+
+    /// Stop serving: close the listener and every connection, join the threads.
+    pub fn stop(mut self) {
+        self.server.stop();
     }
 }
 
 impl Drop for ServerHandle {
     fn drop(&mut self) {
-        self.shutdown();
+        self.server.stop();
+        log::info!("tcpstore server on {} stopped", self.local_addr());
     }
 }
 
@@ -176,68 +399,16 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
-    for stream in listener.incoming() {
-        if shared.stop.load(Ordering::Acquire) {
-            break;
-        }
-        let stream = match stream {
-            Ok(s) => s,
-            Err(e) => {
-                log::warn!("tcpstore server: accept failed: {e}");
-                // Out of descriptors and the like: do not spin on it.
-                std::thread::sleep(Duration::from_millis(10));
-                continue;
-            }
-        };
-        let peer = stream
-            .peer_addr()
-            .map(|a| a.to_string())
-            .unwrap_or_else(|_| "?".into());
-        lock(&shared.threads).retain(|t| !t.is_finished());
-        if lock(&shared.conns).len() >= shared.config.max_connections {
-            log::warn!(
-                "tcpstore server: refusing {peer}: {} connections already (max_connections)",
-                shared.config.max_connections
-            );
-            continue;
-        }
-        let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
-        let clone = match stream.try_clone() {
-            Ok(c) => c,
-            Err(e) => {
-                log::warn!("tcpstore server: dropping {peer}: {e}");
-                continue;
-            }
-        };
-        lock(&shared.conns).insert(id, clone);
-        let conn_shared = shared.clone();
-        let spawned = std::thread::Builder::new()
-            .name(format!("ferry-tcpstore-conn-{id}"))
-            .spawn(move || {
-                let result = serve_connection(id, stream, &conn_shared);
-                if let Err(e) = result {
-                    if !conn_shared.stop.load(Ordering::Acquire) {
-                        log::warn!("tcpstore server: closing connection of {peer}: {e}");
-                    }
-                }
-                lock(&conn_shared.conns).remove(&id);
-                lock(&conn_shared.state).waiters.retain(|w| w.conn != id);
-            });
-        match spawned {
-            Ok(t) => lock(&shared.threads).push(t),
-            Err(e) => {
-                log::warn!("tcpstore server: cannot spawn a connection thread: {e}");
-                if let Some(s) = lock(&shared.conns).remove(&id) {
-                    let _unused = s.shutdown(Shutdown::Both);
-                }
-            }
-        }
-    }
-}
-
 fn bad(msg: impl Into<String>) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, msg.into())
+}
+
+fn over(what: &str, len: usize, max: usize) -> io::Error {
+    bad(format!("{what} of {len} would be over the limit of {max}"))
+}
+
+fn parse_counter(v: &[u8]) -> Option<i64> {
+    std::str::from_utf8(v).ok()?.parse::<i64>().ok()
 }
 
 impl State {
@@ -245,74 +416,313 @@ impl State {
         self.kv.contains_key(key) || self.queues.get(key).is_some_and(|q| !q.is_empty())
     }
 
-    fn satisfied(&self, until: &Until) -> bool {
-        match until {
-            Until::Keys(keys) => keys.iter().all(|k| self.present(k)),
-            Until::Counter { key, world } => self
-                .kv
-                .get(key)
-                .and_then(|v| std::str::from_utf8(v).ok()?.parse::<i64>().ok())
-                .is_some_and(|n| n >= *world),
-        }
+    fn num_keys(&self) -> usize {
+        self.kv.len() + self.queues.len()
     }
 
-    /// Remove and return the writers of every waiter whose condition now holds.
-    fn take_satisfied(&mut self) -> Vec<Writer> {
-        let mut woken = Vec::new();
-        let mut i = 0;
-        while i < self.waiters.len() {
-            if self.satisfied(&self.waiters[i].until) {
-                woken.push(self.waiters.swap_remove(i).writer);
-            } else {
-                i += 1;
+    /// Check that storing `new_len` value bytes under `key` (replacing what is there)
+    /// stays within the limits.
+    fn check_store(&self, config: &ServerConfig, key: &[u8], new_len: usize) -> io::Result<()> {
+        if new_len > config.max_value_bytes {
+            return Err(over("value", new_len, config.max_value_bytes));
+        }
+        let (old, new_key) = match self.kv.get(key) {
+            Some(v) => (v.len(), false),
+            None => (0, true),
+        };
+        if new_key && self.num_keys() >= config.max_keys {
+            return Err(over("key count", self.num_keys() + 1, config.max_keys));
+        }
+        let added = if new_key {
+            key.len() + ENTRY_OVERHEAD_BYTES
+        } else {
+            0
+        };
+        let total = self.bytes - old + added + new_len;
+        if total > config.max_total_bytes {
+            return Err(over("stored bytes", total, config.max_total_bytes));
+        }
+        Ok(())
+    }
+
+    /// Store `value` under `key` (after [`Self::check_store`]).
+    fn store(&mut self, key: &[u8], value: Value) {
+        let new_len = value.len();
+        match self.kv.get_mut(key) {
+            Some(v) => {
+                self.bytes = self.bytes - v.len() + new_len;
+                *v = value;
+            }
+            None => {
+                self.bytes += key.len() + ENTRY_OVERHEAD_BYTES + new_len;
+                self.kv_key_bytes += key.len();
+                self.kv.insert(Arc::from(key), value);
             }
         }
-        woken
     }
 
-    fn add(&mut self, key: &[u8], delta: i64) -> io::Result<i64> {
+    fn delete(&mut self, key: &[u8]) -> bool {
+        match self.kv.remove(key) {
+            Some(v) => {
+                self.bytes -= key.len() + ENTRY_OVERHEAD_BYTES + v.len();
+                self.kv_key_bytes -= key.len();
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn add(&mut self, config: &ServerConfig, key: &[u8], delta: i64) -> io::Result<i64> {
         let current = match self.kv.get(key) {
             None => 0,
-            Some(v) => std::str::from_utf8(v)
-                .ok()
-                .and_then(|s| s.parse::<i64>().ok())
+            Some(v) => parse_counter(v)
                 .ok_or_else(|| bad("ADD on a value that is not a decimal number"))?,
         };
         let next = current.wrapping_add(delta);
-        self.kv
-            .insert(key.to_vec(), Arc::from(next.to_string().into_bytes()));
+        let text = next.to_string().into_bytes();
+        self.check_store(config, key, text.len())?;
+        self.store(key, Arc::new(text));
         Ok(next)
+    }
+
+    /// `key` was written: wake the waiters it satisfies (work proportional to the
+    /// waiters of `key`), returning what to wake.
+    fn written(&mut self, key: &[u8], woken: &mut Vec<(Writer, Arc<ConnCtx>)>) {
+        let Some(conns) = self.by_key.get_mut(key) else {
+            return;
+        };
+        let present =
+            self.kv.contains_key(key) || self.queues.get(key).is_some_and(|q| !q.is_empty());
+        let counter = self.kv.get(key).and_then(|v| parse_counter(v));
+        let mut i = 0;
+        while i < conns.len() {
+            let conn = conns[i];
+            let Some(w) = self.waiters.get_mut(&conn) else {
+                // A waiter being canceled, chunk by chunk.
+                conns.swap_remove(i);
+                self.waiting_keys -= 1;
+                continue;
+            };
+            let (done, drop_entry) = match &mut w.until {
+                Until::Keys {
+                    missing,
+                    registering,
+                    ..
+                } => {
+                    if present {
+                        *missing -= 1;
+                        self.waiting_keys -= 1;
+                        (*missing == 0 && !*registering, true)
+                    } else {
+                        (false, false)
+                    }
+                }
+                Until::Counter { world, .. } => {
+                    let done = counter.is_some_and(|n| n >= *world);
+                    if done {
+                        self.waiting_keys -= 1;
+                    }
+                    (done, done)
+                }
+            };
+            if drop_entry {
+                conns.swap_remove(i);
+            } else {
+                i += 1;
+            }
+            if done {
+                if let Some(w) = self.waiters.remove(&conn) {
+                    // Under the store lock, so a CANCEL_WAIT cannot slip in between.
+                    w.ctx.unpark();
+                    woken.push((w.writer, w.ctx));
+                }
+            }
+        }
+        if conns.is_empty() {
+            self.by_key.remove(key);
+        }
+    }
+
+    /// Forget the parked waiter of `conn`, if any (CANCEL_WAIT, closed connection):
+    /// it can no longer wake. Returns its keys, whose index entries
+    /// [`Self::unindex`] removes (a chunk per store-lock hold).
+    fn cancel(&mut self, conn: u64) -> Vec<Key> {
+        match self.waiters.remove(&conn).map(|w| {
+            w.ctx.unpark();
+            w.until
+        }) {
+            Some(Until::Keys { keys, .. }) => keys,
+            Some(Until::Counter { key, .. }) => vec![key],
+            None => Vec::new(),
+        }
+    }
+
+    /// Remove `conn`'s index entries of `keys` (those not removed yet).
+    fn unindex(&mut self, conn: u64, keys: &[Key]) {
+        for key in keys {
+            if let Entry::Occupied(mut e) = self.by_key.entry(key.clone()) {
+                if let Some(i) = e.get().iter().position(|&c| c == conn) {
+                    e.get_mut().swap_remove(i);
+                    self.waiting_keys -= 1;
+                }
+                if e.get().is_empty() {
+                    e.remove();
+                }
+            }
+        }
+    }
+
+    /// Park `conn` on `until` (a counter, or keys with nothing registered yet),
+    /// reserving `reserve` waited keys (given back as keys turn out present).
+    fn park(
+        &mut self,
+        conn: u64,
+        writer: &Writer,
+        ctx: &Arc<ConnCtx>,
+        until: Until,
+        reserve: usize,
+    ) {
+        if let Until::Counter { key, .. } = &until {
+            self.by_key.entry(key.clone()).or_default().push(conn);
+        }
+        self.waiting_keys += reserve;
+        ctx.park();
+        self.waiters.insert(
+            conn,
+            Waiter {
+                writer: writer.clone(),
+                ctx: ctx.clone(),
+                until,
+            },
+        );
+    }
+
+    /// Index the missing keys of `chunk` for `conn`'s registering waiter, within
+    /// `max_waiting_keys`.
+    fn register(&mut self, config: &ServerConfig, conn: u64, chunk: &[Key]) -> io::Result<()> {
+        let missing: Vec<&Key> = chunk.iter().filter(|k| !self.present(k)).collect();
+        self.check_park(config, missing.len())?;
+        self.waiting_keys += missing.len();
+        for key in &missing {
+            self.by_key.entry((*key).clone()).or_default().push(conn);
+        }
+        if let Some(Waiter {
+            until: Until::Keys {
+                keys, missing: m, ..
+            },
+            ..
+        }) = self.waiters.get_mut(&conn)
+        {
+            *m += missing.len();
+            keys.extend(missing.into_iter().cloned());
+        }
+        Ok(())
+    }
+
+    /// Registration of `conn`'s waiter is complete: true (and the waiter gone) when
+    /// every key is there already.
+    fn registered(&mut self, conn: u64) -> bool {
+        let done = match self.waiters.get_mut(&conn) {
+            Some(Waiter {
+                until:
+                    Until::Keys {
+                        missing,
+                        registering,
+                        ..
+                    },
+                ..
+            }) => {
+                *registering = false;
+                *missing == 0
+            }
+            _ => false,
+        };
+        if done {
+            if let Some(w) = self.waiters.remove(&conn) {
+                w.ctx.unpark();
+            }
+        }
+        done
+    }
+
+    /// Room for one more parked waiter (`keys` = 0), or for `keys` more waited keys.
+    fn check_park(&self, config: &ServerConfig, keys: usize) -> io::Result<()> {
+        if keys == 0 && self.waiters.len() >= config.max_waiters {
+            return Err(over(
+                "parked waiters",
+                self.waiters.len() + 1,
+                config.max_waiters,
+            ));
+        }
+        if self.waiting_keys + keys > config.max_waiting_keys {
+            return Err(over(
+                "keys waited for",
+                self.waiting_keys + keys,
+                config.max_waiting_keys,
+            ));
+        }
+        Ok(())
     }
 }
 
-/// Reads of one connection, with the limits of the server.
+/// A reply: bytes, and large values written from the store's shared buffers.
+#[derive(Default)]
+struct Reply {
+    head: Vec<u8>,
+    /// Values to write after `head[..at]`, in order: (offset in `head`, value).
+    shared: Vec<(usize, Value)>,
+}
+
+impl Reply {
+    fn clear(&mut self) {
+        self.head.clear();
+        self.shared.clear();
+    }
+    fn is_empty(&self) -> bool {
+        self.head.is_empty() && self.shared.is_empty()
+    }
+    fn bytes(&mut self, v: &[u8]) {
+        proto::put_bytes(&mut self.head, v);
+    }
+    fn value(&mut self, v: Option<&Value>) {
+        match v {
+            Some(v) if v.len() > INLINE_VALUE_MAX_BYTES => {
+                proto::put_u64(&mut self.head, v.len() as u64);
+                self.shared.push((self.head.len(), v.clone()));
+            }
+            v => self.bytes(v.map(|v| &v[..]).unwrap_or_default()),
+        }
+    }
+    fn write_to(&self, w: &mut TcpStream) -> io::Result<()> {
+        let mut from = 0;
+        for (at, v) in &self.shared {
+            w.write_all(&self.head[from..*at])?;
+            w.write_all(v)?;
+            from = *at;
+        }
+        w.write_all(&self.head[from..])
+    }
+}
+
+/// One connection's state.
 struct Conn<'a> {
     id: u64,
-    /// Buffered, so a whole small request costs one read system call.
-    stream: BufReader<TcpStream>,
+    ctx: Arc<ConnCtx>,
     writer: Writer,
     shared: &'a Shared,
-    reply: Vec<u8>,
-    /// A value written after `reply`, outside the store lock.
-    reply_tail: Option<Arc<[u8]>>,
+    reply: Reply,
 }
 
 impl Conn<'_> {
-    fn key(&mut self) -> io::Result<Vec<u8>> {
-        proto::read_bytes(&mut self.stream, self.shared.config.max_key_bytes)
-    }
-    fn value(&mut self) -> io::Result<Vec<u8>> {
-        proto::read_bytes(&mut self.stream, self.shared.config.max_value_bytes)
-    }
-    fn keys(&mut self) -> io::Result<Vec<Vec<u8>>> {
-        let n = proto::read_count(&mut self.stream, self.shared.config.max_keys_per_request)?;
-        (0..n).map(|_| self.key()).collect()
-    }
-
     /// Send `self.reply` (may be empty) to this connection and a `STOP_WAITING` byte to
     /// each of `woken`, taking every writer lock before the store lock is released.
-    fn answer(&mut self, state: MutexGuard<'_, State>, woken: Vec<Writer>) -> io::Result<()> {
-        let mut others: Vec<MutexGuard<'_, TcpStream>> = woken.iter().map(|w| lock(w)).collect();
+    fn answer(
+        &mut self,
+        state: MutexGuard<'_, State>,
+        woken: Vec<(Writer, Arc<ConnCtx>)>,
+    ) -> io::Result<()> {
+        let mut others: Vec<MutexGuard<'_, TcpStream>> =
+            woken.iter().map(|(w, _)| lock(w)).collect();
         let mut own = (!self.reply.is_empty()).then(|| lock(&self.writer));
         drop(state);
         for w in others.iter_mut() {
@@ -323,268 +733,657 @@ impl Conn<'_> {
         }
         drop(others);
         if let Some(own) = own.as_mut() {
-            own.write_all(&self.reply)?;
-            if let Some(tail) = self.reply_tail.take() {
-                own.write_all(&tail)?;
-            }
+            self.reply.write_to(own)?;
         }
         Ok(())
     }
-}
 
-fn serve_connection(id: u64, stream: TcpStream, shared: &Shared) -> io::Result<()> {
-    stream.set_nodelay(true)?;
-    stream.set_write_timeout(Some(nonzero(shared.config.write_timeout)))?;
-    // One read timeout for everything: inside a request it bounds a half-sent request;
-    // between requests it only makes the thread look at the stop flag now and then.
-    stream.set_read_timeout(Some(nonzero(shared.config.request_timeout)))?;
-    let writer = Arc::new(Mutex::new(stream.try_clone()?));
-    let mut conn = Conn {
-        id,
-        stream: BufReader::with_capacity(64 << 10, stream),
-        writer,
-        shared,
-        reply: Vec::with_capacity(64),
-        reply_tail: None,
-    };
-    let mut validated = false;
-    loop {
-        let opcode = match proto::read_u8(&mut conn.stream) {
-            Ok(b) => b,
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
-            // Idle between requests: torch's servers never close idle connections.
-            Err(e) if crate::util::is_timeout(&e) => {
-                if shared.stop.load(Ordering::Acquire) {
-                    return Ok(());
-                }
-                continue;
-            }
-            Err(e) => return Err(e),
-        };
-        if shared.stop.load(Ordering::Acquire) {
-            return Ok(());
-        }
-        if !validated {
-            if opcode != op::VALIDATE {
-                return Err(bad(format!(
-                    "first request is opcode {opcode}, not VALIDATE"
-                )));
-            }
-            let magic = proto::read_u32(&mut conn.stream)?;
-            if magic != proto::VALIDATE_MAGIC {
-                return Err(bad(format!("VALIDATE with wrong magic {magic:#x}")));
-            }
-            validated = true;
-            continue;
-        }
-        request(&mut conn, opcode)?;
+    /// Send `self.reply` after the store lock was released: only for a connection
+    /// without a parked waiter (no wake-up byte can race with the reply).
+    fn answer_unlocked(&mut self) -> io::Result<()> {
+        self.reply.write_to(&mut lock(&self.writer))
     }
 }
 
-/// Handle one request whose opcode was read.
-fn request(conn: &mut Conn<'_>, opcode: u8) -> io::Result<()> {
-    conn.reply.clear();
-    conn.reply_tail = None;
-    // Read the whole request before taking the store lock.
-    match opcode {
-        op::SET | op::APPEND | op::QUEUE_PUSH => {
-            let key = conn.key()?;
-            let value = conn.value()?;
-            let mut state = lock_checked(conn, opcode)?;
-            match opcode {
-                op::SET => {
-                    state.kv.insert(key, Arc::from(value));
-                }
-                op::APPEND => {
-                    let joined = match state.kv.get(&key) {
-                        Some(old) => [&old[..], &value[..]].concat(),
-                        None => value,
-                    };
-                    state.kv.insert(key, Arc::from(joined));
-                }
-                _ => state.queues.entry(key).or_default().push_back(value),
+/// A connection's request buffer: grows only as bytes arrive, in chunks, up to the
+/// request limit, each byte of capacity taken from the server's budget.
+pub(crate) struct RequestBuf {
+    /// Zeroed once as it grows; `buf[start..end]` are the bytes not yet parsed.
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+    /// Capacity taken from the budget.
+    charged: usize,
+}
+
+impl RequestBuf {
+    pub(crate) fn new() -> RequestBuf {
+        RequestBuf {
+            buf: Vec::new(),
+            start: 0,
+            end: 0,
+            charged: 0,
+        }
+    }
+
+    /// The bytes not yet parsed.
+    pub(crate) fn pending(&self) -> &[u8] {
+        &self.buf[self.start..self.end]
+    }
+
+    /// The capacity held now.
+    #[cfg(test)]
+    pub(crate) fn capacity(&self) -> usize {
+        self.buf.capacity()
+    }
+
+    /// A request of `len` bytes was served.
+    pub(crate) fn consume(&mut self, len: usize, budget: &ByteBudget) {
+        self.start += len;
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+            if self.buf.capacity() > KEEP_BUFFER_BYTES {
+                self.release(budget);
             }
-            let woken = state.take_satisfied();
+        }
+    }
+
+    /// Read more bytes, towards `need` pending bytes in all. The buffer grows by at
+    /// least one chunk, at most doubles, and never past `need` plus one chunk, so its
+    /// capacity stays within twice the bytes that arrived (or one chunk). Ok(0) at end
+    /// of stream.
+    pub(crate) fn read_more(
+        &mut self,
+        r: &mut impl Read,
+        need: usize,
+        budget: &ByteBudget,
+    ) -> io::Result<usize> {
+        if self.start > 0 {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        if self.buf.len() == self.end {
+            let want = need
+                .saturating_sub(self.end)
+                .clamp(READ_CHUNK_BYTES, self.end.max(READ_CHUNK_BYTES));
+            if !budget.take(want) {
+                return Err(bad(format!(
+                    "the server's request buffers are full (max_buffered_bytes); this request needs {need} bytes"
+                )));
+            }
+            self.charged += want;
+            self.buf.reserve_exact(want);
+            self.buf.resize(self.end + want, 0);
+        }
+        let got = loop {
+            match r.read(&mut self.buf[self.end..]) {
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                other => break other?,
+            }
+        };
+        self.end += got;
+        Ok(got)
+    }
+
+    /// Give the buffer and its budget back.
+    pub(crate) fn release(&mut self, budget: &ByteBudget) {
+        budget.give(self.charged);
+        self.charged = 0;
+        self.buf = Vec::new();
+        self.start = 0;
+        self.end = 0;
+    }
+}
+
+fn serve_connection(stream: TcpStream, ctx: &Arc<ConnCtx>, shared: &Shared) {
+    let mut rb = RequestBuf::new();
+    let result = serve_requests(stream, ctx, shared, &mut rb);
+    rb.release(&shared.budget);
+    let keys = lock(&shared.state).cancel(ctx.id());
+    unindex(shared, ctx.id(), &keys);
+    if let Err(e) = result {
+        if !ctx.closed_by_server() {
+            log::warn!("tcpstore server: closing connection of {}: {e}", ctx.peer());
+        }
+    }
+}
+
+fn serve_requests(
+    mut stream: TcpStream,
+    ctx: &Arc<ConnCtx>,
+    shared: &Shared,
+    rb: &mut RequestBuf,
+) -> io::Result<()> {
+    let mut conn = Conn {
+        id: ctx.id(),
+        ctx: ctx.clone(),
+        writer: Arc::new(Mutex::new(stream.try_clone()?)),
+        shared,
+        reply: Reply::default(),
+    };
+    let mut validated = false;
+    loop {
+        match parse_request(rb.pending(), &shared.limits) {
+            Ok(Parsed::Complete { request, len }) => {
+                match request {
+                    Request::Validate { magic } if !validated => {
+                        if magic != proto::VALIDATE_MAGIC {
+                            return Err(bad(format!("VALIDATE with wrong magic {magic:#x}")));
+                        }
+                        validated = true;
+                    }
+                    Request::Validate { .. } => {
+                        return Err(bad("second VALIDATE on one connection"))
+                    }
+                    _ if !validated => {
+                        return Err(bad(format!(
+                            "first request is opcode {}, not VALIDATE",
+                            rb.pending()[0]
+                        )))
+                    }
+                    request => handle(&mut conn, request)?,
+                }
+                rb.consume(len, &shared.budget);
+                if rb.pending().is_empty() {
+                    ctx.done();
+                }
+            }
+            Ok(Parsed::Incomplete { need }) => {
+                // Parse again only once `need` bytes are there.
+                while rb.pending().len() < need {
+                    let was_empty = rb.pending().is_empty();
+                    if rb.read_more(&mut stream, need, &shared.budget)? == 0 {
+                        if was_empty {
+                            return Ok(());
+                        }
+                        return Err(io::Error::new(
+                            io::ErrorKind::UnexpectedEof,
+                            "connection closed inside a request",
+                        ));
+                    }
+                    if was_empty && ctx.is_parked() {
+                        // While a WAIT is parked only CANCEL_WAIT may come (one byte);
+                        // anything else is refused at its first byte, so the park
+                        // deadline never covers a slow request.
+                        if rb.pending()[0] != proto::op::CANCEL_WAIT {
+                            return Err(bad(
+                                "request sent while a WAIT or BARRIER of the same connection is pending",
+                            ));
+                        }
+                    } else if was_empty {
+                        ctx.busy();
+                    }
+                }
+            }
+            Err(e @ ParseError::UnknownOpcode(_)) | Err(e @ ParseError::OverLimit { .. }) => {
+                return Err(bad(e.to_string()))
+            }
+        }
+    }
+}
+
+/// Handle one parsed request (VALIDATE is handled by the caller).
+fn handle(conn: &mut Conn<'_>, request: Request<'_>) -> io::Result<()> {
+    conn.reply.clear();
+    let config = &conn.shared.config;
+    let mut woken = Vec::new();
+    match request {
+        Request::Set { key, value } => {
+            // Copies made before the store lock is taken.
+            let value = Arc::new(value.to_vec());
+            let mut state = lock_checked(conn)?;
+            state.check_store(config, key, value.len())?;
+            state.store(key, value);
+            state.written(key, &mut woken);
             conn.answer(state, woken)
         }
-        op::COMPARE_SET => {
-            let key = conn.key()?;
-            let expected = conn.value()?;
-            let desired = conn.value()?;
-            let mut state = lock_checked(conn, opcode)?;
-            let current: Arc<[u8]> = match state.kv.get_mut(&key) {
+        Request::Append { key, value } => {
+            let mut state = lock_checked(conn)?;
+            let old = state.kv.get(key).map_or(0, |v| v.len());
+            state.check_store(config, key, old + value.len())?;
+            match state.kv.get_mut(key) {
+                Some(v) => {
+                    // In place when no reply holds the value: an APPEND loop costs
+                    // the appended bytes, not the whole value each time.
+                    Arc::make_mut(v).extend_from_slice(value);
+                    state.bytes += value.len();
+                }
+                None => state.store(key, Arc::new(value.to_vec())),
+            }
+            state.written(key, &mut woken);
+            conn.answer(state, woken)
+        }
+        Request::QueuePush { key, value } => {
+            let value = value.to_vec();
+            let mut state = lock_checked(conn)?;
+            let new_queue = !state.queues.contains_key(key);
+            if new_queue && state.num_keys() >= config.max_keys {
+                return Err(over("key count", state.num_keys() + 1, config.max_keys));
+            }
+            let added = value.len()
+                + ENTRY_OVERHEAD_BYTES
+                + if new_queue {
+                    key.len() + ENTRY_OVERHEAD_BYTES
+                } else {
+                    0
+                };
+            if state.bytes + added > config.max_total_bytes {
+                return Err(over(
+                    "stored bytes",
+                    state.bytes + added,
+                    config.max_total_bytes,
+                ));
+            }
+            state.bytes += added;
+            match state.queues.get_mut(key) {
+                Some(q) => q.push_back(value),
+                None => {
+                    state.queues.insert(Arc::from(key), VecDeque::from([value]));
+                }
+            }
+            state.written(key, &mut woken);
+            conn.answer(state, woken)
+        }
+        Request::CompareSet {
+            key,
+            expected,
+            desired,
+        } => {
+            let mut state = lock_checked(conn)?;
+            let current: Value = match state.kv.get(key) {
                 None if expected.is_empty() => {
-                    let desired: Arc<[u8]> = Arc::from(desired);
-                    state.kv.insert(key, desired.clone());
+                    state.check_store(config, key, desired.len())?;
+                    let desired = Arc::new(desired.to_vec());
+                    state.store(key, desired.clone());
+                    state.written(key, &mut woken);
                     desired
                 }
-                None => Arc::from(expected),
-                Some(v) => {
-                    if **v == *expected {
-                        *v = Arc::from(desired);
-                    }
-                    v.clone()
+                None => Arc::new(expected.to_vec()),
+                Some(v) if v[..] == *expected => {
+                    state.check_store(config, key, desired.len())?;
+                    let desired = Arc::new(desired.to_vec());
+                    state.store(key, desired.clone());
+                    state.written(key, &mut woken);
+                    desired
                 }
+                Some(v) => v.clone(),
             };
-            proto::put_bytes(&mut conn.reply, &current);
-            let woken = state.take_satisfied();
+            conn.reply.value(Some(&current));
             conn.answer(state, woken)
         }
-        op::GET => {
-            let key = conn.key()?;
-            let state = lock_checked(conn, opcode)?;
-            match state.kv.get(&key) {
-                // Large values are written from the shared buffer after the lock is
-                // released; small ones go in the same write as their length.
-                Some(v) if v.len() > INLINE_VALUE_MAX_BYTES => {
-                    proto::put_u64(&mut conn.reply, v.len() as u64);
-                    conn.reply_tail = Some(v.clone());
-                }
-                v => proto::put_bytes(&mut conn.reply, v.map(|v| &v[..]).unwrap_or_default()),
-            }
-            conn.answer(state, Vec::new())
-        }
-        op::ADD => {
-            let key = conn.key()?;
-            let delta = proto::read_i64(&mut conn.stream)?;
-            let mut state = lock_checked(conn, opcode)?;
-            let next = state.add(&key, delta)?;
-            proto::put_i64(&mut conn.reply, next);
-            let woken = state.take_satisfied();
+        Request::Get { key } => {
+            let state = lock_checked(conn)?;
+            conn.reply.value(state.kv.get(key));
             conn.answer(state, woken)
         }
-        op::CHECK => {
-            let keys = conn.keys()?;
-            let state = lock_checked(conn, opcode)?;
+        Request::Add { key, delta } => {
+            let mut state = lock_checked(conn)?;
+            let next = state.add(config, key, delta)?;
+            proto::put_i64(&mut conn.reply.head, next);
+            state.written(key, &mut woken);
+            conn.answer(state, woken)
+        }
+        Request::Check { keys } => {
+            let state = lock_checked(conn)?;
             let ready = keys.iter().all(|k| state.present(k));
-            conn.reply.push(if ready {
+            conn.reply.head.push(if ready {
                 proto::READY
             } else {
                 proto::NOT_READY
             });
-            conn.answer(state, Vec::new())
-        }
-        op::WAIT => {
-            let keys = conn.keys()?;
-            let mut state = lock_checked(conn, opcode)?;
-            let until = Until::Keys(keys);
-            if state.satisfied(&until) {
-                conn.reply.push(proto::STOP_WAITING);
-            } else {
-                state.waiters.push(Waiter {
-                    conn: conn.id,
-                    writer: conn.writer.clone(),
-                    until,
-                });
-            }
-            conn.answer(state, Vec::new())
-        }
-        op::BARRIER => {
-            let key = conn.key()?;
-            let world = proto::read_i64(&mut conn.stream)?;
-            let mut state = lock_checked(conn, opcode)?;
-            state.add(&key, 1)?;
-            let until = Until::Counter { key, world };
-            let ready = state.satisfied(&until);
-            if ready {
-                conn.reply.push(proto::STOP_WAITING);
-            } else {
-                state.waiters.push(Waiter {
-                    conn: conn.id,
-                    writer: conn.writer.clone(),
-                    until,
-                });
-            }
-            let woken = state.take_satisfied();
             conn.answer(state, woken)
         }
-        op::CANCEL_WAIT => {
+        Request::Wait { mut keys } => {
+            // Duplicates out and the keys' copies made before the store lock.
+            keys.sort_unstable();
+            keys.dedup();
+            let keys: Vec<Key> = keys.into_iter().map(Arc::from).collect();
+            let (id, writer, ctx) = (conn.id, conn.writer.clone(), conn.ctx.clone());
+            {
+                let mut state = lock_checked(conn)?;
+                // A small WAIT whose keys are all there needs no waiter (and no room
+                // among the parked ones).
+                if keys.len() <= WAIT_CHUNK_KEYS && keys.iter().all(|k| state.present(k)) {
+                    conn.reply.head.push(proto::STOP_WAITING);
+                    return conn.answer(state, woken);
+                }
+                state.check_park(config, 0)?;
+                let until = Until::Keys {
+                    keys: Vec::new(),
+                    missing: 0,
+                    registering: true,
+                };
+                state.park(id, &writer, &ctx, until, 0);
+            }
+            // A chunk of keys per lock hold: a WAIT of 100,000 keys does not stall
+            // other clients. The waiter cannot wake before the last chunk. Past a
+            // limit the connection closes, which un-indexes what was registered.
+            for chunk in keys.chunks(WAIT_CHUNK_KEYS) {
+                lock(&conn.shared.state).register(config, id, chunk)?;
+            }
             let mut state = lock(&conn.shared.state);
-            state.waiters.retain(|w| w.conn != conn.id);
-            conn.reply.push(proto::WAIT_CANCELED);
-            conn.answer(state, Vec::new())
-        }
-        op::GETNUMKEYS => {
-            let state = lock_checked(conn, opcode)?;
-            proto::put_i64(&mut conn.reply, state.kv.len() as i64);
-            conn.answer(state, Vec::new())
-        }
-        op::DELETE_KEY => {
-            let key = conn.key()?;
-            let mut state = lock_checked(conn, opcode)?;
-            let removed = state.kv.remove(&key).is_some();
-            proto::put_i64(&mut conn.reply, i64::from(removed));
-            conn.answer(state, Vec::new())
-        }
-        op::MULTI_GET => {
-            let keys = conn.keys()?;
-            let state = lock_checked(conn, opcode)?;
-            for key in &keys {
-                let value = state.kv.get(key).map(|v| &v[..]).unwrap_or_default();
-                proto::put_bytes(&mut conn.reply, value);
+            if state.registered(id) {
+                conn.reply.head.push(proto::STOP_WAITING);
             }
-            conn.answer(state, Vec::new())
-        }
-        op::MULTI_SET => {
-            let n = proto::read_count(&mut conn.stream, conn.shared.config.max_keys_per_request)?;
-            let mut pairs = Vec::with_capacity(n);
-            for _ in 0..n {
-                let key = conn.key()?;
-                let value = conn.value()?;
-                pairs.push((key, value));
-            }
-            let mut state = lock_checked(conn, opcode)?;
-            state
-                .kv
-                .extend(pairs.into_iter().map(|(k, v)| (k, Arc::from(v))));
-            let woken = state.take_satisfied();
             conn.answer(state, woken)
         }
-        op::PING => {
-            let nonce = proto::read_u32(&mut conn.stream)?;
-            conn.reply.extend_from_slice(&nonce.to_le_bytes());
-            let state = lock_checked(conn, opcode)?;
-            conn.answer(state, Vec::new())
+        Request::Barrier { key, world } => {
+            let mut state = lock_checked(conn)?;
+            let n = state.add(config, key, 1)?;
+            if n >= world {
+                conn.reply.head.push(proto::STOP_WAITING);
+            } else {
+                state.check_park(config, 0)?;
+                state.check_park(config, 1)?;
+                let (id, writer, ctx) = (conn.id, conn.writer.clone(), conn.ctx.clone());
+                let until = Until::Counter {
+                    key: Arc::from(key),
+                    world,
+                };
+                state.park(id, &writer, &ctx, until, 1);
+            }
+            state.written(key, &mut woken);
+            conn.answer(state, woken)
         }
-        op::QUEUE_POP => {
-            let key = conn.key()?;
-            let mut state = lock_checked(conn, opcode)?;
-            let queue = state.queues.get_mut(&key);
+        Request::CancelWait => {
+            let mut state = lock(&conn.shared.state);
+            let keys = state.cancel(conn.id);
+            conn.reply.head.push(proto::WAIT_CANCELED);
+            conn.answer(state, woken)?;
+            unindex(conn.shared, conn.id, &keys);
+            Ok(())
+        }
+        Request::GetNumKeys => {
+            let state = lock_checked(conn)?;
+            proto::put_i64(&mut conn.reply.head, state.kv.len() as i64);
+            conn.answer(state, woken)
+        }
+        Request::DeleteKey { key } => {
+            let mut state = lock_checked(conn)?;
+            let removed = state.delete(key);
+            proto::put_i64(&mut conn.reply.head, i64::from(removed));
+            conn.answer(state, woken)
+        }
+        Request::MultiGet { keys } => {
+            let state = lock_checked(conn)?;
+            // The reply's size first: nothing is built for a reply over the limit.
+            let mut size = 0usize;
+            for key in &keys {
+                size += 8 + state.kv.get(*key).map_or(0, |v| v.len());
+                if size > config.max_reply_bytes {
+                    return Err(over("MULTI_GET reply bytes", size, config.max_reply_bytes));
+                }
+            }
+            // Shared handles only under the lock; the reply is built after it.
+            let values: Vec<Option<Value>> =
+                keys.iter().map(|k| state.kv.get(*k).cloned()).collect();
+            drop(state);
+            for v in &values {
+                conn.reply.value(v.as_ref());
+            }
+            conn.answer_unlocked()
+        }
+        Request::MultiSet { pairs } => {
+            // The last value of a key wins; copies made before the store lock.
+            let mut last: HashMap<&[u8], usize> = HashMap::with_capacity(pairs.len());
+            for (i, (k, _)) in pairs.iter().enumerate() {
+                last.insert(k, i);
+            }
+            let pairs: Vec<(&[u8], Value)> = pairs
+                .iter()
+                .enumerate()
+                .filter(|(i, (k, _))| last.get(k) == Some(i))
+                .map(|(_, (k, v))| (*k, Arc::new(v.to_vec())))
+                .collect();
+            let mut state = lock_checked(conn)?;
+            // All of it fits, or none of it is stored.
+            let (mut keys, mut bytes) = (state.num_keys(), state.bytes);
+            for (k, v) in &pairs {
+                match state.kv.get(*k) {
+                    Some(old) => bytes = bytes - old.len() + v.len(),
+                    None => {
+                        keys += 1;
+                        bytes += k.len() + ENTRY_OVERHEAD_BYTES + v.len();
+                    }
+                }
+            }
+            if keys > config.max_keys {
+                return Err(over("key count", keys, config.max_keys));
+            }
+            if bytes > config.max_total_bytes {
+                return Err(over("stored bytes", bytes, config.max_total_bytes));
+            }
+            for (k, v) in pairs {
+                state.store(k, v);
+                state.written(k, &mut woken);
+            }
+            conn.answer(state, woken)
+        }
+        Request::Ping { nonce } => {
+            conn.reply.head.extend_from_slice(&nonce.to_le_bytes());
+            let state = lock_checked(conn)?;
+            conn.answer(state, woken)
+        }
+        Request::QueuePop { key } => {
+            let mut state = lock_checked(conn)?;
+            let queue = state.queues.get_mut(key);
             let len = queue.as_ref().map_or(0, |q| q.len());
-            proto::put_i64(&mut conn.reply, len as i64);
-            if let Some(value) = queue.and_then(VecDeque::pop_front) {
-                proto::put_bytes(&mut conn.reply, &value);
+            let popped = queue.and_then(VecDeque::pop_front);
+            proto::put_i64(&mut conn.reply.head, len as i64);
+            if let Some(value) = popped {
+                state.bytes -= value.len() + ENTRY_OVERHEAD_BYTES;
+                conn.reply.bytes(&value);
             }
-            conn.answer(state, Vec::new())
-        }
-        op::QUEUE_LEN => {
-            let key = conn.key()?;
-            let state = lock_checked(conn, opcode)?;
-            let len = state.queues.get(&key).map_or(0, VecDeque::len);
-            proto::put_i64(&mut conn.reply, len as i64);
-            conn.answer(state, Vec::new())
-        }
-        op::LIST_KEYS => {
-            let state = lock_checked(conn, opcode)?;
-            proto::put_i64(&mut conn.reply, state.kv.len() as i64);
-            for key in state.kv.keys() {
-                proto::put_bytes(&mut conn.reply, key);
+            if len == 1 {
+                // Emptied: the queue stops counting as a key.
+                state.queues.remove(key);
+                state.bytes -= key.len() + ENTRY_OVERHEAD_BYTES;
             }
-            conn.answer(state, Vec::new())
+            conn.answer(state, woken)
         }
-        op::VALIDATE => Err(bad("second VALIDATE on one connection")),
-        other => Err(bad(format!("unknown opcode {other}"))),
+        Request::QueueLen { key } => {
+            let state = lock_checked(conn)?;
+            let len = state.queues.get(key).map_or(0, VecDeque::len);
+            proto::put_i64(&mut conn.reply.head, len as i64);
+            conn.answer(state, woken)
+        }
+        Request::ListKeys => {
+            let state = lock_checked(conn)?;
+            let size = 8 + 8 * state.kv.len() + state.kv_key_bytes;
+            if size > config.max_reply_bytes {
+                return Err(over("LIST_KEYS reply bytes", size, config.max_reply_bytes));
+            }
+            let keys: Vec<Key> = state.kv.keys().cloned().collect();
+            drop(state);
+            proto::put_i64(&mut conn.reply.head, keys.len() as i64);
+            for key in &keys {
+                conn.reply.bytes(key);
+            }
+            conn.answer_unlocked()
+        }
+        Request::Validate { .. } => Err(bad("VALIDATE handled by the caller")),
+    }
+}
+
+/// Remove a canceled waiter's index entries, a chunk per store-lock hold.
+fn unindex(shared: &Shared, conn: u64, keys: &[Key]) {
+    for chunk in keys.chunks(WAIT_CHUNK_KEYS) {
+        lock(&shared.state).unindex(conn, chunk);
     }
 }
 
 /// Lock the store, refusing any request other than CANCEL_WAIT while this connection
 /// has a pending WAIT or BARRIER (its late reply byte would be taken for another reply).
-fn lock_checked<'a>(conn: &Conn<'a>, opcode: u8) -> io::Result<MutexGuard<'a, State>> {
+fn lock_checked<'a>(conn: &Conn<'a>) -> io::Result<MutexGuard<'a, State>> {
     let state = lock(&conn.shared.state);
-    if state.waiters.iter().any(|w| w.conn == conn.id) {
-        return Err(bad(format!(
-            "opcode {opcode} sent while a WAIT or BARRIER of the same connection is pending"
-        )));
+    if state.waiters.contains_key(&conn.id) {
+        return Err(bad(
+            "request sent while a WAIT or BARRIER of the same connection is pending",
+        ));
     }
     Ok(state)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A reader that hands out `data` in pieces of at most `piece` bytes.
+    struct Trickle<'a> {
+        data: &'a [u8],
+        piece: usize,
+    }
+
+    impl Read for Trickle<'_> {
+        fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+            let n = self.piece.min(out.len()).min(self.data.len());
+            out[..n].copy_from_slice(&self.data[..n]);
+            self.data = &self.data[n..];
+            Ok(n)
+        }
+    }
+
+    /// Read one request the way a connection does; the largest capacity seen.
+    fn read_one(
+        data: &[u8],
+        piece: usize,
+        limits: &RequestLimits,
+    ) -> (Result<usize, String>, usize) {
+        let budget = ByteBudget::new(1 << 30);
+        let mut rb = RequestBuf::new();
+        let mut r = Trickle { data, piece };
+        let mut peak = 0;
+        let result = loop {
+            match parse_request(rb.pending(), limits) {
+                Ok(Parsed::Complete { len, .. }) => break Ok(len),
+                Ok(Parsed::Incomplete { need }) => match rb.read_more(&mut r, need, &budget) {
+                    Ok(0) => break Err("eof".to_string()),
+                    Ok(_) => peak = peak.max(rb.capacity()),
+                    Err(e) => break Err(e.to_string()),
+                },
+                Err(e) => break Err(e.to_string()),
+            }
+        };
+        assert_eq!(budget.used(), rb.charged);
+        rb.release(&budget);
+        assert_eq!(budget.used(), 0);
+        (result, peak)
+    }
+
+    fn limits() -> RequestLimits {
+        ServerConfig::default().request_limits()
+    }
+
+    #[test]
+    fn a_length_prefix_reserves_nothing_before_the_bytes_arrive() {
+        // SET, a 10-byte key, then a value announced at 60 MiB (under the limit) of
+        // which 100 bytes arrive: the buffer stays one chunk.
+        let mut req = vec![proto::op::SET];
+        proto::put_bytes(&mut req, b"0123456789");
+        proto::put_u64(&mut req, 60 << 20);
+        req.extend_from_slice(&[7; 100]);
+        let (result, peak) = read_one(&req, 1 << 20, &limits());
+        assert_eq!(result.unwrap_err(), "eof");
+        assert!(peak <= 2 * READ_CHUNK_BYTES, "capacity {peak}");
+        // 2^60 bytes: refused before anything is reserved.
+        let mut req = vec![proto::op::SET];
+        proto::put_bytes(&mut req, b"k");
+        proto::put_u64(&mut req, 1 << 60);
+        let (result, peak) = read_one(&req, 3, &limits());
+        assert!(result.unwrap_err().contains("over the limit"));
+        assert!(peak <= READ_CHUNK_BYTES, "capacity {peak}");
+        // A WAIT announcing 2^60 keys, and one announcing the limit with few bytes.
+        let mut req = vec![proto::op::WAIT];
+        proto::put_u64(&mut req, 1 << 60);
+        assert!(read_one(&req, 64, &limits())
+            .0
+            .unwrap_err()
+            .contains("key count"));
+        let mut req = vec![proto::op::WAIT];
+        proto::put_u64(&mut req, 131_072);
+        proto::put_bytes(&mut req, b"k");
+        let (result, peak) = read_one(&req, 64, &limits());
+        assert_eq!(result.unwrap_err(), "eof");
+        assert!(peak <= READ_CHUNK_BYTES, "capacity {peak}");
+    }
+
+    #[test]
+    fn a_large_request_grows_with_its_bytes_and_no_further() {
+        let value = vec![3u8; 5 << 20];
+        let mut req = vec![proto::op::SET];
+        proto::put_bytes(&mut req, b"key");
+        proto::put_bytes(&mut req, &value);
+        for piece in [1000, 64 << 10, 8 << 20] {
+            let (result, peak) = read_one(&req, piece, &limits());
+            assert_eq!(result.unwrap(), req.len());
+            assert!(
+                peak <= req.len() + READ_CHUNK_BYTES,
+                "piece {piece}: capacity {peak}"
+            );
+        }
+        // Over max_request_bytes: refused from the announced length.
+        let small = RequestLimits {
+            max_request_bytes: 1 << 20,
+            ..limits()
+        };
+        assert!(read_one(&req, 64 << 10, &small)
+            .0
+            .unwrap_err()
+            .contains("request"));
+    }
+
+    #[test]
+    fn the_budget_bounds_all_buffers_together() {
+        let budget = ByteBudget::new(3 * READ_CHUNK_BYTES);
+        let mut data: &[u8] = &[1u8; 1 << 20];
+        let mut bufs: Vec<RequestBuf> = (0..4).map(|_| RequestBuf::new()).collect();
+        let mut refused = 0;
+        for rb in &mut bufs {
+            if rb.read_more(&mut data, 1 << 20, &budget).is_err() {
+                refused += 1;
+            }
+        }
+        assert_eq!(refused, 1);
+        for rb in &mut bufs {
+            rb.release(&budget);
+        }
+        assert_eq!(budget.used(), 0);
+    }
+
+    #[test]
+    fn limits_come_from_the_environment_with_typed_errors() {
+        let vars = |pairs: &'static [(&'static str, &'static str)]| {
+            move |name: &str| {
+                pairs
+                    .iter()
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        let c = ServerConfig::default()
+            .with_overrides(vars(&[
+                ("FERRY_TCPSTORE_MAX_CONNECTIONS", "7"),
+                ("FERRY_TCPSTORE_IDLE_TIMEOUT_MS", "1500"),
+                ("FERRY_TCPSTORE_MAX_WAITERS", "3"),
+            ]))
+            .unwrap();
+        assert_eq!(
+            (c.max_connections, c.idle_timeout, c.max_waiters),
+            (7, Duration::from_millis(1500), 3)
+        );
+        for bad in [
+            &[("FERRY_TCPSTORE_MAX_KEYS", "many")][..],
+            &[("FERRY_TCPSTORE_REQUEST_TIMEOUT_MS", "0")][..],
+            &[("FERRY_TCPSTORE_IDLE_TIMEOUT_MS", "18446744073709551615")][..],
+            &[("FERRY_TCPSTORE_MAX_REQUEST_BYTES", "10")][..],
+        ] {
+            let e = ServerConfig::default()
+                .with_overrides(vars(bad))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(bad[0].0), "{e}");
+        }
+    }
 }
