@@ -36,6 +36,6 @@ pub mod tcpstore;
 mod util;
 
 pub use config::{EtcdConfig, ExchangeConfig, P2pConfig, StoreConfig, TcpStoreConfig};
-pub use events::{Event, Route, FULL_LABEL};
+pub use events::{Event, Lost, Route, FULL_LABEL};
 pub use local::{check_agent_name, check_label, NAME_LEN_MAX_BYTES};
 pub use manager::{Manager, Via};

@@ -42,7 +42,9 @@ impl Shared {
         self.stop.load(Ordering::Acquire)
     }
 
-    /// Queue an event for the agent (waiting for space). False when shutting down.
+    /// Queue an event for the agent without waiting. False when it was not queued:
+    /// shutting down, or the queue is full (then it is reported to the agent as an
+    /// [`Event::Overflow`], see `EventQueue`).
     pub(crate) fn emit(&self, event: Event) -> bool {
         self.events.push(event, &self.stop)
     }
@@ -213,6 +215,12 @@ impl Manager {
         self.shared.direct_fetches.load(Ordering::Relaxed)
     }
 
+    /// Events dropped because the event queue was full (each reported to the agent in
+    /// an [`Event::Overflow`]).
+    pub fn events_dropped(&self) -> u64 {
+        self.shared.events.dropped()
+    }
+
     /// The store in use (`etcd` or `tcpstore`) and its endpoint, if any.
     pub fn store(&self) -> Option<(Route, &str)> {
         self.store.as_ref().map(|s| (s.route, s.endpoint.as_str()))
@@ -374,7 +382,6 @@ pub(crate) fn queue<T>(
 impl Drop for Manager {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Release);
-        self.shared.events.wake_all();
         if let Some(mut listener) = self.listener.take() {
             listener.stop();
         }
