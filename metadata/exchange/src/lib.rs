@@ -35,7 +35,9 @@ pub mod p2p;
 pub mod tcpstore;
 mod util;
 
-pub use config::{EtcdConfig, ExchangeConfig, P2pConfig, StoreConfig, TcpStoreConfig};
+pub use config::{
+    EtcdConfig, EtcdTls, EtcdUser, ExchangeConfig, P2pConfig, StoreConfig, TcpStoreConfig,
+};
 pub use events::{Event, Lost, Route, FULL_LABEL};
 pub use local::{check_agent_name, check_label, NAME_LEN_MAX_BYTES};
 pub use manager::{Manager, Via};

@@ -134,9 +134,8 @@ impl Manager {
     /// first call that names a peer address.
     pub fn new(agent: &str, config: ExchangeConfig) -> Result<Manager, Error> {
         check_agent_name(agent)?;
-        config.check()?;
+        let mut config = config.validated()?;
         let namespace = config.normalized_namespace()?;
-        let mut config = config;
         let embedded = match config.embedded_store {
             Some(addr) => {
                 let server = tcpstore::serve(addr, ServerConfig::default())?;

@@ -46,7 +46,7 @@ use super::direct::{Direct, Watched};
 use crate::config::TcpStoreConfig;
 use crate::events::{Event, Route, FULL_LABEL};
 use crate::manager::{CmdSender, Shared, StoreCmd, StoreWorker};
-use crate::util::{io_error, timeout_error};
+use crate::util::{deadline_after, io_error, timeout_error};
 
 const BACKEND: &str = "tcpstore";
 /// Value of a withdrawal mark.
@@ -397,7 +397,7 @@ struct Fetcher {
 
 impl Fetcher {
     fn run(mut self, commands: Receiver<StoreCmd>) {
-        let mut next_watch = Instant::now() + self.watch_interval;
+        let mut next_watch = deadline_after(Instant::now(), self.watch_interval);
         loop {
             if self.shared.stopping() {
                 return;
@@ -426,7 +426,7 @@ impl Fetcher {
             }
             if Instant::now() >= next_watch && !lock(&self.watched).is_empty() {
                 self.watch();
-                next_watch = Instant::now() + self.watch_interval;
+                next_watch = deadline_after(Instant::now(), self.watch_interval);
             }
         }
     }
@@ -439,7 +439,7 @@ impl Fetcher {
                     agent,
                     label,
                     key,
-                    deadline: Instant::now() + self.shared.config.fetch_timeout,
+                    deadline: deadline_after(Instant::now(), self.shared.config.fetch_timeout),
                     tried_get: false,
                     retried: false,
                 });
@@ -455,7 +455,7 @@ impl Fetcher {
                     agent,
                     label,
                     key,
-                    deadline: since + self.shared.config.fetch_timeout,
+                    deadline: deadline_after(since, self.shared.config.fetch_timeout),
                     tried_get: true,
                     retried: false,
                 });
