@@ -164,6 +164,7 @@ pub mod counting {
 
     static ON: AtomicBool = AtomicBool::new(false);
     static COUNT: AtomicUsize = AtomicUsize::new(0);
+    static LARGEST: AtomicUsize = AtomicUsize::new(0);
 
     // SAFETY: every method forwards to the system allocator with the caller's
     // arguments unchanged; counting has no effect on the memory handed out.
@@ -171,6 +172,7 @@ pub mod counting {
         unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
             if ON.load(Ordering::Relaxed) {
                 COUNT.fetch_add(1, Ordering::Relaxed);
+                LARGEST.fetch_max(layout.size(), Ordering::Relaxed);
             }
             // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract for us.
             unsafe { System.alloc(layout) }
@@ -182,6 +184,7 @@ pub mod counting {
         unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
             if ON.load(Ordering::Relaxed) {
                 COUNT.fetch_add(1, Ordering::Relaxed);
+                LARGEST.fetch_max(new_size, Ordering::Relaxed);
             }
             // SAFETY: `ptr` came from `System` through this allocator with `layout`.
             unsafe { System.realloc(ptr, layout, new_size) }
@@ -195,6 +198,16 @@ pub mod counting {
         let r = f();
         ON.store(false, Ordering::SeqCst);
         (r, COUNT.load(Ordering::SeqCst))
+    }
+
+    /// Run `f` and give the largest single allocation (or reallocation), in bytes,
+    /// that happened (process-wide) meanwhile.
+    pub fn largest<R>(f: impl FnOnce() -> R) -> (R, usize) {
+        LARGEST.store(0, Ordering::SeqCst);
+        ON.store(true, Ordering::SeqCst);
+        let r = f();
+        ON.store(false, Ordering::SeqCst);
+        (r, LARGEST.load(Ordering::SeqCst))
     }
 }
 

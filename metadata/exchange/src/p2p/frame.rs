@@ -885,6 +885,109 @@ fn hmac_start(secret: &[u8], nonce: &[u8; 16], domain: u8) -> io::Result<HmacSha
     Ok(m)
 }
 
+/// The shared harness of the P2P frame fuzz target (`metadata/fuzz`) and the stable
+/// property test: parses `data` as a hello and as a stream of frames, and checks the
+/// properties that must hold for any input. Panics when one does not hold.
+#[doc(hidden)]
+pub mod fuzzing {
+    use super::*;
+
+    /// The frame limit used by [`exercise`].
+    pub const MAX_FRAME_BYTES: usize = 1 << 20;
+    /// The name of the peer the exercised reader expects in frames.
+    const PEER: &str = "peer";
+
+    fn settings(secret: bool) -> FrameSettings {
+        FrameSettings {
+            secret: secret.then(|| Arc::from(&b"fuzz secret"[..])),
+            max_frame_bytes: MAX_FRAME_BYTES,
+            io_timeout: Duration::from_secs(1),
+        }
+    }
+
+    fn reader(bytes: &[u8], secret: bool) -> FrameReader<&[u8]> {
+        FrameReader::new(bytes, &settings(secret), [9; 16], PEER.into())
+    }
+
+    /// Read frames until an error; every frame respects the limits and names the peer.
+    fn read_all(bytes: &[u8], secret: bool) -> Vec<Frame> {
+        let mut r = reader(bytes, secret);
+        let mut frames = Vec::new();
+        while let Ok(f) = r.recv(Duration::from_millis(1)) {
+            assert!(f.payload.len() <= MAX_FRAME_BYTES);
+            assert_eq!(f.name, PEER);
+            frames.push(f);
+        }
+        frames
+    }
+
+    /// Run every property on `data`: the first byte chooses a mode (bit 0: with a
+    /// secret; bit 1: frames built from the rest and written by the real writer, with
+    /// one byte flipped where the input says, instead of raw bytes).
+    pub fn exercise(data: &[u8]) {
+        let Some((&mode, rest)) = data.split_first() else {
+            return;
+        };
+        if let Ok((hello, len)) = Hello::decode(rest) {
+            assert!(len <= HELLO_MAX_BYTES && len <= rest.len());
+            assert_eq!(hello.encode(), &rest[..len], "a hello re-encodes to its bytes");
+        }
+        let secret = mode & 1 == 1;
+        if mode & 2 == 0 {
+            read_all(rest, secret);
+            return;
+        }
+        // Structured: [flip position u32][flip xor u8] then frames, each
+        // [kind][label_len][label][payload_len u16][payload], cut where the input ends.
+        let Some((head, mut spec)) = rest.split_first_chunk::<5>() else {
+            return;
+        };
+        let flip_at = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
+        let flip_xor = head[4];
+        let mut w = FrameWriter::new(Vec::new(), &settings(secret), [9; 16]);
+        let mut written: Vec<(Kind, String, Vec<u8>, usize)> = Vec::new();
+        while let Some((&kind, tail)) = spec.split_first() {
+            let kind = Kind::from_u8(kind % 5 + 1).unwrap_or(Kind::Load);
+            let Some((&label_len, tail)) = tail.split_first() else {
+                break;
+            };
+            let label_len = usize::from(label_len % 32).min(tail.len());
+            let label = String::from_utf8_lossy(&tail[..label_len]).into_owned();
+            let tail = &tail[label_len..];
+            let Some((len, tail)) = tail.split_first_chunk::<2>() else {
+                break;
+            };
+            let payload_len = usize::from(u16::from_le_bytes(*len)).min(tail.len());
+            let payload = tail[..payload_len].to_vec();
+            spec = &tail[payload_len..];
+            if w.send(kind, PEER, &label, &payload).is_err() {
+                break; // a label over 255 bytes after lossy decoding
+            }
+            written.push((kind, label, payload, w.stream().len()));
+        }
+        let mut bytes = w.stream;
+        let flipped = flip_xor != 0 && flip_at < bytes.len();
+        if flipped {
+            bytes[flip_at] ^= flip_xor;
+        }
+        let read = read_all(&bytes, secret);
+        // Frames that end before the flipped byte come back intact; with a secret
+        // nothing from the flipped byte on is accepted, without a flip everything is.
+        let intact = if flipped {
+            written.iter().filter(|w| w.3 <= flip_at).count()
+        } else {
+            written.len()
+        };
+        assert!(read.len() >= intact, "{} of {intact} intact frames read", read.len());
+        if secret || !flipped {
+            assert_eq!(read.len(), intact, "a corrupted authenticated frame was accepted");
+        }
+        for (f, (kind, label, payload, _)) in read.iter().zip(&written).take(intact) {
+            assert_eq!((f.kind, &f.label, &f.payload), (*kind, label, payload));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
