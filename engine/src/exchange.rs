@@ -6,8 +6,13 @@
 //! snapshots of its serialized metadata (refreshed whenever its regions or backends
 //! changed, checked on every exchange call), and results come back as events that the
 //! agent applies on the caller's thread through its normal load path
-//! ([`Agent::load_remote_md`], [`Agent::invalidate_remote_md`]) — in
-//! [`Agent::check_remote_md`] and [`Agent::poll_exchange`]. So the agent's own locking
+//! ([`Agent::load_remote_md`], [`Agent::invalidate_remote_md`]) — in every
+//! [`Agent::flush`] (its first step), [`Agent::check_remote_md`] and
+//! [`Agent::poll_exchange`]. Metadata that came for agent X is loaded only if the blob
+//! itself names X (else [`Error::Mismatch`] naming both, nothing loaded; the same check
+//! as [`Agent::load_remote_md_as`]). An [`Event::Overflow`] (events dropped while the
+//! queue was full) drops the peer if a withdrawal was lost and reports the capacity
+//! error for it. See `metadata/exchange/README.md`. So the agent's own locking
 //! does not depend on whether exchange workers run;
 //! [`Agent::exchange_workers_running`] reports it.
 //!

@@ -9,7 +9,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferry::exchange::p2p::frame::fuzzing::{exercise, MAX_FRAME_BYTES};
-use ferry::exchange::p2p::frame::{FrameSettings, FrameWriter, Hello, Kind, PAYLOAD_FIRST_CHUNK_BYTES};
+use ferry::exchange::p2p::frame::{
+    FrameSettings, FrameWriter, Hello, Kind, PAYLOAD_FIRST_CHUNK_BYTES,
+};
 use ferry_tests::counting::{largest, CountingAlloc};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
@@ -49,7 +51,9 @@ fn seeds() -> Vec<Vec<u8>> {
         ));
         seeds.push(written(secret, &[(Kind::Load, "layer-3", &big)]));
         // Structured mode: no flip, then a flip in the second frame.
-        let spec = [1u8, 8, b'm', b'e', b't', b'a', b'd', b'a', b't', b'a', 3, 0, 1, 2, 3, 2, 0, 0, 0];
+        let spec = [
+            1u8, 8, b'm', b'e', b't', b'a', b'd', b'a', b't', b'a', 3, 0, 1, 2, 3, 2, 0, 0, 0,
+        ];
         for flip in [[0xFF, 0xFF, 0xFF, 0xFF, 0], [40, 0, 0, 0, 0x10]] {
             let mut s = vec![2 | u8::from(secret)];
             s.extend_from_slice(&flip);
@@ -67,7 +71,9 @@ fn seeds() -> Vec<Vec<u8>> {
     seeds.push(h);
     let mut huge = vec![0];
     huge.extend_from_slice(&(MAX_FRAME_BYTES as u32 - 1).to_le_bytes());
-    huge.extend_from_slice(&[1, 0, 0, 0, 0, 0, 0, 0, 0, 4, b'p', b'e', b'e', b'r', 0, 7, 7, 7]);
+    huge.extend_from_slice(&[
+        1, 0, 0, 0, 0, 0, 0, 0, 0, 4, b'p', b'e', b'e', b'r', 0, 7, 7, 7,
+    ]);
     seeds.push(huge);
     seeds
 }
@@ -101,7 +107,9 @@ fn check(input: &[u8]) {
     // The reader's own buffers are made before reading; what reading may allocate is
     // bounded by the first payload chunk, twice the input, or the structured mode's
     // re-encoding of the input (its frames are at most the input plus headers).
-    let bound = PAYLOAD_FIRST_CHUNK_BYTES.max(4 * input.len() + 4096).max(16 << 10);
+    let bound = PAYLOAD_FIRST_CHUNK_BYTES
+        .max(4 * input.len() + 4096)
+        .max(16 << 10);
     assert!(
         peak <= bound,
         "an input of {} bytes made an allocation of {peak} bytes (bound {bound})",

@@ -19,7 +19,9 @@
 //! [`Manager::workers_running`] is the one answer to "does any worker thread exist".
 //!
 //! # Components
-//! - [`p2p`]: the listener and the framed, optionally HMAC-authenticated protocol.
+//! - [`p2p`]: the listener and the framed protocol: a hello naming each side (a mutual
+//!   challenge–response with a shared secret), frames bound to that name, heads
+//!   authenticated before payloads are read. Trust model: `README.md`.
 //! - [`tcpstore`]: a client of PyTorch's c10d TCPStore protocol and Ferry's own server.
 //! - `etcd` (cargo feature `etcd`): the etcd backend, with leases and watches.
 //!

@@ -930,7 +930,11 @@ pub mod fuzzing {
         };
         if let Ok((hello, len)) = Hello::decode(rest) {
             assert!(len <= HELLO_MAX_BYTES && len <= rest.len());
-            assert_eq!(hello.encode(), &rest[..len], "a hello re-encodes to its bytes");
+            assert_eq!(
+                hello.encode(),
+                &rest[..len],
+                "a hello re-encodes to its bytes"
+            );
         }
         let secret = mode & 1 == 1;
         if mode & 2 == 0 {
@@ -978,9 +982,17 @@ pub mod fuzzing {
         } else {
             written.len()
         };
-        assert!(read.len() >= intact, "{} of {intact} intact frames read", read.len());
+        assert!(
+            read.len() >= intact,
+            "{} of {intact} intact frames read",
+            read.len()
+        );
         if secret || !flipped {
-            assert_eq!(read.len(), intact, "a corrupted authenticated frame was accepted");
+            assert_eq!(
+                read.len(),
+                intact,
+                "a corrupted authenticated frame was accepted"
+            );
         }
         for (f, (kind, label, payload, _)) in read.iter().zip(&written).take(intact) {
             assert_eq!((f.kind, &f.label, &f.payload), (*kind, label, payload));
