@@ -69,8 +69,9 @@ pub enum Event {
         error: Error,
     },
     /// Events were dropped because the queue was full (the agent did not poll for a
-    /// while; policy: the crate's README, "Event policy"). For `Some(agent)`, every event about that
-    /// agent from the first one dropped until this one was coalesced here, so the
+    /// while; policy: the crate's README, "Event policy"). For `Some(agent)`, every
+    /// event about that agent from the first one dropped until this one was coalesced
+    /// here, so the
     /// agent's state is unknown: when `lost.invalidation`, drop the peer (the last word
     /// may have been a withdrawal); in any case fetch it again if it is still wanted.
     /// `None`: events about agents beyond the loss ledger's bound, or failed sends.
