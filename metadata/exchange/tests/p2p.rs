@@ -313,6 +313,52 @@ fn garbage_oversized_and_forged_frames_leave_the_listener_serving() {
     drop(silent);
 }
 
+/// Send `bytes` one at a time, 100 ms apart, until the listener closes the
+/// connection; returns how many were sent.
+fn trickle(s: &mut TcpStream, bytes: &[u8]) -> usize {
+    for (i, b) in bytes.iter().enumerate() {
+        if s.write_all(&[*b]).is_err() {
+            return i;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    bytes.len()
+}
+
+/// A hello or a frame trickled one byte at a time is cut off by its deadline (the I/O
+/// timeout, 1 s here), however steadily the bytes come: not held open for the 20 s the
+/// trickle would take.
+#[test]
+fn trickled_hellos_and_frames_are_cut_off_by_their_deadline() {
+    let mut cfg = listening(None);
+    cfg.io_timeout = Duration::from_secs(1);
+    let a = FakeAgent::new("a", cfg);
+    let to = addr(&a);
+    let hello = Hello {
+        auth: false,
+        nonce: [2; 16],
+        name: "slow".into(),
+    };
+    let mut long_hello = hello.encode();
+    long_hello.resize(200, b'x'); // more than the hello, sent forever
+    let (mut s, _) = raw_hello(to);
+    let sent = trickle(&mut s, &long_hello);
+    assert!(
+        sent < long_hello.len(),
+        "a trickled hello was never cut off"
+    );
+
+    // A complete hello, then a frame head trickled.
+    let (mut s, _) = raw_hello(to);
+    s.write_all(&hello.encode()).unwrap();
+    let mut frame = (1000u32).to_le_bytes().to_vec();
+    frame.extend_from_slice(&[1, 0, 0, 0, 0, 0, 0, 0, 0, 4]);
+    frame.extend_from_slice(b"slow");
+    frame.resize(200, 0);
+    let sent = trickle(&mut s, &frame);
+    assert!(sent < frame.len(), "a trickled frame was never cut off");
+}
+
 #[test]
 fn a_connection_speaks_only_for_the_agent_of_its_hello() {
     for secret in [None, Some(&b"team"[..])] {
