@@ -670,9 +670,23 @@ impl<S: Source> FrameReader<S> {
 
     /// Fill `out` completely: first what was read ahead, then straight from the stream.
     fn take_into(&mut self, out: &mut [u8], deadline: Instant) -> Result<(), RecvError> {
+        self.take_into_macced(out, deadline, None)
+    }
+
+    /// [`Self::take_into`], feeding `mac` each piece as soon as it arrived (while it is
+    /// still in cache, and while the next piece is on its way).
+    fn take_into_macced(
+        &mut self,
+        out: &mut [u8],
+        deadline: Instant,
+        mut mac: Option<&mut HmacSha256>,
+    ) -> Result<(), RecvError> {
         let ahead = (self.read_end - self.read_pos).min(out.len());
         out[..ahead].copy_from_slice(&self.read_buf[self.read_pos..self.read_pos + ahead]);
         self.read_pos += ahead;
+        if let Some(m) = mac.as_deref_mut() {
+            m.update(&out[..ahead]);
+        }
         let mut got = ahead;
         while got < out.len() {
             self.before_read(deadline)?;
@@ -683,7 +697,12 @@ impl<S: Source> FrameReader<S> {
                         "connection closed inside a frame",
                     )))
                 }
-                Ok(n) => got += n,
+                Ok(n) => {
+                    if let Some(m) = mac.as_deref_mut() {
+                        m.update(&out[got..got + n]);
+                    }
+                    got += n;
+                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(RecvError::Io(e)),
             }
@@ -694,15 +713,20 @@ impl<S: Source> FrameReader<S> {
     /// Read a payload of `len` bytes into a buffer that grows with what arrived:
     /// [`PAYLOAD_FIRST_CHUNK_BYTES`] first, then doubling, so its capacity is never
     /// more than about twice the bytes received (nothing is reserved at the announced
-    /// length).
-    fn read_payload(&mut self, len: usize, deadline: Instant) -> Result<Vec<u8>, RecvError> {
+    /// length). `mac` (the frame's tag, when authenticated) is fed as bytes arrive.
+    fn read_payload(
+        &mut self,
+        len: usize,
+        deadline: Instant,
+        mut mac: Option<&mut HmacSha256>,
+    ) -> Result<Vec<u8>, RecvError> {
         let mut payload = Vec::new();
         while payload.len() < len {
             let have = payload.len();
             let target = len.min(have.saturating_mul(2).max(PAYLOAD_FIRST_CHUNK_BYTES));
             payload.reserve_exact(target - have);
             payload.resize(target, 0);
-            self.take_into(&mut payload[have..target], deadline)?;
+            self.take_into_macced(&mut payload[have..target], deadline, mac.as_deref_mut())?;
         }
         Ok(payload)
     }
@@ -813,9 +837,8 @@ impl<S: Source> FrameReader<S> {
             head_deadline,
             Duration::from_secs(body_len as u64 / MIN_RATE_BYTES_PER_S),
         );
-        let payload = self.read_payload(payload_len, deadline)?;
-        if let Some(mut m) = body_mac.take() {
-            m.update(&payload);
+        let payload = self.read_payload(payload_len, deadline, body_mac.as_mut())?;
+        if let Some(m) = body_mac.take() {
             let mut tag = [0u8; MAC_LEN];
             self.take_into(&mut tag, deadline)?;
             m.verify_slice(&tag)
