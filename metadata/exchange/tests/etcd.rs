@@ -314,6 +314,12 @@ mod with_etcd {
 
     impl OwnEtcd {
         fn start() -> Option<OwnEtcd> {
+            OwnEtcd::start_with(false)
+        }
+
+        /// With `tls`: `https://` with the test certificates of `tests/tls/` (server
+        /// certificate for 127.0.0.1, client certificates required).
+        fn start_with(tls: bool) -> Option<OwnEtcd> {
             let bin = std::env::var("FERRY_TEST_ETCD_BIN").unwrap_or_else(|_| "etcd".into());
             let runs = std::process::Command::new(&bin)
                 .arg("--version")
@@ -336,9 +342,22 @@ mod with_etcd {
                 std::env::temp_dir().join(format!("ferry-etcd-{}-{}", std::process::id(), nanos()));
             std::fs::create_dir_all(&dir).unwrap();
             let log = std::fs::File::create(dir.join("etcd.log")).unwrap();
-            let endpoint = format!("http://127.0.0.1:{client}");
+            let scheme = if tls { "https" } else { "http" };
+            let endpoint = format!("{scheme}://127.0.0.1:{client}");
             let peer_url = format!("http://127.0.0.1:{peer}");
-            let child = std::process::Command::new(&bin)
+            let mut command = std::process::Command::new(&bin);
+            if tls {
+                let dir = tls_dir();
+                command
+                    .arg("--cert-file")
+                    .arg(dir.join("server.pem"))
+                    .arg("--key-file")
+                    .arg(dir.join("server-key.pem"))
+                    .arg("--trusted-ca-file")
+                    .arg(dir.join("ca.pem"))
+                    .arg("--client-cert-auth");
+            }
+            let child = command
                 .args(["--name", "own", "--data-dir"])
                 .arg(dir.join("data"))
                 .args(["--listen-client-urls", &endpoint])
@@ -454,5 +473,48 @@ mod with_etcd {
             assert!(matches!(e, Error::NotSupported { .. }), "{e}");
             assert!(e.to_string().contains("etcd-tls"), "{e}");
         }
+    }
+
+    /// The test certificates (a CA valid until 2126, a server certificate for
+    /// 127.0.0.1 and a client certificate it signed; test fixtures, no secret).
+    fn tls_dir() -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/tls")
+    }
+
+    /// TLS to etcd with a client certificate (feature `etcd-tls`): agents with the CA
+    /// and the client certificate discover each other over `https://`; without the
+    /// client certificate etcd refuses the connection.
+    #[cfg(feature = "etcd-tls")]
+    #[test]
+    fn tls_with_a_client_certificate() {
+        let Some(etcd) = OwnEtcd::start_with(true) else {
+            return;
+        };
+        let dir = tls_dir();
+        let base = config(&etcd.endpoint, "tls");
+        let with_tls = |client_cert: bool| {
+            let mut cfg = base.clone();
+            if let StoreConfig::Etcd(e) = &mut cfg.store {
+                e.tls = Some(EtcdTls {
+                    ca_cert: Some(dir.join("ca.pem")),
+                    client_cert: client_cert.then(|| dir.join("client.pem")),
+                    client_key: client_cert.then(|| dir.join("client-key.pem")),
+                    domain: None,
+                });
+            }
+            cfg
+        };
+        let a = FakeAgent::new("a", with_tls(true));
+        let mut b = FakeAgent::new("b", with_tls(true));
+        let md_a = blob("a", 300);
+        a.manager.set_local_md(md_a.clone());
+        a.manager.send_local_md(Via::Store).unwrap();
+        b.manager.fetch_remote_md("a", Via::Store, None).unwrap();
+        b.wait_md("a", FULL_LABEL, &md_a, LONG);
+
+        let mut m = FakeAgent::new("m", with_tls(false));
+        m.manager.fetch_remote_md("a", Via::Store, None).unwrap();
+        let e = m.wait_fetch_failure("a", LONG);
+        assert!(matches!(e, Error::Backend { .. }), "{e}");
     }
 }
