@@ -6,8 +6,13 @@
 //! snapshots of its serialized metadata (refreshed whenever its regions or backends
 //! changed, checked on every exchange call), and results come back as events that the
 //! agent applies on the caller's thread through its normal load path
-//! ([`Agent::load_remote_md`], [`Agent::invalidate_remote_md`]) — in
-//! [`Agent::check_remote_md`] and [`Agent::poll_exchange`]. So the agent's own locking
+//! ([`Agent::load_remote_md`], [`Agent::invalidate_remote_md`]) — in every
+//! [`Agent::flush`] (its first step), [`Agent::check_remote_md`] and
+//! [`Agent::poll_exchange`]. Metadata that came for agent X is loaded only if the blob
+//! itself names X (else [`Error::Mismatch`] naming both, nothing loaded; the same check
+//! as [`Agent::load_remote_md_as`]). An [`Event::Overflow`] (events dropped while the
+//! queue was full) drops the peer if a withdrawal was lost and reports the capacity
+//! error for it. See `metadata/exchange/README.md`. So the agent's own locking
 //! does not depend on whether exchange workers run;
 //! [`Agent::exchange_workers_running`] reports it.
 //!
@@ -30,19 +35,21 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use ferry_exchange::{Event, Manager};
 use ferry_storage::{Desc, Error, MemKind, RegionId, Result, Subject, MAX_BACKENDS};
 
 use crate::Agent;
 use ferry_schedules::{Command, CommandBuffer, ExchangeCmd, MdRoute, Outcome};
 
 pub use ferry_exchange::{
-    check_agent_name, check_label, config, p2p, tcpstore, EtcdConfig, ExchangeConfig, P2pConfig,
-    Route, StoreConfig, TcpStoreConfig, Via, FULL_LABEL,
+    check_agent_name, check_label, config, p2p, tcpstore, EtcdConfig, Event, ExchangeConfig, Lost,
+    Manager, P2pConfig, Route, StoreConfig, TcpStoreConfig, Via, FULL_LABEL,
 };
 
 /// Most exchange send failures kept for [`Agent::drain_exchange_failures`].
 const SEND_FAILURES_MAX: usize = 64;
+/// Most agents with an unchecked fetch (or load) failure kept for
+/// [`Agent::check_remote_md`]; more are counted ([`Agent::exchange_failures_dropped`]).
+pub const FAILURES_MAX: usize = 1024;
 
 /// The agent's exchange state: the manager, once started, and what came back.
 #[derive(Default)]
@@ -56,8 +63,11 @@ struct Inner {
     /// The (region count, deregistrations, backend count) the manager's snapshot was
     /// made at.
     snapshot_of: Option<(usize, u64, usize)>,
-    /// Failed fetches (or loads of fetched metadata) by agent name, until checked.
+    /// Failed fetches (or loads of fetched metadata) by agent name, until checked; at
+    /// most `FAILURES_MAX` agents.
     failures: HashMap<String, Error>,
+    /// Failures not kept because `failures` was full.
+    failures_dropped: u64,
     /// Failed sends, publishes and invalidations: (target, what, error).
     send_failures: VecDeque<(String, String, Error)>,
 }
@@ -189,49 +199,122 @@ impl Agent {
         Ok(manager.poll(|event| self.apply(event)))
     }
 
+    /// Apply pending exchange events (the first step of every flush, so an
+    /// application that only flushes still sees lease expiries, deletions and pushed
+    /// metadata). Nothing when the exchange is not started; no allocation when no
+    /// event is pending.
+    pub(crate) fn apply_exchange_events(&self) {
+        if let Some(manager) = self.exchange_slot().manager.get() {
+            manager.poll(|event| self.apply(event));
+        }
+    }
+
+    /// Load `blob`, received on a side channel as the metadata of `agent`: the agent
+    /// name inside it is checked *before* anything is loaded, so metadata naming
+    /// another agent can never replace that agent's (a [`Error::Mismatch`] naming
+    /// both). [`Agent::load_remote_md`] loads whatever agent a blob names.
+    pub fn load_remote_md_as(&self, agent: &str, blob: &[u8]) -> Result<ferry_storage::PeerId> {
+        self.load_checked(agent, blob, "given")
+    }
+
+    fn load_checked(
+        &self,
+        agent: &str,
+        blob: &[u8],
+        origin: &str,
+    ) -> Result<ferry_storage::PeerId> {
+        // Parsed once here to read the name (the loader validates again; metadata
+        // loads are rare next to transfers).
+        let md = ferry_metadata::PeerMd::from_bytes(blob)?;
+        if md.agent() != agent {
+            return Err(Error::Mismatch {
+                subject: Subject::PeerName(agent.to_owned()),
+                reason: format!(
+                    "metadata {origin} for agent '{agent}' describes agent '{}'; not loaded",
+                    md.agent().escape_debug()
+                )
+                .into(),
+            });
+        }
+        self.load_remote_md(blob)
+    }
+
+    /// Keep `error` as the failure of `agent` until checked; the map holds at most
+    /// [`FAILURES_MAX`] agents (peers choose the names of the loads they push).
+    fn record_failure(&self, agent: String, error: Error) {
+        let mut inner = self.exchange_slot().inner();
+        if inner.failures.len() >= FAILURES_MAX && !inner.failures.contains_key(&agent) {
+            inner.failures_dropped = inner.failures_dropped.saturating_add(1);
+            return;
+        }
+        inner.failures.insert(agent, error);
+    }
+
+    fn record_send_failure(&self, target: String, what: String, error: Error) {
+        let mut inner = self.exchange_slot().inner();
+        if inner.send_failures.len() == SEND_FAILURES_MAX {
+            inner.send_failures.pop_front();
+        }
+        inner.send_failures.push_back((target, what, error));
+    }
+
     fn apply(&self, event: Event) {
-        let slot = self.exchange_slot();
         match event {
-            Event::Load { agent, blob, .. } => {
-                match self.load_remote_md(&blob) {
-                    Ok(peer) => {
-                        let name_ok = self.lock().world.peer_name(peer).is_ok_and(|n| n == agent);
-                        if !name_ok {
-                            slot.inner().failures.insert(
-                            agent.clone(),
-                            Error::Mismatch {
-                                subject: Subject::PeerName(agent),
-                                reason: "the metadata that came for this agent describes another agent".into(),
-                            },
-                        );
-                        }
-                    }
-                    Err(error) => {
-                        slot.inner().failures.insert(agent, error);
-                    }
+            Event::Load {
+                agent, blob, route, ..
+            } => {
+                let origin = match route {
+                    Route::P2p => "pushed or sent over p2p",
+                    Route::Etcd => "fetched from etcd",
+                    Route::TcpStore => "fetched from tcpstore",
+                };
+                if let Err(error) = self.load_checked(&agent, &blob, origin) {
+                    self.record_failure(agent, error);
                 }
             }
-            Event::Invalidate { agent, .. } => {
-                if let Some(peer) = self.peer(&agent) {
-                    // Already gone is fine: the goal is that it is gone.
-                    let _unused = self.invalidate_remote_md(peer);
+            Event::Invalidate { agent, .. } => self.drop_peer(&agent),
+            Event::FetchFailed { agent, error, .. } => self.record_failure(agent, error),
+            Event::Overflow {
+                agent: Some(agent),
+                lost,
+                error,
+            } => {
+                // What came after the last applied event is unknown: if a withdrawal
+                // was among it, the peer is dropped; the failure tells the caller to
+                // fetch again.
+                if lost.invalidation {
+                    self.drop_peer(&agent);
                 }
+                self.record_failure(agent, error);
             }
-            Event::FetchFailed { agent, error, .. } => {
-                slot.inner().failures.insert(agent, error);
-            }
+            Event::Overflow {
+                agent: None,
+                lost,
+                error,
+            } => self.record_send_failure(
+                "exchange".into(),
+                format!("{} event(s) about unnamed agents or sends", lost.events),
+                error,
+            ),
             Event::SendFailed {
                 target,
                 what,
                 error,
-            } => {
-                let mut inner = slot.inner();
-                if inner.send_failures.len() == SEND_FAILURES_MAX {
-                    inner.send_failures.pop_front();
-                }
-                inner.send_failures.push_back((target, what, error));
-            }
+            } => self.record_send_failure(target, what, error),
         }
+    }
+
+    fn drop_peer(&self, agent: &str) {
+        if let Some(peer) = self.peer(agent) {
+            // Already gone is fine: the goal is that it is gone.
+            let _unused = self.invalidate_remote_md(peer);
+        }
+    }
+
+    /// Failures of fetches (or of loads of pushed metadata) that were not kept because
+    /// [`FAILURES_MAX`] agents already had unchecked ones.
+    pub fn exchange_failures_dropped(&self) -> u64 {
+        self.exchange_slot().inner().failures_dropped
     }
 
     /// Poll for `agent`'s metadata: `Ok(true)` once it is loaded and, if `regions` is
@@ -266,6 +349,7 @@ impl Agent {
     /// Run the metadata-exchange commands of `cmds` (the agent's pre-phase; see
     /// `ferry_schedules::executor`). Commands of other kinds are left alone.
     pub(crate) fn run_exchange_commands(&self, cmds: &mut CommandBuffer) {
+        self.apply_exchange_events();
         for i in 0..cmds.len() {
             let Command::Exchange(op) = cmds.commands()[i] else {
                 continue;

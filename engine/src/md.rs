@@ -11,6 +11,11 @@ use ferry_metadata::{MdWriter, PeerMd};
 use ferry_schedules::{LoadKind, MetadataLoader, PeerView, World};
 use ferry_storage::{Desc, Error, MemKind, PeerId, RegionId, Subject, MAX_BACKENDS};
 
+/// Most blobs kept for one peer's generation (full plus partial ones that add
+/// something); a peer that sends more gets [`Error::Capacity`] (it can publish a new
+/// generation, or full metadata, instead). Bounds what a peer can make us keep.
+pub(crate) const PEER_BLOBS_MAX: usize = 256;
+
 /// Every blob loaded for one peer's current metadata generation.
 ///
 /// Backend indices of the view are positions in `names` (the union of the blobs'
@@ -279,6 +284,12 @@ impl MetadataLoader for MdState {
             {
                 if !set.compare(&md)? {
                     return Ok(peer); // identical content: idempotent
+                }
+                if set.blobs.len() >= PEER_BLOBS_MAX {
+                    return Err(Error::Capacity {
+                        what: "metadata blobs kept per peer generation",
+                        limit: PEER_BLOBS_MAX,
+                    });
                 }
                 let mut blobs = set.blobs.clone();
                 blobs.push(md);

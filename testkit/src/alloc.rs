@@ -24,23 +24,25 @@ pub struct CountingAlloc;
 
 static ON: AtomicBool = AtomicBool::new(false);
 static COUNT: AtomicUsize = AtomicUsize::new(0);
+static LARGEST: AtomicUsize = AtomicUsize::new(0);
 
-fn note() {
+fn note(size: usize) {
     if ON.load(Ordering::Relaxed) {
         COUNT.fetch_add(1, Ordering::Relaxed);
+        LARGEST.fetch_max(size, Ordering::Relaxed);
     }
 }
 
 // SAFETY: every method forwards to the system allocator with the caller's arguments
-// unchanged; counting touches only two atomics and never the memory handed out.
+// unchanged; counting touches only three atomics and never the memory handed out.
 unsafe impl GlobalAlloc for CountingAlloc {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        note();
+        note(layout.size());
         // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract, which is System's.
         unsafe { System.alloc(layout) }
     }
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        note();
+        note(layout.size());
         // SAFETY: as for `alloc`.
         unsafe { System.alloc_zeroed(layout) }
     }
@@ -49,7 +51,7 @@ unsafe impl GlobalAlloc for CountingAlloc {
         unsafe { System.dealloc(ptr, layout) }
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        note();
+        note(new_size);
         // SAFETY: `ptr` came from `System` through this allocator with `layout`; the
         // caller upholds the rest of `realloc`'s contract.
         unsafe { System.realloc(ptr, layout, new_size) }
@@ -59,6 +61,7 @@ unsafe impl GlobalAlloc for CountingAlloc {
 /// Reset the count and switch counting on.
 pub fn start() {
     COUNT.store(0, Ordering::SeqCst);
+    LARGEST.store(0, Ordering::SeqCst);
     ON.store(true, Ordering::SeqCst);
 }
 
@@ -73,4 +76,13 @@ pub fn counted<R>(f: impl FnOnce() -> R) -> (R, usize) {
     start();
     let r = f();
     (r, stop())
+}
+
+/// Run `f` and give the largest single allocation (or reallocation), in bytes, that
+/// happened (process-wide) meanwhile.
+pub fn largest<R>(f: impl FnOnce() -> R) -> (R, usize) {
+    start();
+    let r = f();
+    ON.store(false, Ordering::SeqCst);
+    (r, LARGEST.load(Ordering::SeqCst))
 }

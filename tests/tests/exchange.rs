@@ -5,8 +5,10 @@
 
 use std::time::{Duration, Instant};
 
+use std::sync::Arc;
+
 use ferry::exchange::{
-    tcpstore, EtcdConfig, ExchangeConfig, P2pConfig, StoreConfig, TcpStoreConfig, Via,
+    tcpstore, EtcdConfig, ExchangeConfig, Manager, P2pConfig, StoreConfig, TcpStoreConfig, Via,
 };
 use ferry::{Agent, Desc, Error, MemKind, Op, XferStatus};
 use ferry_tests::{loopback_agent, register, Buffer, Rng};
@@ -320,4 +322,188 @@ fn command_buffer_exchange_commands_discover_then_transfer() {
         .unwrap();
     assert_eq!(b.post(x).unwrap(), XferStatus::Done);
     assert_eq!(dst.bytes(), src.bytes());
+}
+
+/// Poll `check_remote_md` until it fails; returns the error.
+fn wait_failed(agent: &Agent, peer: &str) -> Error {
+    let deadline = Instant::now() + LONG;
+    loop {
+        match agent.check_remote_md(peer, None) {
+            Ok(true) => panic!("{}: '{peer}' was loaded", agent.name()),
+            Ok(false) => {}
+            Err(e) => return e,
+        }
+        assert!(Instant::now() < deadline, "no failure for '{peer}' in time");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// `e` is a mismatch naming both agents.
+fn names_both(e: &Error, claimed: &str, real: &str) {
+    assert!(matches!(e, Error::Mismatch { .. }), "{e}");
+    let text = e.to_string();
+    assert!(text.contains(claimed) && text.contains(real), "{text}");
+}
+
+/// Metadata that names agent C but arrives as agent B's — over the side channel, a P2P
+/// push (with and without a secret), a TCPStore fetch and an etcd fetch — is refused
+/// before it is loaded, with an error naming both, and C's metadata stays as it was.
+#[test]
+fn metadata_naming_another_agent_is_refused_before_it_is_loaded() {
+    let c = loopback_agent("imp-c");
+    let src = Buffer::zeroed(4096);
+    let region = register(&c, &src);
+    let md_c = c.local_md().unwrap();
+    // C's next generation (another region): what an impostor sends. Loading it would
+    // replace C's metadata at A (and `src` would no longer be covered).
+    let other = Buffer::zeroed(4096);
+    c.deregister(region).unwrap();
+    register(&c, &other);
+    let md_c2 = c.local_md().unwrap();
+    assert_ne!(md_c, md_c2);
+    let victim = |a: &Agent| {
+        a.load_remote_md_as(c.name(), &md_c).unwrap();
+        a.peer(c.name()).unwrap()
+    };
+    let unchanged = |a: &Agent, before| {
+        assert_eq!(a.peer(c.name()), Some(before));
+        assert!(a
+            .check_remote_md(c.name(), Some((MemKind::Dram, &[src.whole()])))
+            .unwrap());
+        assert!(a.peer("imp-b").is_none());
+    };
+
+    // Side channel.
+    let a = loopback_agent("imp-a");
+    a.start_exchange(ExchangeConfig::default()).unwrap();
+    let before = victim(&a);
+    names_both(
+        &a.load_remote_md_as("imp-b", &md_c2).unwrap_err(),
+        "imp-b",
+        c.name(),
+    );
+    unchanged(&a, before);
+
+    // P2P: "imp-b" pushes C's metadata to A.
+    for secret in [None, Some(Arc::<[u8]>::from(&b"s"[..]))] {
+        let a = loopback_agent("imp-a");
+        let before = victim(&a);
+        let mut cfg = p2p_config();
+        cfg.p2p.secret = secret.clone();
+        a.start_exchange(cfg).unwrap();
+        let mut b_cfg = ExchangeConfig::default();
+        b_cfg.p2p.secret = secret;
+        let b = Manager::new("imp-b", b_cfg).unwrap();
+        b.set_local_md(Arc::from(&md_c2[..]));
+        b.send_local_md(Via::Peer(a.exchange_listen_addr().unwrap()))
+            .unwrap();
+        names_both(&wait_failed(&a, "imp-b"), "imp-b", c.name());
+        unchanged(&a, before);
+    }
+
+    // TCPStore: "imp-b" publishes C's metadata under its own key; A fetches "imp-b".
+    let server = tcpstore::serve(
+        "127.0.0.1:0".parse().unwrap(),
+        tcpstore::ServerConfig::default(),
+    )
+    .unwrap();
+    let cfg = tcpstore_config(server.local_addr());
+    let b = Manager::new("imp-b", cfg.clone()).unwrap();
+    b.set_local_md(Arc::from(&md_c2[..]));
+    b.send_local_md(Via::Store).unwrap();
+    let a = loopback_agent("imp-a");
+    let before = victim(&a);
+    a.start_exchange(cfg).unwrap();
+    a.fetch_remote_md("imp-b", Via::Store, None).unwrap();
+    names_both(&wait_failed(&a, "imp-b"), "imp-b", c.name());
+    unchanged(&a, before);
+
+    // etcd, when one runs.
+    if let Ok(endpoint) = std::env::var("FERRY_TEST_ETCD") {
+        let cfg = ExchangeConfig {
+            store: StoreConfig::Etcd(EtcdConfig::new(vec![endpoint])),
+            namespace: format!("exchange-e2e/{}", ferry_tests::unique("ns")),
+            fetch_timeout: Duration::from_secs(5),
+            ..ExchangeConfig::default()
+        };
+        if let Ok(b) = Manager::new("imp-b", cfg.clone()) {
+            b.set_local_md(Arc::from(&md_c2[..]));
+            b.send_local_md(Via::Store).unwrap();
+            let a = loopback_agent("imp-a");
+            let before = victim(&a);
+            a.start_exchange(cfg).unwrap();
+            a.fetch_remote_md("imp-b", Via::Store, None).unwrap();
+            names_both(&wait_failed(&a, "imp-b"), "imp-b", c.name());
+            unchanged(&a, before);
+        }
+    }
+}
+
+/// An application that only flushes (here: posts) sees pushed metadata and a
+/// withdrawal: every flush applies pending exchange events first.
+#[test]
+fn flushing_alone_applies_exchange_events() {
+    let mut rng = Rng::new(5);
+    let src = Buffer::random(8192, &mut rng);
+    let dst = Buffer::zeroed(8192);
+    let a = loopback_agent("fl-a");
+    let b = loopback_agent("fl-b");
+    register(&a, &dst);
+    register(&b, &src);
+    a.start_exchange(p2p_config()).unwrap();
+    b.start_exchange(ExchangeConfig::default()).unwrap();
+    let to = Via::Peer(a.exchange_listen_addr().unwrap());
+    b.send_local_md(to).unwrap();
+    let deadline = Instant::now() + LONG;
+    let peer = loop {
+        // An empty flush: only the exchange pre-phase does anything.
+        a.flush(&mut ferry::CommandBuffer::with_capacity(1));
+        if let Some(p) = a.peer(b.name()) {
+            break p;
+        }
+        assert!(Instant::now() < deadline, "the push never reached A");
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    let x = a
+        .create(
+            Op::Read,
+            MemKind::Dram,
+            &[dst.whole()],
+            peer,
+            MemKind::Dram,
+            &[src.whole()],
+            None,
+        )
+        .unwrap();
+    assert_eq!(a.post(x).unwrap(), XferStatus::Done);
+    assert_eq!(dst.bytes(), src.bytes());
+    b.invalidate_local_md(to).unwrap();
+    let deadline = Instant::now() + LONG;
+    while a.post(x).is_ok() {
+        assert!(Instant::now() < deadline, "the withdrawal never reached A");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// A peer cannot make an agent keep more than 256 blobs of one generation: partial
+/// metadata that adds something is kept up to that bound, then refused with a
+/// capacity error (identical blobs cost nothing at all).
+#[test]
+fn partial_blobs_per_peer_are_bounded() {
+    let c = loopback_agent("pb-c");
+    let buffers: Vec<Buffer> = (0..257).map(|_| Buffer::zeroed(64)).collect();
+    let regions: Vec<_> = buffers.iter().map(|b| register(&c, b)).collect();
+    let a = loopback_agent("pb-a");
+    for (i, r) in regions.iter().enumerate() {
+        let blob = c.local_partial_md(&[*r], true).unwrap();
+        let loaded = a.load_remote_md_as(c.name(), &blob);
+        if i < 256 {
+            loaded.unwrap();
+            // The same blob again: nothing new, nothing kept.
+            a.load_remote_md_as(c.name(), &blob).unwrap();
+        } else {
+            let e = loaded.unwrap_err();
+            assert!(matches!(e, Error::Capacity { limit: 256, .. }), "{e}");
+        }
+    }
 }

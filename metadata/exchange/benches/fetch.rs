@@ -197,6 +197,15 @@ fn main() {
         p2p_a.set_local_md(md.clone());
         let p2p_b = Manager::new("bench-b", ExchangeConfig::default()).unwrap();
         let to = Via::Peer(p2p_a.p2p_listen_addr().unwrap());
+        // P2P with a shared secret (authenticated hello and frames).
+        let mut cfg = ExchangeConfig::default();
+        cfg.p2p.listen = Some(P2pConfig::LOOPBACK_EPHEMERAL);
+        cfg.p2p.secret = Some(Arc::from(&b"bench secret"[..]));
+        let auth_a = Manager::new("bench-a", cfg.clone()).unwrap();
+        auth_a.set_local_md(md.clone());
+        cfg.p2p.listen = None;
+        let auth_b = Manager::new("bench-b", cfg).unwrap();
+        let auth_to = Via::Peer(auth_a.p2p_listen_addr().unwrap());
 
         // TCPStore: Ferry's own server.
         let server = serve("127.0.0.1:0".parse().unwrap(), ServerConfig::default()).unwrap();
@@ -214,6 +223,10 @@ fn main() {
             ("bare_tcp", Box::new(bare_round_trip(len))),
             ("p2p", Box::new(|| fetch_once(&p2p_b, "bench-a", to, &md))),
             (
+                "p2p_secret",
+                Box::new(|| fetch_once(&auth_b, "bench-a", auth_to, &md)),
+            ),
+            (
                 "tcpstore",
                 Box::new(|| fetch_once(&ts_b, "bench-a", Via::Store, &md)),
             ),
@@ -221,15 +234,17 @@ fn main() {
         let stats = interleaved(n, &mut paths);
         row("bare_tcp", regions, len, &stats[0], None);
         row("p2p", regions, len, &stats[1], Some(&stats[0]));
-        row("tcpstore", regions, len, &stats[2], Some(&stats[0]));
+        row("p2p_secret", regions, len, &stats[2], Some(&stats[0]));
+        row("tcpstore", regions, len, &stats[3], Some(&stats[0]));
         drop(paths);
         println!(
-            "(fetches written by the caller's thread: p2p {}, tcpstore {}, of {} each)",
+            "(fetches written by the caller's thread: p2p {}, p2p_secret {}, tcpstore {}, of {} each)",
             p2p_b.direct_fetches(),
+            auth_b.direct_fetches(),
             ts_b.direct_fetches(),
             n + n.div_ceil(10)
         );
-        drop((p2p_a, p2p_b, ts_a, ts_b, server));
+        drop((p2p_a, p2p_b, auth_a, auth_b, ts_a, ts_b, server));
 
         if let Some(endpoint) = &etcd {
             etcd_rows(endpoint, regions, &md, if quick { 5 } else { n.min(500) });

@@ -4,23 +4,41 @@
 //! | variable | meaning | default |
 //! |---|---|---|
 //! | `FERRY_P2P_LISTEN` | `HOST:PORT` to run the P2P listener on (port 0: ephemeral), or `off` | off (agent config decides) |
-//! | `FERRY_P2P_SECRET` | shared secret: P2P frames are authenticated with HMAC-SHA256 | none (no authentication) |
-//! | `FERRY_P2P_MAX_FRAME_BYTES` | largest P2P frame accepted or sent | 64 MiB |
-//! | `FERRY_EXCHANGE_IO_TIMEOUT_MS` | bound on every connect, read and write | 5000 |
-//! | `FERRY_EXCHANGE_FETCH_TIMEOUT_MS` | how long a fetch waits for the peer to publish | 10000 |
+//! | `FERRY_P2P_SECRET` | shared secret: P2P hellos are a mutual challenge–response and frames carry HMAC-SHA256 tags | none: no authentication, the listener trusts anyone who can connect |
+//! | `FERRY_P2P_MAX_FRAME_BYTES` | largest P2P frame accepted or sent (1 KiB to 4 GiB - 1) | 64 MiB |
+//! | `FERRY_EXCHANGE_IO_TIMEOUT_MS` | bound on every connect, read and write | 5000 (1 ms to 24 h) |
+//! | `FERRY_EXCHANGE_FETCH_TIMEOUT_MS` | how long a fetch waits for the peer to publish | 10000 (1 ms to 24 h) |
 //! | `FERRY_STORE_NAMESPACE` | key prefix in etcd and TCPStore: keys are `<namespace>/<agent>/<label>` | `ferry/agents` |
 //! | `FERRY_ETCD_ENDPOINTS` | comma-separated etcd endpoints (`http://127.0.0.1:2379`); selects etcd | none |
-//! | `FERRY_ETCD_LEASE_TTL_S` | lease of published keys; a crashed agent's keys expire after it | 10 |
+//! | `FERRY_ETCD_LEASE_TTL_S` | lease of published keys; a crashed agent's keys expire after it (1 s to 24 h) | 10 |
+//! | `FERRY_ETCD_USER` | etcd user name (etcd's `auth enable`); needs a password | none |
+//! | `FERRY_ETCD_PASSWORD` | that user's password | none |
+//! | `FERRY_ETCD_PASSWORD_FILE` | a file whose content (trailing newline removed) is the password; keeps it out of the environment | none |
+//! | `FERRY_ETCD_CA_CERT` | PEM file of the CA that signed etcd's server certificate; turns TLS on (`https://` endpoints; cargo feature `etcd-tls`) | none |
+//! | `FERRY_ETCD_CERT`, `FERRY_ETCD_KEY` | PEM client certificate and key for etcd's client-certificate authentication (both or neither; with TLS) | none |
+//! | `FERRY_ETCD_TLS_DOMAIN` | the name to check etcd's certificate against, when not the endpoint's host | endpoint host |
 //! | `FERRY_TCPSTORE_ENDPOINT` | `HOST:PORT` of one TCPStore server; selects TCPStore | none |
 //! | `FERRY_TCPSTORE_PING` | `1`/`0`: send PING after VALIDATE (torch >= 2.5 servers need not; 2.2-2.4 die on it) | 1 |
 //! | `FERRY_TCPSTORE_SERVE` | `HOST:PORT` on which the agent runs Ferry's own TCPStore server (and uses it when no store is set), or `off` | off |
 //! | `FERRY_TCPSTORE_MAX_*`, `FERRY_TCPSTORE_*_TIMEOUT_MS` | limits of the embedded (and `ferry store serve`) TCPStore server: the table in the crate README | see there |
-//! | `FERRY_STORE_WATCH_INTERVAL_MS` | how often TCPStore looks for deleted keys of fetched peers | 1000 |
+//! | `FERRY_STORE_WATCH_INTERVAL_MS` | how often TCPStore looks for deleted keys of fetched peers and owners for lost ones (1 ms to 1 h) | 1000 |
 //!
 //! Setting both `FERRY_ETCD_ENDPOINTS` and `FERRY_TCPSTORE_ENDPOINT` is an error.
+//!
+//! # Odd values
+//! Every value is checked when the manager starts ([`ExchangeConfig::validated`]): what
+//! cannot work is a typed [`Error::InvalidParam`] naming the field or
+//! variable (a zero I/O timeout, fetch timeout, watch interval or capacity; a frame
+//! limit under 1 KiB or over 4 GiB; an empty secret; a capacity over
+//! [`CAPACITY_MAX`]; a user without a password; TLS settings without `https://`
+//! endpoints); durations longer than their maximum mean "practically forever" and are
+//! clamped to it with a logged warning ([`TIMEOUT_MAX`] for timeouts,
+//! [`WATCH_INTERVAL_MAX`], [`LEASE_TTL_MAX`]). Deadlines are computed with saturating
+//! arithmetic, so no value overflows an `Instant`.
 
 use std::borrow::Cow;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,6 +46,17 @@ use ferry_storage::{Error, Subject};
 
 /// Default prefix of store keys.
 pub const DEFAULT_NAMESPACE: &str = "ferry/agents";
+/// Longest timeout (I/O, fetch, P2P idle); longer ones are clamped with a warning.
+pub const TIMEOUT_MAX: Duration = Duration::from_secs(24 * 3600);
+/// Longest TCPStore watch interval; longer ones are clamped with a warning.
+pub const WATCH_INTERVAL_MAX: Duration = Duration::from_secs(3600);
+/// Longest etcd lease TTL; longer ones are clamped with a warning (a crashed agent's
+/// keys live that long).
+pub const LEASE_TTL_MAX: Duration = Duration::from_secs(24 * 3600);
+/// Largest event or command queue capacity (each is allocated up front).
+pub const CAPACITY_MAX: usize = 1 << 20;
+/// Longest store namespace, in bytes.
+pub const NAMESPACE_MAX_BYTES: usize = 1024;
 
 /// Everything the exchange needs to know.
 #[derive(Clone, Debug)]
@@ -55,13 +84,15 @@ pub struct ExchangeConfig {
 }
 
 /// The P2P listener and frame settings.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct P2pConfig {
     /// Where to listen; `None`: no listener. Listening on all interfaces (`0.0.0.0`)
     /// must be asked for explicitly.
     pub listen: Option<SocketAddr>,
-    /// Shared secret; when set, every frame carries an HMAC-SHA256 tag and frames
-    /// without a valid one are refused (both directions).
+    /// Shared secret; when set, both sides of a connection prove they know it in the
+    /// hello (a mutual challenge–response that also proves the agent names) and every
+    /// frame carries HMAC-SHA256 tags; anything else is refused. Without it the
+    /// listener trusts anyone who can connect, under any name they claim.
     pub secret: Option<Arc<[u8]>>,
     /// Largest frame accepted or sent, in bytes.
     pub max_frame_bytes: usize,
@@ -69,6 +100,18 @@ pub struct P2pConfig {
     pub idle_timeout: Duration,
     /// Most inbound connections served at once; more are closed at accept.
     pub max_connections: usize,
+}
+
+impl std::fmt::Debug for P2pConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("P2pConfig")
+            .field("listen", &self.listen)
+            .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
+            .field("max_frame_bytes", &self.max_frame_bytes)
+            .field("idle_timeout", &self.idle_timeout)
+            .field("max_connections", &self.max_connections)
+            .finish()
+    }
 }
 
 /// Which name-addressed store the agent uses.
@@ -86,10 +129,45 @@ pub enum StoreConfig {
 /// etcd settings.
 #[derive(Clone, Debug)]
 pub struct EtcdConfig {
-    /// Endpoints such as `http://127.0.0.1:2379`.
+    /// Endpoints such as `http://127.0.0.1:2379` (`https://` with [`Self::tls`]).
     pub endpoints: Vec<String>,
     /// TTL of the lease that published keys are attached to.
     pub lease_ttl: Duration,
+    /// User and password, for an etcd with authentication enabled.
+    pub user: Option<EtcdUser>,
+    /// TLS to etcd (cargo feature `etcd-tls`).
+    pub tls: Option<EtcdTls>,
+}
+
+/// An etcd user (etcd's `user add` + `auth enable`). Its `Debug` hides the password.
+#[derive(Clone)]
+pub struct EtcdUser {
+    /// The user name.
+    pub name: String,
+    /// The password.
+    pub password: String,
+}
+
+impl std::fmt::Debug for EtcdUser {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdUser")
+            .field("name", &self.name)
+            .field("password", &"<redacted>")
+            .finish()
+    }
+}
+
+/// TLS settings for etcd: PEM files, read when the worker connects.
+#[derive(Clone, Debug, Default)]
+pub struct EtcdTls {
+    /// The CA certificate(s) that signed etcd's server certificate.
+    pub ca_cert: Option<PathBuf>,
+    /// Client certificate, for etcd's client-certificate authentication (with `client_key`).
+    pub client_cert: Option<PathBuf>,
+    /// Client key (with `client_cert`).
+    pub client_key: Option<PathBuf>,
+    /// The name etcd's certificate must carry, when not the endpoint's host.
+    pub domain: Option<String>,
 }
 
 /// TCPStore settings.
@@ -120,6 +198,8 @@ impl EtcdConfig {
         EtcdConfig {
             endpoints,
             lease_ttl: Duration::from_secs(10),
+            user: None,
+            tls: None,
         }
     }
 }
@@ -255,6 +335,7 @@ impl ExchangeConfig {
                     })?;
                     etcd.lease_ttl = Duration::from_secs(secs);
                 }
+                etcd_overrides(etcd, &get)?;
             }
             StoreConfig::TcpStore(ts) => {
                 if let Some(v) = get("FERRY_TCPSTORE_PING") {
@@ -270,51 +351,94 @@ impl ExchangeConfig {
             }
             StoreConfig::None => {}
         }
+        self.validated()
+    }
+
+    /// This config with durations above their maximum clamped (each with a logged
+    /// warning), then [checked](Self::check). What [`crate::Manager::new`] uses.
+    pub fn validated(mut self) -> Result<ExchangeConfig, Error> {
+        clamp(&mut self.io_timeout, TIMEOUT_MAX, "io_timeout");
+        clamp(&mut self.fetch_timeout, TIMEOUT_MAX, "fetch_timeout");
+        clamp(&mut self.p2p.idle_timeout, TIMEOUT_MAX, "p2p.idle_timeout");
+        match &mut self.store {
+            StoreConfig::Etcd(etcd) => clamp(&mut etcd.lease_ttl, LEASE_TTL_MAX, "etcd lease_ttl"),
+            StoreConfig::TcpStore(ts) => clamp(
+                &mut ts.watch_interval,
+                WATCH_INTERVAL_MAX,
+                "tcpstore watch_interval",
+            ),
+            StoreConfig::None => {}
+        }
         self.check()?;
         Ok(self)
     }
 
-    /// Check the values for what would fail later.
+    /// Check the values for what would fail later (module docs, "Odd values");
+    /// durations above their maximum are errors here ([`Self::validated`] clamps them).
     pub fn check(&self) -> Result<(), Error> {
-        let named = |what: String, reason: &'static str| {
+        let named = |what: String, reason: Cow<'static, str>| {
             Err(Error::invalid(Subject::Named(Cow::Owned(what)), reason))
         };
-        if self.io_timeout.is_zero() {
-            return named("io_timeout".into(), "must be above zero");
+        let durations = [
+            ("io_timeout", self.io_timeout, TIMEOUT_MAX),
+            ("fetch_timeout", self.fetch_timeout, TIMEOUT_MAX),
+            ("p2p.idle_timeout", self.p2p.idle_timeout, TIMEOUT_MAX),
+        ];
+        for (what, value, max) in durations {
+            check_duration(what, value, max)?;
         }
         if self.p2p.max_frame_bytes < 1024 {
             return named(
                 format!("p2p.max_frame_bytes = {}", self.p2p.max_frame_bytes),
-                "must be at least 1024",
+                "must be at least 1024".into(),
             );
         }
         if self.p2p.max_frame_bytes > u32::MAX as usize {
             return named(
                 format!("p2p.max_frame_bytes = {}", self.p2p.max_frame_bytes),
-                "must fit in 32 bits",
+                "must fit in 32 bits".into(),
+            );
+        }
+        if self.p2p.max_connections == 0 {
+            return named(
+                "p2p.max_connections = 0".into(),
+                "must be above zero".into(),
             );
         }
         if matches!(&self.p2p.secret, Some(s) if s.is_empty()) {
-            return named("p2p.secret".into(), "must not be empty");
+            return named("p2p.secret".into(), "must not be empty".into());
         }
-        if self.event_capacity == 0 || self.command_capacity == 0 {
+        for (what, value) in [
+            ("event_capacity", self.event_capacity),
+            ("command_capacity", self.command_capacity),
+        ] {
+            if value == 0 || value > CAPACITY_MAX {
+                return named(
+                    format!("{what} = {value}"),
+                    format!("must be 1 to {CAPACITY_MAX}").into(),
+                );
+            }
+        }
+        match &self.store {
+            StoreConfig::Etcd(etcd) => check_etcd(etcd)?,
+            StoreConfig::TcpStore(ts) => {
+                check_duration(
+                    "tcpstore watch_interval",
+                    ts.watch_interval,
+                    WATCH_INTERVAL_MAX,
+                )?;
+                check_endpoint(&ts.endpoint)?;
+            }
+            StoreConfig::None => {}
+        }
+        if self.namespace.len() > NAMESPACE_MAX_BYTES
+            || self.namespace.chars().any(char::is_control)
+        {
             return named(
-                "event_capacity/command_capacity".into(),
-                "must be above zero",
+                format!("store namespace '{}'", self.namespace.escape_debug()),
+                format!("must be at most {NAMESPACE_MAX_BYTES} bytes without control characters")
+                    .into(),
             );
-        }
-        if let StoreConfig::Etcd(etcd) = &self.store {
-            if etcd.endpoints.is_empty() {
-                return named("etcd endpoints".into(), "empty list");
-            }
-            if etcd.lease_ttl < Duration::from_secs(1) {
-                return named("etcd lease_ttl".into(), "must be at least 1 s");
-            }
-        }
-        if let StoreConfig::TcpStore(ts) = &self.store {
-            if ts.watch_interval.is_zero() {
-                return named("tcpstore watch_interval".into(), "must be above zero");
-            }
         }
         self.normalized_namespace().map(|_| ())
     }
@@ -331,6 +455,157 @@ impl ExchangeConfig {
         }
         Ok(ns.to_owned())
     }
+}
+
+/// Clamp `value` to `max`, with a warning naming `what`.
+fn clamp(value: &mut Duration, max: Duration, what: &str) {
+    if *value > max {
+        log::warn!(
+            "exchange config: {what} of {} ms is over the maximum of {} ms; using the maximum",
+            value.as_millis(),
+            max.as_millis()
+        );
+        *value = max;
+    }
+}
+
+fn check_duration(what: &str, value: Duration, max: Duration) -> Result<(), Error> {
+    let reason = if value.is_zero() {
+        "must be above zero".to_owned()
+    } else if value > max {
+        format!("must be at most {} ms", max.as_millis())
+    } else {
+        return Ok(());
+    };
+    Err(Error::invalid(
+        Subject::Named(format!("{what} = {} ms", value.as_millis()).into()),
+        reason,
+    ))
+}
+
+/// `HOST:PORT` with a port that fits in 16 bits.
+fn check_endpoint(endpoint: &str) -> Result<(), Error> {
+    let ok = endpoint
+        .rsplit_once(':')
+        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+    if ok {
+        return Ok(());
+    }
+    Err(Error::invalid(
+        Subject::Named(format!("tcpstore endpoint '{}'", endpoint.escape_debug()).into()),
+        "expected HOST:PORT",
+    ))
+}
+
+fn check_etcd(etcd: &EtcdConfig) -> Result<(), Error> {
+    let named = |what: &str, reason: &'static str| {
+        Err(Error::invalid(
+            Subject::Named(what.to_owned().into()),
+            reason,
+        ))
+    };
+    if etcd.endpoints.is_empty() {
+        return named("etcd endpoints", "empty list");
+    }
+    if etcd.lease_ttl < Duration::from_secs(1) {
+        return named("etcd lease_ttl", "must be at least 1 s");
+    }
+    check_duration("etcd lease_ttl", etcd.lease_ttl, LEASE_TTL_MAX)?;
+    if let Some(user) = &etcd.user {
+        if user.name.is_empty() || user.password.is_empty() {
+            return named("etcd user", "needs both a name and a password");
+        }
+    }
+    let https = etcd
+        .endpoints
+        .iter()
+        .filter(|e| e.starts_with("https://"))
+        .count();
+    match &etcd.tls {
+        Some(tls) => {
+            if https != etcd.endpoints.len() {
+                return named(
+                    "etcd endpoints",
+                    "with TLS settings every endpoint must be https://",
+                );
+            }
+            if tls.client_cert.is_some() != tls.client_key.is_some() {
+                return named(
+                    "etcd client certificate",
+                    "needs both a certificate and a key (FERRY_ETCD_CERT and FERRY_ETCD_KEY)",
+                );
+            }
+        }
+        None if https > 0 => {
+            return named(
+                "etcd endpoints",
+                "https:// endpoints need TLS settings (FERRY_ETCD_CA_CERT)",
+            );
+        }
+        None => {}
+    }
+    Ok(())
+}
+
+/// The etcd user and TLS variables (module docs).
+fn etcd_overrides(
+    etcd: &mut EtcdConfig,
+    get: &impl Fn(&str) -> Option<String>,
+) -> Result<(), Error> {
+    let password = match (get("FERRY_ETCD_PASSWORD"), get("FERRY_ETCD_PASSWORD_FILE")) {
+        (Some(_), Some(_)) => {
+            return Err(Error::invalid(
+                Subject::Named("FERRY_ETCD_PASSWORD and FERRY_ETCD_PASSWORD_FILE".into()),
+                "both are set; choose one",
+            ))
+        }
+        (Some(p), None) => Some(p),
+        (None, Some(path)) => {
+            let text = std::fs::read_to_string(path.trim()).map_err(|e| {
+                Error::invalid(
+                    Subject::Named(format!("FERRY_ETCD_PASSWORD_FILE='{path}'").into()),
+                    format!("cannot be read: {e}"),
+                )
+            })?;
+            Some(text.trim_end_matches(['\r', '\n']).to_owned())
+        }
+        (None, None) => None,
+    };
+    match (get("FERRY_ETCD_USER"), password) {
+        (Some(name), Some(password)) => {
+            etcd.user = Some(EtcdUser {
+                name: name.trim().to_owned(),
+                password,
+            })
+        }
+        (None, None) => {}
+        (Some(_), None) => {
+            return Err(Error::invalid(
+                Subject::Named("FERRY_ETCD_USER".into()),
+                "needs FERRY_ETCD_PASSWORD or FERRY_ETCD_PASSWORD_FILE",
+            ))
+        }
+        (None, Some(_)) => {
+            return Err(Error::invalid(
+                Subject::Named("FERRY_ETCD_PASSWORD".into()),
+                "needs FERRY_ETCD_USER",
+            ))
+        }
+    }
+    let path = |name: &str| get(name).map(|v| PathBuf::from(v.trim()));
+    let ca_cert = path("FERRY_ETCD_CA_CERT");
+    let client_cert = path("FERRY_ETCD_CERT");
+    let client_key = path("FERRY_ETCD_KEY");
+    let domain = get("FERRY_ETCD_TLS_DOMAIN").map(|d| d.trim().to_owned());
+    if ca_cert.is_some() || client_cert.is_some() || client_key.is_some() || domain.is_some() {
+        etcd.tls = Some(EtcdTls {
+            ca_cert,
+            client_cert,
+            client_key,
+            domain,
+        });
+    }
+    Ok(())
 }
 
 /// The store key of `agent`'s metadata under `label`: `<namespace>/<agent>/<label>`.
@@ -400,5 +675,258 @@ mod tests {
         let ns = c.normalized_namespace().unwrap();
         assert_eq!(store_key(&ns, "a", "metadata"), "ferry/agents/a/metadata");
         assert_eq!(store_key("", "a", "p"), "a/p");
+    }
+
+    fn invalid(vars: &[(&str, &str)], needle: &str) {
+        match with(vars) {
+            Err(e @ Error::InvalidParam { .. }) => {
+                assert!(e.to_string().contains(needle), "{vars:?}: {e}")
+            }
+            other => panic!("{vars:?}: expected an invalid-argument error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn every_variable_refuses_garbage_and_out_of_range_numbers() {
+        let big = "18446744073709551616"; // u64::MAX + 1
+        for var in [
+            "FERRY_EXCHANGE_IO_TIMEOUT_MS",
+            "FERRY_EXCHANGE_FETCH_TIMEOUT_MS",
+            "FERRY_P2P_MAX_FRAME_BYTES",
+        ] {
+            invalid(&[(var, "soon")], var);
+            invalid(&[(var, "-1")], var);
+            invalid(&[(var, big)], var);
+        }
+        invalid(
+            &[(var_ts(), "1:2"), ("FERRY_STORE_WATCH_INTERVAL_MS", "x")],
+            "WATCH",
+        );
+        invalid(
+            &[(var_ts(), "h:1"), ("FERRY_TCPSTORE_PING", "maybe")],
+            "PING",
+        );
+        invalid(
+            &[
+                (var_etcd(), "http://e:1"),
+                ("FERRY_ETCD_LEASE_TTL_S", "1.5"),
+            ],
+            "LEASE",
+        );
+        invalid(&[("FERRY_P2P_LISTEN", "everywhere")], "FERRY_P2P_LISTEN");
+        invalid(&[("FERRY_P2P_LISTEN", "1.2.3.4:70000")], "FERRY_P2P_LISTEN");
+        invalid(&[("FERRY_TCPSTORE_SERVE", "::1")], "FERRY_TCPSTORE_SERVE");
+    }
+
+    fn var_ts() -> &'static str {
+        "FERRY_TCPSTORE_ENDPOINT"
+    }
+
+    fn var_etcd() -> &'static str {
+        "FERRY_ETCD_ENDPOINTS"
+    }
+
+    #[test]
+    fn zero_and_tiny_values_are_typed_errors() {
+        invalid(&[("FERRY_EXCHANGE_IO_TIMEOUT_MS", "0")], "io_timeout");
+        invalid(&[("FERRY_EXCHANGE_FETCH_TIMEOUT_MS", "0")], "fetch_timeout");
+        invalid(&[("FERRY_P2P_MAX_FRAME_BYTES", "0")], "max_frame_bytes");
+        invalid(&[("FERRY_P2P_MAX_FRAME_BYTES", "4294967296")], "32 bits");
+        invalid(
+            &[(var_ts(), "h:1"), ("FERRY_STORE_WATCH_INTERVAL_MS", "0")],
+            "watch_interval",
+        );
+        invalid(
+            &[(var_etcd(), "http://e:1"), ("FERRY_ETCD_LEASE_TTL_S", "0")],
+            "lease_ttl",
+        );
+        // Empty values change nothing (the default stays).
+        assert_eq!(
+            with(&[("FERRY_EXCHANGE_IO_TIMEOUT_MS", " ")])
+                .unwrap()
+                .io_timeout,
+            Duration::from_secs(5)
+        );
+    }
+
+    #[test]
+    fn huge_durations_are_clamped_not_overflowed() {
+        let max = "18446744073709551615";
+        let c = with(&[
+            ("FERRY_EXCHANGE_FETCH_TIMEOUT_MS", max),
+            ("FERRY_EXCHANGE_IO_TIMEOUT_MS", max),
+            (var_ts(), "127.0.0.1:1"),
+            ("FERRY_STORE_WATCH_INTERVAL_MS", max),
+        ])
+        .unwrap();
+        assert_eq!((c.fetch_timeout, c.io_timeout), (TIMEOUT_MAX, TIMEOUT_MAX));
+        match &c.store {
+            StoreConfig::TcpStore(ts) => assert_eq!(ts.watch_interval, WATCH_INTERVAL_MAX),
+            other => panic!("{other:?}"),
+        }
+        let c = with(&[(var_etcd(), "http://e:1"), ("FERRY_ETCD_LEASE_TTL_S", max)]).unwrap();
+        match &c.store {
+            StoreConfig::Etcd(e) => assert_eq!(e.lease_ttl, LEASE_TTL_MAX),
+            other => panic!("{other:?}"),
+        }
+        // The clamped values work in deadline arithmetic.
+        let now = std::time::Instant::now();
+        assert!(crate::util::deadline_after(now, c.fetch_timeout) > now);
+        // Set directly (not through the environment): check refuses, validated clamps.
+        let mut direct = ExchangeConfig::default();
+        direct.p2p.idle_timeout = Duration::MAX;
+        assert!(direct.check().is_err());
+        assert_eq!(direct.validated().unwrap().p2p.idle_timeout, TIMEOUT_MAX);
+    }
+
+    #[test]
+    fn fields_without_variables_are_checked_too() {
+        let base = ExchangeConfig::default;
+        let cases: Vec<(ExchangeConfig, &str)> = vec![
+            (
+                ExchangeConfig {
+                    event_capacity: 0,
+                    ..base()
+                },
+                "event_capacity",
+            ),
+            (
+                ExchangeConfig {
+                    command_capacity: usize::MAX,
+                    ..base()
+                },
+                "command_capacity",
+            ),
+            (
+                ExchangeConfig {
+                    p2p: P2pConfig {
+                        max_connections: 0,
+                        ..P2pConfig::default()
+                    },
+                    ..base()
+                },
+                "max_connections",
+            ),
+            (
+                ExchangeConfig {
+                    p2p: P2pConfig {
+                        secret: Some(Arc::from(&b""[..])),
+                        ..P2pConfig::default()
+                    },
+                    ..base()
+                },
+                "secret",
+            ),
+            (
+                ExchangeConfig {
+                    namespace: "x".repeat(NAMESPACE_MAX_BYTES + 1),
+                    ..base()
+                },
+                "namespace",
+            ),
+            (
+                ExchangeConfig {
+                    namespace: "a\nb".into(),
+                    ..base()
+                },
+                "namespace",
+            ),
+            (
+                ExchangeConfig {
+                    store: StoreConfig::TcpStore(TcpStoreConfig::new("no-port")),
+                    ..base()
+                },
+                "no-port",
+            ),
+            (
+                ExchangeConfig {
+                    store: StoreConfig::Etcd(EtcdConfig::new(Vec::new())),
+                    ..base()
+                },
+                "etcd endpoints",
+            ),
+        ];
+        for (config, needle) in cases {
+            let e = config.validated().unwrap_err();
+            assert!(matches!(e, Error::InvalidParam { .. }), "{e}");
+            assert!(e.to_string().contains(needle), "{needle}: {e}");
+        }
+    }
+
+    #[test]
+    fn etcd_user_and_tls_settings() {
+        let etcd = |c: ExchangeConfig| match c.store {
+            StoreConfig::Etcd(e) => e,
+            other => panic!("{other:?}"),
+        };
+        let e = etcd(
+            with(&[
+                (var_etcd(), "https://etcd-0:2379,https://etcd-1:2379"),
+                ("FERRY_ETCD_USER", "ferry"),
+                ("FERRY_ETCD_PASSWORD", "pw"),
+                ("FERRY_ETCD_CA_CERT", "/etc/ca.pem"),
+                ("FERRY_ETCD_CERT", "/etc/c.pem"),
+                ("FERRY_ETCD_KEY", "/etc/k.pem"),
+                ("FERRY_ETCD_TLS_DOMAIN", "etcd.local"),
+            ])
+            .unwrap(),
+        );
+        let user = e.user.clone().unwrap();
+        assert_eq!(
+            (user.name.as_str(), user.password.as_str()),
+            ("ferry", "pw")
+        );
+        assert!(
+            !format!("{e:?}").contains("pw\""),
+            "Debug shows the password: {e:?}"
+        );
+        let tls = e.tls.unwrap();
+        assert_eq!(
+            tls.ca_cert.as_deref(),
+            Some(std::path::Path::new("/etc/ca.pem"))
+        );
+        assert_eq!(tls.domain.as_deref(), Some("etcd.local"));
+        assert!(tls.client_cert.is_some() && tls.client_key.is_some());
+
+        // The password from a file (trailing newline dropped).
+        let dir = std::env::temp_dir().join(format!("ferry-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("pw");
+        std::fs::write(&file, "from-file\n").unwrap();
+        let e = etcd(
+            with(&[
+                (var_etcd(), "http://e:1"),
+                ("FERRY_ETCD_USER", "u"),
+                ("FERRY_ETCD_PASSWORD_FILE", file.to_str().unwrap()),
+            ])
+            .unwrap(),
+        );
+        assert_eq!(e.user.unwrap().password, "from-file");
+        std::fs::remove_dir_all(&dir).unwrap();
+
+        let http = (var_etcd(), "http://e:1");
+        invalid(&[http, ("FERRY_ETCD_USER", "u")], "FERRY_ETCD_PASSWORD");
+        invalid(&[http, ("FERRY_ETCD_PASSWORD", "p")], "FERRY_ETCD_USER");
+        invalid(
+            &[
+                http,
+                ("FERRY_ETCD_USER", "u"),
+                ("FERRY_ETCD_PASSWORD_FILE", "/nonexistent/pw"),
+            ],
+            "cannot be read",
+        );
+        invalid(&[http, ("FERRY_ETCD_CA_CERT", "/ca.pem")], "https://");
+        invalid(&[(var_etcd(), "https://e:1")], "TLS");
+        invalid(
+            &[(var_etcd(), "https://e:1"), ("FERRY_ETCD_CERT", "/c.pem")],
+            "FERRY_ETCD_KEY",
+        );
+    }
+
+    #[test]
+    fn the_p2p_secret_is_not_in_debug_output() {
+        let c = with(&[("FERRY_P2P_SECRET", "hunter2")]).unwrap();
+        assert!(!format!("{c:?}").contains("hunter2"));
+        assert!(!format!("{c:?}").contains("104, 117")); // its bytes
     }
 }

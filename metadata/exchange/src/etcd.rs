@@ -22,7 +22,7 @@ use ferry_storage::Error;
 use tokio::sync::mpsc;
 use tokio::time::timeout;
 
-use crate::config::EtcdConfig;
+use crate::config::{EtcdConfig, EtcdTls};
 use crate::events::{Event, Route, FULL_LABEL};
 use crate::manager::{CmdSender, Shared, StoreCmd, StoreWorker};
 use crate::util::{io_error, timeout_error};
@@ -37,8 +37,10 @@ pub(crate) fn start(shared: Arc<Shared>, config: &EtcdConfig) -> Result<StoreWor
         .enable_all()
         .build()
         .map_err(|e| io_error(BACKEND, "building the worker's runtime", &e))?;
+    let options = connect_options(config, shared.config.io_timeout)?;
     let worker = Worker {
         shared: shared.clone(),
+        options,
         endpoints: config.endpoints.clone(),
         lease_ttl: config.lease_ttl,
         client: None,
@@ -58,6 +60,58 @@ pub(crate) fn start(shared: Arc<Shared>, config: &EtcdConfig) -> Result<StoreWor
         fetches: None,
         direct: None,
         threads: vec![thread],
+    })
+}
+
+/// The options of every connection: timeouts, and the user and TLS settings of
+/// `config` (TLS files are read here, so a missing file fails at start).
+fn connect_options(config: &EtcdConfig, io_timeout: Duration) -> Result<ConnectOptions, Error> {
+    let mut options = ConnectOptions::new()
+        .with_connect_timeout(io_timeout)
+        .with_keep_alive(io_timeout, io_timeout);
+    if let Some(user) = &config.user {
+        options = options.with_user(user.name.clone(), user.password.clone());
+    }
+    if let Some(tls) = &config.tls {
+        options = with_tls(options, tls)?;
+    }
+    Ok(options)
+}
+
+#[cfg(feature = "etcd-tls")]
+fn with_tls(options: ConnectOptions, tls: &EtcdTls) -> Result<ConnectOptions, Error> {
+    use etcd_client::{Certificate, Identity, TlsOptions};
+    use ferry_storage::Subject;
+    let read = |what: &str, path: &std::path::Path| {
+        std::fs::read(path).map_err(|e| {
+            Error::invalid(
+                Subject::Named(format!("etcd {what} '{}'", path.display()).into()),
+                format!("cannot be read: {e}"),
+            )
+        })
+    };
+    let mut tls_options = TlsOptions::new();
+    if let Some(ca) = &tls.ca_cert {
+        tls_options =
+            tls_options.ca_certificate(Certificate::from_pem(read("CA certificate", ca)?));
+    }
+    if let (Some(cert), Some(key)) = (&tls.client_cert, &tls.client_key) {
+        tls_options = tls_options.identity(Identity::from_pem(
+            read("client certificate", cert)?,
+            read("client key", key)?,
+        ));
+    }
+    if let Some(domain) = &tls.domain {
+        tls_options = tls_options.domain_name(domain.clone());
+    }
+    Ok(options.with_tls(tls_options))
+}
+
+#[cfg(not(feature = "etcd-tls"))]
+fn with_tls(_options: ConnectOptions, _tls: &EtcdTls) -> Result<ConnectOptions, Error> {
+    Err(Error::NotSupported {
+        backend: BACKEND.into(),
+        what: "TLS to etcd: this build of ferry-exchange lacks its `etcd-tls` cargo feature".into(),
     })
 }
 
@@ -89,6 +143,8 @@ struct Lease {
 
 struct Worker {
     shared: Arc<Shared>,
+    /// Timeouts, user and TLS settings of every connection.
+    options: ConnectOptions,
     endpoints: Vec<String>,
     lease_ttl: Duration,
     client: Option<Client>,
@@ -130,9 +186,7 @@ impl Worker {
             return Ok(c.clone());
         }
         let io_timeout = self.shared.config.io_timeout;
-        let options = ConnectOptions::new()
-            .with_connect_timeout(io_timeout)
-            .with_keep_alive(io_timeout, io_timeout);
+        let options = self.options.clone();
         let what = format!("connecting to etcd at {}", self.endpoints.join(","));
         let client = bounded(
             io_timeout,
@@ -199,7 +253,7 @@ impl Worker {
         }
         let io_timeout = self.shared.config.io_timeout;
         let mut client = self.client().await?;
-        let ttl = self.lease_ttl.as_secs().max(1) as i64;
+        let ttl = i64::try_from(self.lease_ttl.as_secs().max(1)).unwrap_or(i64::MAX);
         let granted = bounded(
             io_timeout,
             "granting a lease",

@@ -19,7 +19,9 @@
 //! [`Manager::workers_running`] is the one answer to "does any worker thread exist".
 //!
 //! # Components
-//! - [`p2p`]: the listener and the framed, optionally HMAC-authenticated protocol.
+//! - [`p2p`]: the listener and the framed protocol: a hello naming each side (a mutual
+//!   challenge–response with a shared secret), frames bound to that name, heads
+//!   authenticated before payloads are read. Trust model: `README.md`.
 //! - [`tcpstore`]: a client of PyTorch's c10d TCPStore protocol and Ferry's own server.
 //! - `etcd` (cargo feature `etcd`): the etcd backend, with leases and watches.
 //!
@@ -36,8 +38,10 @@ pub mod p2p;
 pub mod tcpstore;
 mod util;
 
-pub use config::{EtcdConfig, ExchangeConfig, P2pConfig, StoreConfig, TcpStoreConfig};
+pub use config::{
+    EtcdConfig, EtcdTls, EtcdUser, ExchangeConfig, P2pConfig, StoreConfig, TcpStoreConfig,
+};
 pub use conn_server::ConnStats;
-pub use events::{Event, Route, FULL_LABEL};
+pub use events::{Event, Lost, Route, FULL_LABEL};
 pub use local::{check_agent_name, check_label, NAME_LEN_MAX_BYTES};
 pub use manager::{Manager, Via};

@@ -42,7 +42,9 @@ impl Shared {
         self.stop.load(Ordering::Acquire)
     }
 
-    /// Queue an event for the agent (waiting for space). False when shutting down.
+    /// Queue an event for the agent without waiting. False when it was not queued:
+    /// shutting down, or the queue is full (then it is reported to the agent as an
+    /// [`Event::Overflow`], see `EventQueue`).
     pub(crate) fn emit(&self, event: Event) -> bool {
         self.events.push(event, &self.stop)
     }
@@ -132,9 +134,8 @@ impl Manager {
     /// first call that names a peer address.
     pub fn new(agent: &str, config: ExchangeConfig) -> Result<Manager, Error> {
         check_agent_name(agent)?;
-        config.check()?;
+        let mut config = config.validated()?;
         let namespace = config.normalized_namespace()?;
-        let mut config = config;
         let embedded = match config.embedded_store {
             Some(addr) => {
                 let server = tcpstore::serve(addr, config.embedded_store_limits.clone())?;
@@ -211,6 +212,12 @@ impl Manager {
     /// (P2P, TCPStore) rather than handed to a worker. For tests and monitoring.
     pub fn direct_fetches(&self) -> u64 {
         self.shared.direct_fetches.load(Ordering::Relaxed)
+    }
+
+    /// Events dropped because the event queue was full (each reported to the agent in
+    /// an [`Event::Overflow`]).
+    pub fn events_dropped(&self) -> u64 {
+        self.shared.events.dropped()
     }
 
     /// The store in use (`etcd` or `tcpstore`) and its endpoint, if any.
@@ -374,7 +381,6 @@ pub(crate) fn queue<T>(
 impl Drop for Manager {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Release);
-        self.shared.events.wake_all();
         if let Some(mut listener) = self.listener.take() {
             listener.stop();
         }

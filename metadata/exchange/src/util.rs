@@ -3,7 +3,7 @@
 use std::fmt::Display;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream, ToSocketAddrs};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ferry_storage::Error;
 
@@ -87,6 +87,24 @@ pub(crate) fn nonzero(d: Duration) -> Duration {
     d.max(Duration::from_millis(1))
 }
 
+/// `start + after`, saturating: a configured duration too large to add (years) gives
+/// the latest instant that can be represented near it instead of a panic.
+pub(crate) fn deadline_after(start: Instant, after: Duration) -> Instant {
+    if let Some(t) = start.checked_add(after) {
+        return t;
+    }
+    // Halve until it fits: still centuries away for any overflowing input.
+    let mut step = after;
+    let mut t = start;
+    while !step.is_zero() {
+        step /= 2;
+        if let Some(next) = t.checked_add(step) {
+            t = next;
+        }
+    }
+    t
+}
+
 /// 16 random bytes from the operating system.
 pub(crate) fn nonce() -> Result<[u8; 16], Error> {
     let mut n = [0u8; 16];
@@ -106,5 +124,23 @@ pub(crate) fn wake_addr(addr: SocketAddr) -> SocketAddr {
             SocketAddr::new(IpAddr::V6(Ipv6Addr::LOCALHOST), addr.port())
         }
         _ => addr,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn deadlines_saturate_instead_of_overflowing() {
+        let now = Instant::now();
+        assert_eq!(
+            deadline_after(now, Duration::from_secs(1)),
+            now + Duration::from_secs(1)
+        );
+        let far = deadline_after(now, Duration::MAX);
+        assert!(far > now + Duration::from_secs(1 << 30));
+        let far = deadline_after(now, Duration::from_millis(u64::MAX));
+        assert!(far > now + Duration::from_secs(1 << 30));
     }
 }

@@ -26,7 +26,9 @@ mod with_etcd {
     use std::time::{Duration, Instant};
 
     use super::common::{blob, FakeAgent, LONG};
-    use ferry_exchange::{EtcdConfig, ExchangeConfig, Route, StoreConfig, Via, FULL_LABEL};
+    use ferry_exchange::{
+        EtcdConfig, EtcdTls, EtcdUser, ExchangeConfig, Route, StoreConfig, Via, FULL_LABEL,
+    };
     use ferry_storage::Error;
     use ferry_testkit::ci::under_ci;
 
@@ -305,5 +307,220 @@ mod with_etcd {
             .fetch_remote_md("a", Via::Store, Some("p"))
             .unwrap();
         c.wait_md("a", "p", &blob("a/p", 5), Duration::from_secs(20));
+    }
+
+    /// An etcd of the test's own (temp data dir, free ports; killed on drop), for what
+    /// must not touch the shared one (enabling authentication). The binary comes from
+    /// `FERRY_TEST_ETCD_BIN` or `etcd` on the PATH; under `CI=true` a missing one fails.
+    struct OwnEtcd {
+        child: std::process::Child,
+        dir: std::path::PathBuf,
+        endpoint: String,
+    }
+
+    impl OwnEtcd {
+        fn start() -> Option<OwnEtcd> {
+            OwnEtcd::start_with(false)
+        }
+
+        /// With `tls`: `https://` with the test certificates of `tests/tls/` (server
+        /// certificate for 127.0.0.1, client certificates required).
+        fn start_with(tls: bool) -> Option<OwnEtcd> {
+            let bin = std::env::var("FERRY_TEST_ETCD_BIN").unwrap_or_else(|_| "etcd".into());
+            let runs = std::process::Command::new(&bin)
+                .arg("--version")
+                .output()
+                .is_ok_and(|o| o.status.success());
+            if !runs {
+                assert!(!under_ci(), "CI=true but no etcd binary ('{bin}') to start");
+                eprintln!("skipping: no etcd binary ('{bin}'; set FERRY_TEST_ETCD_BIN)");
+                return None;
+            }
+            let port = || {
+                TcpListener::bind("127.0.0.1:0")
+                    .unwrap()
+                    .local_addr()
+                    .unwrap()
+                    .port()
+            };
+            let (client, peer) = (port(), port());
+            let dir =
+                std::env::temp_dir().join(format!("ferry-etcd-{}-{}", std::process::id(), nanos()));
+            std::fs::create_dir_all(&dir).unwrap();
+            let log = std::fs::File::create(dir.join("etcd.log")).unwrap();
+            let scheme = if tls { "https" } else { "http" };
+            let endpoint = format!("{scheme}://127.0.0.1:{client}");
+            let peer_url = format!("http://127.0.0.1:{peer}");
+            let mut command = std::process::Command::new(&bin);
+            if tls {
+                let dir = tls_dir();
+                command
+                    .arg("--cert-file")
+                    .arg(dir.join("server.pem"))
+                    .arg("--key-file")
+                    .arg(dir.join("server-key.pem"))
+                    .arg("--trusted-ca-file")
+                    .arg(dir.join("ca.pem"))
+                    .arg("--client-cert-auth");
+            }
+            let child = command
+                .args(["--name", "own", "--data-dir"])
+                .arg(dir.join("data"))
+                .args(["--listen-client-urls", &endpoint])
+                .args(["--advertise-client-urls", &endpoint])
+                .args(["--listen-peer-urls", &peer_url])
+                .args(["--initial-advertise-peer-urls", &peer_url])
+                .args(["--initial-cluster", &format!("own={peer_url}")])
+                .stdout(log.try_clone().unwrap())
+                .stderr(log)
+                .spawn()
+                .unwrap();
+            let own = OwnEtcd {
+                child,
+                dir,
+                endpoint,
+            };
+            let deadline = Instant::now() + LONG;
+            while TcpStream::connect(("127.0.0.1", client)).is_err() {
+                assert!(Instant::now() < deadline, "our etcd did not start");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Some(own)
+        }
+    }
+
+    impl Drop for OwnEtcd {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    /// With authentication enabled in etcd, agents configured with the user discover
+    /// each other; one without the user, or with a wrong password, gets errors.
+    #[test]
+    fn an_etcd_with_authentication_serves_only_its_users() {
+        let Some(etcd) = OwnEtcd::start() else {
+            return;
+        };
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let mut c = etcd_client::Client::connect([&etcd.endpoint], None)
+                .await
+                .unwrap();
+            c.user_add("root", "root-pw", None).await.unwrap();
+            c.user_grant_role("root", "root").await.unwrap();
+            c.auth_enable().await.unwrap();
+        });
+        let with_user = |name: &str, password: &str| {
+            let mut cfg = config(&etcd.endpoint, "auth");
+            if let StoreConfig::Etcd(e) = &mut cfg.store {
+                e.user = Some(EtcdUser {
+                    name: name.into(),
+                    password: password.into(),
+                });
+            }
+            cfg
+        };
+        let good = with_user("root", "root-pw");
+        let a = FakeAgent::new("a", good.clone());
+        let mut b = FakeAgent::new("b", good.clone());
+        let md_a = blob("a", 500);
+        a.manager.set_local_md(md_a.clone());
+        a.manager.send_local_md(Via::Store).unwrap();
+        b.manager.fetch_remote_md("a", Via::Store, None).unwrap();
+        b.wait_md("a", FULL_LABEL, &md_a, LONG);
+        assert!(a.send_failures.is_empty(), "{:?}", a.send_failures);
+
+        // No user (same namespace), and a wrong password: refused by etcd.
+        let mut anonymous = good.clone();
+        if let StoreConfig::Etcd(e) = &mut anonymous.store {
+            e.user = None;
+        }
+        for cfg in [anonymous, with_user("root", "guess")] {
+            let mut m = FakeAgent::new("m", cfg);
+            m.manager.set_local_md(blob("m", 10));
+            m.manager.send_local_md(Via::Store).unwrap();
+            assert!(m.pump_until(LONG, |m| !m.send_failures.is_empty()));
+            m.manager.fetch_remote_md("a", Via::Store, None).unwrap();
+            let e = m.wait_fetch_failure("a", LONG);
+            assert!(matches!(e, Error::Backend { .. }), "{e}");
+            assert!(m.md("a", FULL_LABEL).is_none());
+        }
+        // The user's agents still work.
+        b.peers.clear();
+        b.manager.fetch_remote_md("a", Via::Store, None).unwrap();
+        b.wait_md("a", FULL_LABEL, &md_a, LONG);
+    }
+
+    /// TLS settings need the `etcd-tls` feature; with it, unreadable files are refused
+    /// when the manager starts.
+    #[test]
+    fn tls_settings_are_checked_at_start() {
+        let mut etcd = EtcdConfig::new(vec!["https://127.0.0.1:1".into()]);
+        etcd.tls = Some(EtcdTls {
+            ca_cert: Some("/nonexistent/ca.pem".into()),
+            ..EtcdTls::default()
+        });
+        let cfg = ExchangeConfig {
+            store: StoreConfig::Etcd(etcd),
+            ..ExchangeConfig::default()
+        };
+        let e = ferry_exchange::Manager::new("t", cfg)
+            .err()
+            .expect("refused");
+        if cfg!(feature = "etcd-tls") {
+            assert!(e.to_string().contains("/nonexistent/ca.pem"), "{e}");
+        } else {
+            assert!(matches!(e, Error::NotSupported { .. }), "{e}");
+            assert!(e.to_string().contains("etcd-tls"), "{e}");
+        }
+    }
+
+    /// The test certificates (a CA valid until 2126, a server certificate for
+    /// 127.0.0.1 and a client certificate it signed; test fixtures, no secret).
+    fn tls_dir() -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/tls")
+    }
+
+    /// TLS to etcd with a client certificate (feature `etcd-tls`): agents with the CA
+    /// and the client certificate discover each other over `https://`; without the
+    /// client certificate etcd refuses the connection.
+    #[cfg(feature = "etcd-tls")]
+    #[test]
+    fn tls_with_a_client_certificate() {
+        let Some(etcd) = OwnEtcd::start_with(true) else {
+            return;
+        };
+        let dir = tls_dir();
+        let base = config(&etcd.endpoint, "tls");
+        let with_tls = |client_cert: bool| {
+            let mut cfg = base.clone();
+            if let StoreConfig::Etcd(e) = &mut cfg.store {
+                e.tls = Some(EtcdTls {
+                    ca_cert: Some(dir.join("ca.pem")),
+                    client_cert: client_cert.then(|| dir.join("client.pem")),
+                    client_key: client_cert.then(|| dir.join("client-key.pem")),
+                    domain: None,
+                });
+            }
+            cfg
+        };
+        let a = FakeAgent::new("a", with_tls(true));
+        let mut b = FakeAgent::new("b", with_tls(true));
+        let md_a = blob("a", 300);
+        a.manager.set_local_md(md_a.clone());
+        a.manager.send_local_md(Via::Store).unwrap();
+        b.manager.fetch_remote_md("a", Via::Store, None).unwrap();
+        b.wait_md("a", FULL_LABEL, &md_a, LONG);
+
+        let mut m = FakeAgent::new("m", with_tls(false));
+        m.manager.fetch_remote_md("a", Via::Store, None).unwrap();
+        let e = m.wait_fetch_failure("a", LONG);
+        assert!(matches!(e, Error::Backend { .. }), "{e}");
     }
 }

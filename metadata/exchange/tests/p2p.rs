@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{blob, FakeAgent, LONG};
+use ferry_exchange::p2p::frame::{hello_proof, FrameSettings, FrameWriter, Hello, Kind, Role};
 use ferry_exchange::{ExchangeConfig, Manager, P2pConfig, Via, FULL_LABEL};
 use ferry_storage::Error;
 
@@ -175,14 +176,19 @@ fn authenticated_peers_talk_and_wrong_secrets_are_refused() {
     b.wait_md("a", FULL_LABEL, &md_a, LONG);
 }
 
-/// Read the 22-byte hello of a Ferry listener.
-fn raw_hello(to: SocketAddr) -> TcpStream {
+/// Connect to a Ferry listener and read its hello.
+fn raw_hello(to: SocketAddr) -> (TcpStream, Hello) {
     let mut s = TcpStream::connect(to).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    let mut hello = [0u8; 22];
-    s.read_exact(&mut hello).unwrap();
-    assert_eq!(&hello[..4], b"FRYX");
-    s
+    let mut fixed = [0u8; 23];
+    s.read_exact(&mut fixed).unwrap();
+    assert_eq!(&fixed[..4], b"FRYX");
+    let mut name = vec![0u8; usize::from(fixed[22])];
+    s.read_exact(&mut name).unwrap();
+    let mut all = fixed.to_vec();
+    all.extend_from_slice(&name);
+    let (hello, _) = Hello::decode(&all).unwrap();
+    (s, hello)
 }
 
 /// Whether the listener closed `s` (EOF or reset) within the read timeout.
@@ -195,6 +201,43 @@ fn closed(mut s: TcpStream) -> bool {
             Err(e) => return e.kind() == std::io::ErrorKind::ConnectionReset,
         }
     }
+}
+
+fn refused(a: &FakeAgent) -> u64 {
+    a.manager
+        .p2p_stats()
+        .unwrap()
+        .connections_refused
+        .load(Ordering::Relaxed)
+}
+
+/// A hand-made client of the listener at `to`: hello as `name` (with `secret`, the
+/// proof too), then a writer of frames. Returns the socket and the writer.
+fn rogue(to: SocketAddr, name: &str, secret: Option<&[u8]>) -> (TcpStream, FrameWriter) {
+    let (mut s, theirs) = raw_hello(to);
+    let ours = Hello {
+        auth: secret.is_some(),
+        nonce: [0x5A; 16],
+        name: name.into(),
+    };
+    s.write_all(&ours.encode()).unwrap();
+    if let Some(secret) = secret {
+        let proof = hello_proof(secret, Role::Connecting, &ours, &theirs).unwrap();
+        s.write_all(&proof).unwrap();
+        let mut their_proof = [0u8; 32];
+        s.read_exact(&mut their_proof).unwrap();
+        assert_eq!(
+            their_proof,
+            hello_proof(secret, Role::Accepting, &theirs, &ours).unwrap()
+        );
+    }
+    let settings = FrameSettings {
+        secret: secret.map(Arc::from),
+        max_frame_bytes: 1 << 20,
+        io_timeout: Duration::from_secs(2),
+    };
+    let w = FrameWriter::new(s.try_clone().unwrap(), &settings, theirs.nonce);
+    (s, w)
 }
 
 #[test]
@@ -215,50 +258,48 @@ fn garbage_oversized_and_forged_frames_leave_the_listener_serving() {
         .unwrap();
     assert!(closed(g));
 
-    // A valid hello (claiming auth), then an oversized frame header.
-    let mut o = raw_hello(to);
-    let mut hello = *b"FRYX\x01\x01................";
-    hello[6..].copy_from_slice(&[7; 16]);
-    o.write_all(&hello).unwrap();
+    // A valid hello claiming auth, then a 64 MiB frame header where the proof belongs:
+    // refused at the proof, nothing allocated for the "frame".
+    let hello = Hello {
+        auth: true,
+        nonce: [7; 16],
+        name: "mallory".into(),
+    };
+    let (mut o, _) = raw_hello(to);
+    o.write_all(&hello.encode()).unwrap();
     o.write_all(&(64u32 << 20).to_le_bytes()).unwrap();
+    o.write_all(&[0; 28]).unwrap();
     assert!(closed(o));
 
-    // A valid hello, then a well-formed Load frame with a forged tag.
-    let mut f = raw_hello(to);
-    f.write_all(&hello).unwrap();
-    let mut body = vec![1u8];
-    body.extend_from_slice(&0u64.to_le_bytes());
-    body.push(7);
-    body.extend_from_slice(b"mallory");
-    body.push(8);
-    body.extend_from_slice(b"metadata");
-    body.extend_from_slice(b"evil metadata");
-    body.extend_from_slice(&[0xAB; 32]);
-    f.write_all(&(body.len() as u32).to_le_bytes()).unwrap();
-    f.write_all(&body).unwrap();
+    // A forged proof.
+    let (mut f, _) = raw_hello(to);
+    f.write_all(&hello.encode()).unwrap();
+    f.write_all(&[0xAB; 32]).unwrap();
     assert!(closed(f));
+
+    // A hello that echoes the listener's own nonce (a reflection): refused.
+    let (mut r, theirs) = raw_hello(to);
+    r.write_all(&theirs.encode()).unwrap();
+    assert!(closed(r));
 
     // A frame whose name length runs past the body (malformed), on a no-auth listener.
     let mut open = FakeAgent::new("open", listening(None));
-    let mut m = raw_hello(addr(&open));
-    m.write_all(b"FRYX\x01\x00................").unwrap();
+    let (mut m, _) = raw_hello(addr(&open));
+    let plain = Hello {
+        auth: false,
+        nonce: [1; 16],
+        name: "x".into(),
+    };
+    m.write_all(&plain.encode()).unwrap();
     let body = [1u8, 0, 0, 0, 0, 0, 0, 0, 0, 200, b'x'];
     m.write_all(&(body.len() as u32).to_le_bytes()).unwrap();
     m.write_all(&body).unwrap();
     assert!(closed(m));
-    assert_eq!(
-        open.manager
-            .p2p_stats()
-            .unwrap()
-            .connections_refused
-            .load(Ordering::Relaxed),
-        1
-    );
+    assert_eq!(refused(&open), 1);
     open.pump();
     assert!(open.peers.is_empty());
 
-    let stats = a.manager.p2p_stats().unwrap();
-    assert!(stats.connections_refused.load(Ordering::Relaxed) >= 3);
+    assert!(refused(&a) >= 4, "refused {}", refused(&a));
     a.pump();
     assert!(
         a.md("mallory", FULL_LABEL).is_none(),
@@ -270,6 +311,135 @@ fn garbage_oversized_and_forged_frames_leave_the_listener_serving() {
     b.manager.fetch_remote_md("a", Via::Peer(to), None).unwrap();
     b.wait_md("a", FULL_LABEL, &md_a, LONG);
     drop(silent);
+}
+
+/// Send `bytes` one at a time, 100 ms apart, until the listener closes the
+/// connection; returns how many were sent.
+fn trickle(s: &mut TcpStream, bytes: &[u8]) -> usize {
+    for (i, b) in bytes.iter().enumerate() {
+        if s.write_all(&[*b]).is_err() {
+            return i;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    bytes.len()
+}
+
+/// A hello or a frame trickled one byte at a time is cut off by its deadline (the I/O
+/// timeout, 1 s here), however steadily the bytes come: not held open for the 20 s the
+/// trickle would take.
+#[test]
+fn trickled_hellos_and_frames_are_cut_off_by_their_deadline() {
+    let mut cfg = listening(None);
+    cfg.io_timeout = Duration::from_secs(1);
+    let a = FakeAgent::new("a", cfg);
+    let to = addr(&a);
+    let hello = Hello {
+        auth: false,
+        nonce: [2; 16],
+        name: "slow".into(),
+    };
+    let mut long_hello = hello.encode();
+    long_hello.resize(200, b'x'); // more than the hello, sent forever
+    let (mut s, _) = raw_hello(to);
+    let sent = trickle(&mut s, &long_hello);
+    assert!(
+        sent < long_hello.len(),
+        "a trickled hello was never cut off"
+    );
+
+    // A complete hello, then a frame head trickled.
+    let (mut s, _) = raw_hello(to);
+    s.write_all(&hello.encode()).unwrap();
+    let mut frame = (1000u32).to_le_bytes().to_vec();
+    frame.extend_from_slice(&[1, 0, 0, 0, 0, 0, 0, 0, 0, 4]);
+    frame.extend_from_slice(b"slow");
+    frame.resize(200, 0);
+    let sent = trickle(&mut s, &frame);
+    assert!(sent < frame.len(), "a trickled frame was never cut off");
+}
+
+#[test]
+fn a_connection_speaks_only_for_the_agent_of_its_hello() {
+    for secret in [None, Some(&b"team"[..])] {
+        let mut a = FakeAgent::new("a", listening(secret));
+        let to = addr(&a);
+        // B is known at A.
+        let b = FakeAgent::new("b", listening(secret));
+        let md_b = blob("b", 100);
+        b.manager.set_local_md(md_b.clone());
+        b.manager.send_local_md(Via::Peer(to)).unwrap();
+        a.wait_md("b", FULL_LABEL, &md_b, LONG);
+
+        // Mallory (with the secret, when there is one: an insider) connects as
+        // herself and sends a Load, then an Invalidate, naming B: refused at the
+        // frame, the connection closed, B untouched.
+        for kind in [Kind::Load, Kind::Invalidate] {
+            let before = refused(&a);
+            let (s, mut w) = rogue(to, "mallory", secret);
+            w.send(kind, "b", FULL_LABEL, b"evil").unwrap();
+            assert!(closed(s));
+            assert_eq!(refused(&a), before + 1, "{kind:?} secret {secret:?}");
+        }
+        a.pump();
+        assert_eq!(a.md("b", FULL_LABEL), Some(&md_b[..]));
+        assert!(a.invalidated.is_empty(), "{:?}", a.invalidated);
+
+        // Her own name works (the metadata's content is checked by the agent).
+        let (s, mut w) = rogue(to, "mallory", secret);
+        w.send(Kind::Load, "mallory", FULL_LABEL, b"hers").unwrap();
+        a.pump_until(LONG, |a| a.md("mallory", FULL_LABEL).is_some());
+        assert_eq!(a.md("mallory", FULL_LABEL), Some(&b"hers"[..]));
+        drop(s);
+
+        // Without the secret nobody gets past the hello of a listener that has one.
+        if secret.is_some() {
+            let before = refused(&a);
+            let (s, _) = raw_hello(to);
+            let mut s2 = s.try_clone().unwrap();
+            let h = Hello {
+                auth: true,
+                nonce: [3; 16],
+                name: "b".into(),
+            };
+            s2.write_all(&h.encode()).unwrap();
+            s2.write_all(&hello_proof(b"guess", Role::Connecting, &h, &h).unwrap())
+                .unwrap();
+            assert!(closed(s));
+            assert_eq!(refused(&a), before + 1);
+        }
+    }
+}
+
+#[test]
+fn a_full_event_queue_refuses_pushes_with_an_error_and_reports_an_overflow() {
+    let mut cfg = listening(None);
+    cfg.event_capacity = 2;
+    let mut a = FakeAgent::new("a", cfg);
+    let mut b = FakeAgent::new("b", listening(None));
+    let to = addr(&a);
+    // A does not poll while B pushes five labels, one after the other.
+    for i in 0..5 {
+        b.manager
+            .send_local_partial_md(&format!("l{i}"), blob("b", 10), Via::Peer(to))
+            .unwrap();
+    }
+    assert!(b.pump_until(LONG, |b| b.send_failures.len() == 3));
+    for (_, _, e) in &b.send_failures {
+        assert!(e.to_string().contains("event queue is full"), "{e}");
+    }
+    let stats = a.manager.p2p_stats().unwrap();
+    assert_eq!(stats.frames_dropped.load(Ordering::Relaxed), 3);
+    assert_eq!(a.manager.events_dropped(), 3);
+    a.pump();
+    assert_eq!(a.peers["b"].len(), 2, "the two queued loads");
+    assert_eq!(a.overflows.len(), 1, "{:?}", a.overflows);
+    let (agent, lost) = &a.overflows[0];
+    assert_eq!(agent.as_deref(), Some("b"));
+    assert_eq!(
+        (lost.events, lost.loads, lost.invalidation),
+        (3, true, false)
+    );
 }
 
 #[test]

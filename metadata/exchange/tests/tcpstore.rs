@@ -310,6 +310,65 @@ fn store_outage_gives_errors_then_recovers() {
     b.wait_md("a", FULL_LABEL, &md_a, LONG);
 }
 
+/// A store that restarts empty on the same port does not make watchers drop live
+/// peers: the owner publishes again and the watcher waits out its grace period for a
+/// key missing without a withdrawal mark. A real withdrawal still reaches it, and so
+/// does the key of a dead owner that stays missing.
+#[test]
+fn a_store_restart_does_not_invalidate_live_peers() {
+    let server = serve("127.0.0.1:0".parse().unwrap(), ServerConfig::default()).unwrap();
+    let endpoint = server.local_addr();
+    // The owner checks its keys every 300 ms; the watcher looks every 50 ms, so it
+    // sees A's key missing well before A publishes it again (grace: 2 × 50 ms + 2 s).
+    let mut a_cfg = store_config(endpoint, "test/restart");
+    if let StoreConfig::TcpStore(ts) = &mut a_cfg.store {
+        ts.watch_interval = Duration::from_millis(300);
+    }
+    let b_cfg = store_config(endpoint, "test/restart");
+    let mut a = FakeAgent::new("a", a_cfg.clone());
+    let mut b = FakeAgent::new("b", b_cfg.clone());
+    let dead = FakeAgent::new("dead", a_cfg);
+    let md_a = blob("a", 1000);
+    a.manager.set_local_md(md_a.clone());
+    a.manager.send_local_md(Via::Store).unwrap();
+    dead.manager.set_local_md(blob("dead", 10));
+    dead.manager.send_local_md(Via::Store).unwrap();
+    b.manager.fetch_remote_md("a", Via::Store, None).unwrap();
+    b.wait_md("a", FULL_LABEL, &md_a, LONG);
+    b.manager.fetch_remote_md("dead", Via::Store, None).unwrap();
+    assert!(b.pump_until(LONG, |b| b.md("dead", FULL_LABEL).is_some()));
+    // "dead" crashes: its keys stay until the store loses them.
+    drop(dead);
+
+    server.stop();
+    let server = serve(endpoint, ServerConfig::default()).unwrap();
+    let mut c = client(server.local_addr());
+    let key = user_key("test/restart/a/metadata");
+    assert!(
+        c.wait(&[key.as_bytes()], LONG).unwrap(),
+        "A did not publish again"
+    );
+    // The dead owner's key stays missing: B drops it after the grace period. By then
+    // B has watched A's key (missing, then back) for as long: A must still be there.
+    b.wait_invalidated("dead", LONG);
+    b.pump();
+    assert_eq!(b.md("a", FULL_LABEL), Some(&md_a[..]));
+    assert_eq!(b.invalidated, ["dead"], "a live peer was dropped");
+
+    // A withdraws: B drops it (the withdrawal mark says so, no grace needed).
+    a.manager.invalidate_local_md(Via::Store).unwrap();
+    b.wait_invalidated("a", LONG);
+    assert!(c.check(&[user_key("test/restart/a/").as_bytes()]).unwrap());
+    // Publishing again clears the mark.
+    a.manager.send_local_md(Via::Store).unwrap();
+    assert!(c.wait(&[key.as_bytes()], LONG).unwrap());
+    a.pump_until(LONG, |_| {
+        !c.check(&[user_key("test/restart/a/").as_bytes()]).unwrap()
+    });
+    assert!(!c.check(&[user_key("test/restart/a/").as_bytes()]).unwrap());
+    assert!(a.send_failures.is_empty(), "{:?}", a.send_failures);
+}
+
 #[test]
 fn embedded_store_serves_discovery() {
     let host = FakeAgent::new(

@@ -26,7 +26,7 @@ use std::time::Instant;
 
 use ferry_storage::{Error, Subject};
 
-use super::frame::{FrameReader, FrameWriter, FramedConn, Kind, RecvError};
+use super::frame::{FrameReader, FrameSettings, FrameWriter, FramedConn, Kind, RecvError, Role};
 use super::BACKEND;
 use crate::events::{Event, Route};
 use crate::manager::{queue, Shared};
@@ -385,13 +385,13 @@ fn connect(inner: &Arc<Inner>, to: SocketAddr) -> Result<Arc<OutConn>, Error> {
     let socket = stream
         .try_clone()
         .map_err(|e| io_error(BACKEND, format_args!("connection to {to}"), &e))?;
-    let conn = FramedConn::handshake(
-        stream,
-        config.p2p.secret.clone(),
-        config.p2p.max_frame_bytes,
-        config.io_timeout,
-    )
-    .map_err(|e| recv_error(&e, to, "hello"))?;
+    let settings = FrameSettings {
+        secret: config.p2p.secret.clone(),
+        max_frame_bytes: config.p2p.max_frame_bytes,
+        io_timeout: config.io_timeout,
+    };
+    let conn = FramedConn::handshake(stream, Role::Connecting, &inner.shared.agent, &settings)
+        .map_err(|e| recv_error(&e, to, "hello"))?;
     let (writer, reader) = conn.into_split();
     let conn = Arc::new(OutConn {
         to,

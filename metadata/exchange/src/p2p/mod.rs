@@ -24,7 +24,7 @@ use ferry_storage::Error;
 use crate::conn_server::{ConnCtx, ConnLimits, ConnServer, ConnStats};
 use crate::events::{Event, Route, FULL_LABEL};
 use crate::manager::Shared;
-use frame::{FramedConn, Kind, RecvError};
+use frame::{FrameSettings, FramedConn, Kind, RecvError, Role};
 
 pub(crate) const BACKEND: &str = "p2p";
 
@@ -39,6 +39,9 @@ pub struct ListenerStats {
     pub connections_refused: AtomicU64,
     /// Frames handled (load, send-me, invalidate).
     pub frames_served: AtomicU64,
+    /// Loads and invalidations refused because the agent's event queue was full (the
+    /// sender got an error frame; the agent gets an overflow event).
+    pub frames_dropped: AtomicU64,
 }
 
 /// The running listener: the shared connection-server core ([`crate::conn_server`])
@@ -101,18 +104,27 @@ impl Listener {
     }
 }
 
-/// Serve one inbound connection: the hello, then frames until the peer closes, goes
-/// idle or breaks the protocol. `ctx` carries the core's deadlines.
-fn serve_connection(stream: TcpStream, ctx: &ConnCtx, shared: &Shared, stats: &ListenerStats) {
+/// Serve one inbound connection until it closes, idles out or breaks the protocol:
+/// the hello (as the accepting side), then frames. The peer's identity is the name of
+/// its hello, proven by the challenge–response when a secret is set and only claimed
+/// otherwise; every frame carries that name (the reader refuses any other), so a
+/// `Load` or `Invalidate` is only ever about the connection's own agent. `ctx` carries
+/// the connection-server core's deadlines.
+pub(crate) fn serve_connection(
+    stream: TcpStream,
+    ctx: &ConnCtx,
+    shared: &Shared,
+    stats: &ListenerStats,
+) {
     let peer = ctx.peer();
     let p2p = &shared.config.p2p;
     let _unused = stream.set_nodelay(true);
-    let mut conn = match FramedConn::handshake(
-        stream,
-        p2p.secret.clone(),
-        p2p.max_frame_bytes,
-        shared.config.io_timeout,
-    ) {
+    let settings = FrameSettings {
+        secret: p2p.secret.clone(),
+        max_frame_bytes: p2p.max_frame_bytes,
+        io_timeout: shared.config.io_timeout,
+    };
+    let mut conn = match FramedConn::handshake(stream, Role::Accepting, &shared.agent, &settings) {
         Ok(c) => c,
         Err(e) => {
             if !shared.stopping() {
@@ -136,49 +148,66 @@ fn serve_connection(stream: TcpStream, ctx: &ConnCtx, shared: &Shared, stats: &L
                 return;
             }
             Err(RecvError::Refused(why)) => {
-                log::warn!("p2p listener: dropping connection from {peer}: {why}");
+                log::warn!(
+                    "p2p listener: dropping connection from {peer} ('{}'): {why}",
+                    conn.peer_name().escape_debug()
+                );
                 stats.connections_refused.fetch_add(1, Ordering::Relaxed);
                 return;
             }
         };
         let kind = frame.kind;
+        // Always the hello's name (checked by the reader).
         let name = frame.name;
         let label = frame.label;
-        let checked = crate::check_agent_name(&name).and_then(|()| {
-            if label == FULL_LABEL || kind == Kind::Invalidate {
-                Ok(())
-            } else {
-                crate::check_label(&label)
-            }
-        });
+        let checked = if label == FULL_LABEL || kind == Kind::Invalidate {
+            Ok(())
+        } else {
+            crate::check_label(&label)
+        };
         if let Err(e) = checked {
-            log::warn!("p2p listener: dropping connection from {peer}: {e}");
+            log::warn!("p2p listener: dropping connection from {peer} ('{name}'): {e}");
             stats.connections_refused.fetch_add(1, Ordering::Relaxed);
             return;
         }
-        let reply = match kind {
-            Kind::Load => {
-                let event = Event::Load {
-                    agent: name,
-                    label,
-                    blob: frame.payload,
-                    route: Route::P2p,
-                };
-                if !shared.emit(event) {
-                    return;
-                }
-                conn.send(Kind::Ack, &shared.agent, "", &[])
+        let event = match kind {
+            Kind::Load => Some(Event::Load {
+                agent: name,
+                label: label.clone(),
+                blob: frame.payload,
+                route: Route::P2p,
+            }),
+            Kind::Invalidate => Some(Event::Invalidate {
+                agent: name,
+                route: Route::P2p,
+            }),
+            Kind::SendMe => None,
+            Kind::Ack | Kind::Error => {
+                log::warn!(
+                    "p2p listener: dropping connection from {peer} ('{name}'): unsolicited {kind:?} frame"
+                );
+                stats.connections_refused.fetch_add(1, Ordering::Relaxed);
+                return;
             }
-            Kind::Invalidate => {
-                if !shared.emit(Event::Invalidate {
-                    agent: name,
-                    route: Route::P2p,
-                }) {
+        };
+        let reply = match event {
+            Some(event) => {
+                if shared.emit(event) {
+                    conn.send(Kind::Ack, &shared.agent, "", &[])
+                } else if shared.stopping() {
                     return;
+                } else {
+                    // The agent has not drained its events: the push is dropped (and
+                    // reported to our agent as an overflow); the sender is told too.
+                    stats.frames_dropped.fetch_add(1, Ordering::Relaxed);
+                    let why = format!(
+                        "agent '{}' did not take the {kind:?}: its exchange event queue is full",
+                        shared.agent
+                    );
+                    conn.send(Kind::Error, &shared.agent, &label, why.as_bytes())
                 }
-                conn.send(Kind::Ack, &shared.agent, "", &[])
             }
-            Kind::SendMe => match shared.local.get(&label) {
+            None => match shared.local.get(&label) {
                 Some(blob) => conn.send(Kind::Load, &shared.agent, &label, &blob),
                 None => {
                     let why = format!(
@@ -188,13 +217,6 @@ fn serve_connection(stream: TcpStream, ctx: &ConnCtx, shared: &Shared, stats: &L
                     conn.send(Kind::Error, &shared.agent, &label, why.as_bytes())
                 }
             },
-            Kind::Ack | Kind::Error => {
-                log::warn!(
-                    "p2p listener: dropping connection from {peer}: unsolicited {kind:?} frame"
-                );
-                stats.connections_refused.fetch_add(1, Ordering::Relaxed);
-                return;
-            }
         };
         stats.frames_served.fetch_add(1, Ordering::Relaxed);
         if let Err(e) = reply {

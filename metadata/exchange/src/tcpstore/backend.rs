@@ -12,13 +12,29 @@
 //!   when the key is missing it WAITs in short slices with a client-side deadline,
 //!   taking turns with other pending fetches, then GETs. So a key that appears just
 //!   after a check is never reported missing, and no fetch waits behind another one's
-//!   whole timeout. Fetched peers' keys are checked every watch interval; a deleted
-//!   key becomes an [`Event::Invalidate`].
+//!   whole timeout. Fetched peers' keys are checked every watch interval (see
+//!   "Deletions" below).
+//!
+//! # Deletions, store restarts and the grace period
+//! A TCPStore server keeps its keys in memory: after a restart they are all gone, while
+//! their owners are alive. So a missing key is not taken for a withdrawal at once:
+//! - **Owners republish.** The ops thread, while idle, checks every watch interval that
+//!   what it published is still there, and sets it again if not (and after any outage).
+//! - **Withdrawals leave a mark.** `invalidate_local_md` first sets the *withdrawal
+//!   mark* `<namespace>/<agent>/` (no label: never a metadata key), then deletes the
+//!   keys; publishing deletes the mark again. A watcher that finds a key missing and
+//!   the mark present invalidates the peer at once.
+//! - **Watchers wait out a grace period** for a key that is missing without a mark:
+//!   [`deletion_grace`] = 2 × the watch interval + the I/O timeout (one missed check of
+//!   the owner, one more, and the owner's reconnect and SET), 2 × 1 s + 5 s = 7 s with
+//!   the defaults. Only a key still missing after it invalidates the peer (a crashed
+//!   owner of a restarted store). This assumes owners and watchers use the same watch
+//!   interval (a cluster-wide setting).
 //!
 //! Keys go on the wire as torch's `TCPStore` sends user keys (`/` prepended), so torch
 //! code can read them with `store.get("<namespace>/<agent>/<label>")`.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -30,9 +46,22 @@ use super::direct::{Direct, Watched};
 use crate::config::TcpStoreConfig;
 use crate::events::{Event, Route, FULL_LABEL};
 use crate::manager::{CmdSender, Shared, StoreCmd, StoreWorker};
-use crate::util::{io_error, timeout_error};
+use crate::util::{deadline_after, io_error, timeout_error};
 
 const BACKEND: &str = "tcpstore";
+/// Value of a withdrawal mark.
+const WITHDRAWN: &[u8] = b"withdrawn";
+
+/// How long a watcher waits for a missing key without a withdrawal mark to come back
+/// before it invalidates the peer (module docs): 2 × `watch_interval` + `io_timeout`.
+pub(crate) fn deletion_grace(watch_interval: Duration, io_timeout: Duration) -> Duration {
+    watch_interval.saturating_mul(2).saturating_add(io_timeout)
+}
+
+/// The wire key of `agent`'s withdrawal mark (module docs).
+fn withdrawn_key(shared: &Shared, agent: &str) -> Vec<u8> {
+    user_key(&shared.key(agent, "")).into_bytes()
+}
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -60,6 +89,7 @@ pub(crate) fn start(shared: Arc<Shared>, config: &TcpStoreConfig) -> Result<Stor
         published: BTreeSet::new(),
         outage: false,
         retry_interval: config.watch_interval,
+        marked: true,
     };
     threads.push(
         std::thread::Builder::new()
@@ -83,6 +113,8 @@ pub(crate) fn start(shared: Arc<Shared>, config: &TcpStoreConfig) -> Result<Stor
         watched,
         direct: direct.clone(),
         watch_interval: config.watch_interval,
+        grace: deletion_grace(config.watch_interval, shared.config.io_timeout),
+        missing_since: HashMap::new(),
         watch_outage: false,
         get_first: true,
     };
@@ -125,6 +157,9 @@ struct Ops {
     /// The last attempt failed; the next connection publishes everything again.
     outage: bool,
     retry_interval: Duration,
+    /// A withdrawal mark of ours may be in the store (one from an earlier run, or our
+    /// own withdrawal): the next publish deletes it.
+    marked: bool,
 }
 
 impl Ops {
@@ -226,8 +261,13 @@ impl Ops {
         let mut retried = false;
         loop {
             let reused = self.client.is_some();
+            let marked = self.marked;
+            let mark = withdrawn_key(&self.shared, &self.shared.agent);
             let result = self.client().and_then(|c| {
                 c.set(key.as_bytes(), blob)?;
+                if marked {
+                    c.delete_key(&mark)?;
+                }
                 if c.check(&[key.as_bytes()])? {
                     Ok(())
                 } else {
@@ -242,6 +282,10 @@ impl Ops {
                     self.client = None;
                     retried = true;
                 }
+                Ok(()) => {
+                    self.marked = false;
+                    return Ok(());
+                }
                 other => return other,
             }
         }
@@ -250,36 +294,51 @@ impl Ops {
     /// While idle with something published: make sure it is still there (the server
     /// may have restarted and lost it), publishing again what is missing.
     fn refresh(&mut self) {
-        let agent = self.shared.agent.clone();
-        let labels: Vec<String> = self.published.iter().cloned().collect();
-        let result = (|| -> Result<usize, Error> {
-            let mut republished = 0;
-            for label in &labels {
-                let key = user_key(&self.shared.key(&agent, label));
-                let present = self.client()?.check(&[key.as_bytes()])?;
-                if !present {
-                    if let Some(blob) = self.shared.local.get(label) {
-                        self.client()?.set(key.as_bytes(), &blob)?;
-                        republished += 1;
+        // A reused connection may be to a server that restarted (and lost our keys):
+        // then once more at once on a fresh connection, which publishes everything.
+        for attempt in 0..2 {
+            let reused = self.client.is_some();
+            match self.refresh_once() {
+                Ok(0) => return,
+                Ok(n) => {
+                    log::info!(
+                        "tcpstore: published {n} missing label(s) again at {}",
+                        self.endpoint
+                    );
+                    return;
+                }
+                Err(e) => {
+                    self.client = None;
+                    let first_failure = !self.outage;
+                    self.outage = true;
+                    if reused && attempt == 0 {
+                        continue;
                     }
+                    if first_failure {
+                        log::warn!("tcpstore: {e}");
+                    }
+                    return;
                 }
-            }
-            Ok(republished)
-        })();
-        match result {
-            Ok(0) => {}
-            Ok(n) => log::info!(
-                "tcpstore: published {n} missing label(s) again at {}",
-                self.endpoint
-            ),
-            Err(e) => {
-                if !self.outage {
-                    log::warn!("tcpstore: {e}");
-                }
-                self.client = None;
-                self.outage = true;
             }
         }
+    }
+
+    /// Check every published label, setting again what is missing; returns how many.
+    fn refresh_once(&mut self) -> Result<usize, Error> {
+        let agent = self.shared.agent.clone();
+        let labels: Vec<String> = self.published.iter().cloned().collect();
+        let mut republished = 0;
+        for label in &labels {
+            let key = user_key(&self.shared.key(&agent, label));
+            let present = self.client()?.check(&[key.as_bytes()])?;
+            if !present {
+                if let Some(blob) = self.shared.local.get(label) {
+                    self.client()?.set(key.as_bytes(), &blob)?;
+                    republished += 1;
+                }
+            }
+        }
+        Ok(republished)
     }
 
     fn withdraw(&mut self, labels: &BTreeSet<String>) -> Result<(), Error> {
@@ -291,7 +350,11 @@ impl Ops {
         if !labels.contains(FULL_LABEL) {
             keys.push(user_key(&self.shared.key(&agent, FULL_LABEL)));
         }
+        let mark = withdrawn_key(&self.shared, &agent);
+        self.marked = true;
         let client = self.client()?;
+        // The mark first: a watcher that sees a key gone sees the mark too.
+        client.set(&mark, WITHDRAWN)?;
         for key in keys {
             client.delete_key(key.as_bytes())?;
         }
@@ -322,6 +385,10 @@ struct Fetcher {
     /// The direct GET path: this worker makes its connection.
     direct: Arc<Direct>,
     watch_interval: Duration,
+    /// [`deletion_grace`] of this configuration.
+    grace: Duration,
+    /// Watched keys found missing without a withdrawal mark, and since when.
+    missing_since: HashMap<Vec<u8>, Instant>,
     watch_outage: bool,
     /// Try a plain GET before waiting. Turned off for good when the server closes the
     /// connection on a GET of a missing key (torch's legacy server does).
@@ -330,7 +397,7 @@ struct Fetcher {
 
 impl Fetcher {
     fn run(mut self, commands: Receiver<StoreCmd>) {
-        let mut next_watch = Instant::now() + self.watch_interval;
+        let mut next_watch = deadline_after(Instant::now(), self.watch_interval);
         loop {
             if self.shared.stopping() {
                 return;
@@ -359,7 +426,7 @@ impl Fetcher {
             }
             if Instant::now() >= next_watch && !lock(&self.watched).is_empty() {
                 self.watch();
-                next_watch = Instant::now() + self.watch_interval;
+                next_watch = deadline_after(Instant::now(), self.watch_interval);
             }
         }
     }
@@ -372,7 +439,7 @@ impl Fetcher {
                     agent,
                     label,
                     key,
-                    deadline: Instant::now() + self.shared.config.fetch_timeout,
+                    deadline: deadline_after(Instant::now(), self.shared.config.fetch_timeout),
                     tried_get: false,
                     retried: false,
                 });
@@ -388,7 +455,7 @@ impl Fetcher {
                     agent,
                     label,
                     key,
-                    deadline: since + self.shared.config.fetch_timeout,
+                    deadline: deadline_after(since, self.shared.config.fetch_timeout),
                     tried_get: true,
                     retried: false,
                 });
@@ -515,20 +582,38 @@ impl Fetcher {
         }
     }
 
-    /// Check fetched peers' keys; a deleted key invalidates that peer.
+    /// Check fetched peers' keys; a key deleted by its owner (withdrawal mark), or
+    /// missing for longer than the grace period, invalidates that peer.
     fn watch(&mut self) {
         let mut gone = Vec::new();
         // Checked on a snapshot: the direct path may add peers meanwhile.
         let snapshot = lock(&self.watched).clone();
+        let now = Instant::now();
+        let grace = self.grace;
+        let marks: Vec<Vec<u8>> = snapshot
+            .iter()
+            .map(|(agent, _)| withdrawn_key(&self.shared, agent))
+            .collect();
+        let mut missing_since = std::mem::take(&mut self.missing_since);
         let result = (|| -> Result<(), Error> {
             let client = self.client()?;
-            for (agent, key) in &snapshot {
-                if !client.check(&[key])? {
+            for ((agent, key), mark) in snapshot.iter().zip(&marks) {
+                if client.check(&[key])? {
+                    missing_since.remove(key);
+                    continue;
+                }
+                let withdrawn = client.check(&[mark])?;
+                let since = *missing_since.entry(key.clone()).or_insert(now);
+                if withdrawn || now.saturating_duration_since(since) >= grace {
+                    missing_since.remove(key);
                     gone.push((agent.clone(), key.clone()));
                 }
             }
             Ok(())
         })();
+        // Forget keys no longer watched (bounded by the watched set).
+        missing_since.retain(|k, _| snapshot.iter().any(|(_, key)| key == k));
+        self.missing_since = missing_since;
         if !gone.is_empty() {
             lock(&self.watched).retain(|w| !gone.contains(w));
         }

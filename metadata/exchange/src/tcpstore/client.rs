@@ -146,7 +146,7 @@ impl TcpStoreClient {
         self.begin(op::WAIT);
         self.put_keys(keys);
         self.send("WAIT")?;
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::util::deadline_after(Instant::now(), timeout);
         let waited = self.stream.set_read_timeout(Some(nonzero(timeout)));
         if let Err(e) = waited {
             self.broken = true;

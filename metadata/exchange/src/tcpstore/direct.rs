@@ -323,7 +323,9 @@ fn read_value(reader: &mut BufReader<TcpStream>, max_len_bytes: usize) -> std::i
         ));
     }
     let len = len as usize;
-    let mut value = Vec::with_capacity(len);
+    // Reserved as the bytes arrive (`read_to_end` doubles), not at the announced
+    // length: a store that announces 256 MiB and sends nothing costs 64 KiB.
+    let mut value = Vec::with_capacity(len.min(64 << 10));
     let buffered = reader.buffer();
     let n = buffered.len().min(len);
     value.extend_from_slice(&buffered[..n]);

@@ -17,6 +17,8 @@ pub struct FakeAgent {
     pub invalidated: Vec<String>,
     pub fetch_failures: Vec<(String, String, Error)>,
     pub send_failures: Vec<(String, String, Error)>,
+    /// Overflow events: (agent, lost).
+    pub overflows: Vec<(Option<String>, ferry_exchange::Lost)>,
 }
 
 impl FakeAgent {
@@ -27,6 +29,7 @@ impl FakeAgent {
             invalidated: Vec::new(),
             fetch_failures: Vec::new(),
             send_failures: Vec::new(),
+            overflows: Vec::new(),
         }
     }
 
@@ -55,6 +58,14 @@ impl FakeAgent {
                     what,
                     error,
                 } => self.send_failures.push((target, what, error)),
+                Event::Overflow { agent, lost, .. } => {
+                    if lost.invalidation {
+                        if let Some(a) = &agent {
+                            self.peers.remove(a);
+                        }
+                    }
+                    self.overflows.push((agent, lost));
+                }
             }
         }
     }
