@@ -66,11 +66,11 @@ fi
 # ---------------------------------------------------------------- tests
 export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
 export RUST_BACKTRACE=1
-# The etcd backend is always built and tested under CI (its tests fail there when the
+# The etcd backend (with TLS) is always built and tested under CI (its tests fail there when the
 # feature or the server is missing); elsewhere only when protoc is present.
 features=()
 if [[ "${CI:-}" == "true" ]] || command -v protoc >/dev/null; then
-  features+=(--features ferry-exchange/etcd)
+  features+=(--features ferry-exchange/etcd-tls)
 fi
 
 log "format, rust-version and lints"
