@@ -670,3 +670,45 @@ fn kv_req(op: u8, parts: &[&[u8]]) -> Vec<u8> {
     }
     r
 }
+
+#[test]
+fn p2p_frame_trickled_after_the_hello() {
+    p2p_scenario(
+        "frames trickled after the hello",
+        // One byte per 200 ms stays under the 1 s per-read timeout, but the frame (a
+        // 60-byte body, 13 s) must be whole within idle + I/O timeout (3 s).
+        |to| {
+            (0..5)
+                .map(|_| {
+                    std::thread::spawn(move || {
+                        use std::io::Write;
+                        let Ok(mut s) = std::net::TcpStream::connect(to) else {
+                            return 0;
+                        };
+                        if s.write_all(&p2p_hello()).is_err() {
+                            return 0;
+                        }
+                        let mut f = 60u32.to_le_bytes().to_vec();
+                        f.push(1);
+                        f.extend_from_slice(&0u64.to_le_bytes());
+                        f.extend_from_slice(&[1, b'x', 1, b'y']);
+                        f.resize(64, 0);
+                        for (i, b) in f.iter().enumerate() {
+                            if s.write_all(std::slice::from_ref(b)).is_err() {
+                                return i;
+                            }
+                            std::thread::sleep(Duration::from_millis(200));
+                        }
+                        f.len()
+                    })
+                })
+                .collect::<Vec<_>>()
+        },
+        |threads| {
+            for t in threads {
+                let sent = t.join().unwrap();
+                assert!(sent < 64, "a trickled frame got through");
+            }
+        },
+    );
+}

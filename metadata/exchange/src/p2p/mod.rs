@@ -2,7 +2,7 @@
 //! connects to theirs (see `client.rs`: a reader thread per outbound connection, fetches
 //! on idle connections written by the caller's thread). Wire format in [`frame`].
 //!
-//! Listener threads: the connection-server core ([`crate::conn_server`]): one accept
+//! Listener threads: the connection-server core (`conn_server.rs`): one accept
 //! thread, one thread per connection (at most [`crate::P2pConfig::max_connections`];
 //! at the limit the connection idle the longest makes room), a watchdog that closes a
 //! connection whose hello is not done within the I/O timeout, or whose next frame is
