@@ -219,7 +219,7 @@ fn tcpstore_append_loop() {
 fn tcpstore_wait_with_100000_keys() {
     let mut c = config();
     // Registering 100,000 keys (1,024 per store-lock hold) is one request: on a loaded
-    // 2-core CI machine it can outlast the 1 s request deadline the other tests use.
+    // 2-core CI machine it may outlast the 1 s request deadline the other tests use.
     c.request_timeout = Duration::from_secs(10);
     let max_waiting = c.max_waiting_keys;
     scenario("WAIT with 100,000 keys", c, |addr, server| {
@@ -227,6 +227,9 @@ fn tcpstore_wait_with_100000_keys() {
         assert!(eventually(|| server.parked_waiters() == 1));
         let b = wait_many_keys(addr, 100_000, "b").unwrap();
         assert!(eventually(|| server.parked_waiters() == 2));
+        // A WAIT parks first and registers its keys in chunks: wait until both are
+        // registered whole, or `c` below races `b` for the last waited-key slots.
+        assert!(eventually(|| server.waiting_keys() == 200_000));
         // Past max_waiting_keys: refused, the connection closed.
         let mut c = wait_many_keys(addr, max_waiting / 2, "c").unwrap();
         assert!(closed_within(&mut c, LONG));

@@ -372,6 +372,13 @@ impl ServerHandle {
         lock(&self.shared.state).waiters.len()
     }
 
+    /// Missing keys the parked WAITs wait for now, together (counted against
+    /// `max_waiting_keys`; a WAIT registers its keys in chunks, so this grows while it
+    /// registers).
+    pub fn waiting_keys(&self) -> usize {
+        lock(&self.shared.state).waiting_keys
+    }
+
     /// Bytes all connections' request buffers hold now.
     pub fn buffered_bytes(&self) -> usize {
         self.shared.budget.used()
