@@ -129,7 +129,7 @@ impl Agent {
     pub(crate) fn refresh_snapshot(&self) -> Result<()> {
         let manager = self.manager()?;
         let now = {
-            let state = self.lock();
+            let state = self.lock()?;
             (
                 state.world.regions().len(),
                 state.world.deregistrations(),
@@ -195,7 +195,9 @@ impl Agent {
             Event::Load { agent, blob, .. } => {
                 match self.load_remote_md(&blob) {
                     Ok(peer) => {
-                        let name_ok = self.lock().world.peer_name(peer).is_ok_and(|n| n == agent);
+                        let name_ok = self
+                            .lock()
+                            .is_ok_and(|s| s.world.peer_name(peer).is_ok_and(|n| n == agent));
                         if !name_ok {
                             slot.inner().failures.insert(
                             agent.clone(),
@@ -249,8 +251,8 @@ impl Agent {
         let Some(peer) = self.peer(agent) else {
             return Ok(false);
         };
-        let state = self.lock();
-        // An invalidated peer keeps its handle but has no view.
+        let state = self.lock()?;
+        // A peer whose load is under way has no view yet.
         let Some(view) = state.world.peer_view(peer)?.0 else {
             return Ok(false);
         };

@@ -288,8 +288,15 @@ impl MetadataLoader for MdState {
             None => (PeerMdSet::new(vec![md]), LoadKind::Replace),
         };
         let set = Arc::new(set);
-        let peer = world.load_peer(&name, set.clone(), kind)?;
+        #[allow(unsafe_code)]
+        // SAFETY: `load_peer` asks for a view of regions agent `name` really registered:
+        // `set` holds only blobs the codec validated, published under that name.
+        let peer = unsafe { world.load_peer(&name, set.clone(), kind)? };
         self.peers.insert(peer, set);
         Ok(peer)
+    }
+
+    fn forget(&mut self, peer: PeerId) {
+        self.peers.remove(&peer);
     }
 }
