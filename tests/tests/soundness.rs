@@ -501,3 +501,50 @@ fn a_panic_inside_a_flush_poisons_the_agent_which_then_refuses_work() {
     assert!(t.b.local_md().is_ok());
     let _ = Desc::of_slice(src.bytes());
 }
+
+#[test]
+fn a_peer_with_many_partial_blobs_resolves_every_region() {
+    // 300 partial blobs of one region each (the merged index answers every lookup with
+    // one binary search; this checks it answers right, including the first and last).
+    let a = loopback_agent("sound-partial-a");
+    let b = loopback_agent("sound-partial-b");
+    let src = Buffer::random(300 * 64, &mut Rng::new(13));
+    register(&a, &src);
+    let pieces: Vec<Buffer> = (0..300).map(|_| Buffer::zeroed(64)).collect();
+    let mut peer = None;
+    for (i, piece) in pieces.iter().enumerate() {
+        let region = register(&b, piece);
+        let blob = b.local_partial_md(&[region], i == 0).unwrap();
+        let p = a.load_remote_md(&blob).unwrap();
+        assert_eq!(
+            *peer.get_or_insert(p),
+            p,
+            "partial blobs accumulate on one peer"
+        );
+    }
+    let peer = peer.unwrap();
+    // Reloading a blob already known is a no-op.
+    assert_eq!(a.load_remote_md(&b.local_md().unwrap()).unwrap(), peer);
+    let local: Vec<Desc> = (0..300).map(|i| src.desc(i * 64, 64)).collect();
+    // Reverse order, so neighbouring descriptors live in different blobs.
+    let remote: Vec<Desc> = pieces.iter().rev().map(Buffer::whole).collect();
+    let x = a
+        .create(
+            Op::Write,
+            MemKind::Dram,
+            &local,
+            peer,
+            MemKind::Dram,
+            &remote,
+            None,
+        )
+        .unwrap();
+    assert_eq!(a.post(x).unwrap(), XferStatus::Done);
+    for (i, piece) in pieces.iter().rev().enumerate() {
+        assert_eq!(
+            piece.bytes(),
+            &src.bytes()[i * 64..(i + 1) * 64],
+            "piece {i}"
+        );
+    }
+}
