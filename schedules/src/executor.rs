@@ -81,6 +81,7 @@ pub struct FlushSummary {
 /// One phase of a flush. [`Phase::ORDER`] is the order; [`Phase::of`] says where each
 /// command runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
 pub enum Phase {
     /// Metadata-exchange commands (run by the agent, before the executor).
     Exchange,
@@ -122,12 +123,11 @@ impl Phase {
     /// Number of phases.
     pub const COUNT: usize = Phase::ORDER.len();
 
-    /// Position of the phase in [`Phase::ORDER`].
-    pub fn position(self) -> usize {
-        Phase::ORDER
-            .iter()
-            .position(|&p| p == self)
-            .expect("every phase is in ORDER")
+    /// Position of the phase in [`Phase::ORDER`] (the variants are declared in that
+    /// order; a test checks it).
+    #[inline]
+    pub const fn position(self) -> usize {
+        self as usize
     }
 
     /// Whether the agent runs this phase itself (around the executor's phases).
@@ -652,5 +652,22 @@ fn phase_retire(world: &mut World, cmds: &mut CommandBuffer, bucket: &[u32]) {
             _ => unreachable!("classified as retire"),
         };
         set(cmds, i, result.map(|()| Outcome::Done));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Phase;
+
+    #[test]
+    fn phase_positions_follow_the_one_order() {
+        for (i, phase) in Phase::ORDER.iter().enumerate() {
+            assert_eq!(phase.position(), i, "{phase:?}");
+        }
+        assert!(Phase::ORDER[0].is_agent_step());
+        assert!(Phase::ORDER[Phase::COUNT - 1].is_agent_step());
+        assert!(Phase::ORDER[1..Phase::COUNT - 1]
+            .iter()
+            .all(|p| !p.is_agent_step()));
     }
 }

@@ -548,3 +548,65 @@ fn a_peer_with_many_partial_blobs_resolves_every_region() {
         );
     }
 }
+
+#[test]
+fn invalidating_and_reloading_a_peer_a_thousand_times_during_transfers_accounts_for_every_request()
+{
+    let src = Buffer::random(16 * KIB, &mut Rng::new(14));
+    let dst = Buffer::zeroed(16 * KIB);
+    let t = two(&src, &dst);
+    let f = faults(t.a.name()).unwrap();
+    let md_b = t.b.local_md().unwrap();
+    let mut rng = Rng::new(15);
+    let mut peer = t.b_at_a;
+    let mut live = Vec::new();
+    for round in 0..1000 {
+        // A few requests in flight, some held back, some not cancelable.
+        f.complete_late(rng.below(4) as u32);
+        f.refuse_cancel(rng.below(2) == 0);
+        for _ in 0..3 {
+            let at = rng.below(16) as usize * KIB;
+            let x =
+                t.a.create(
+                    Op::Write,
+                    MemKind::Dram,
+                    &[src.desc(at, KIB)],
+                    peer,
+                    MemKind::Dram,
+                    &[dst.desc(at, KIB)],
+                    None,
+                )
+                .unwrap();
+            let status = t.a.post(x);
+            assert!(
+                matches!(status, Ok(XferStatus::InProgress | XferStatus::Done)),
+                "round {round}: {status:?}"
+            );
+            live.push(x);
+        }
+        t.a.invalidate_remote_md(peer).unwrap();
+        peer = t.a.load_remote_md(&md_b).unwrap();
+        // Release what may be released; the rest (draining) waits for its completion.
+        live.retain(|&x| t.a.release(x).is_err());
+        assert!(
+            live.len() <= 12,
+            "round {round}: {} requests stuck",
+            live.len()
+        );
+    }
+    f.clear();
+    let mut rounds = 0;
+    while !live.is_empty() {
+        rounds += 1;
+        assert!(rounds < 20, "{} requests never drained", live.len());
+        t.a.progress();
+        live.retain(|&x| t.a.release(x).is_err());
+    }
+    assert_eq!(t.a.counts(), (0, 0, 1, 1), "every request accounted for");
+    t.a.deregister(t.src_region).unwrap();
+    // Every block that moved holds exactly the source's bytes.
+    for (i, block) in dst.bytes().chunks(KIB).enumerate() {
+        let want = &src.bytes()[i * KIB..(i + 1) * KIB];
+        assert!(block == want || block.iter().all(|&b| b == 0), "block {i}");
+    }
+}
