@@ -231,38 +231,46 @@ impl Agent {
     /// afterwards. A buffer already flushed (not cleared since) is refused; a poisoned
     /// agent refuses every command with [`Error::Poisoned`].
     pub fn flush(&self, cmds: &mut CommandBuffer) -> FlushSummary {
-        let mut summary = FlushSummary::default();
-        let mut executor_ran = false;
-        for phase in Phase::ORDER {
-            match phase {
-                Phase::Exchange if !cmds.is_flushed() && !self.is_poisoned() => {
-                    self.run_exchange_commands(cmds);
-                }
-                Phase::Publish if self.exchange_slot().is_started() && !self.is_poisoned() => {
-                    // Keep what P2P peers get from "send me yours" current.
-                    let _ = self.refresh_snapshot();
-                }
-                Phase::Exchange | Phase::Publish => {}
-                _ if !executor_ran => {
-                    executor_ran = true;
-                    summary = match self.lock() {
-                        Ok(mut state) => {
-                            let AgentState { world, md, .. } = &mut *state;
-                            flush(world, md, cmds)
-                        }
-                        Err(poisoned) => {
-                            cmds.fail_all(poisoned);
-                            FlushSummary {
-                                failed: cmds.len() as u32,
-                                ..FlushSummary::default()
-                            }
-                        }
-                    };
-                }
-                _ => {}
-            }
+        // Decided once: a poisoned agent or an already flushed buffer runs no agent step.
+        let steps = !cmds.is_flushed() && !self.is_poisoned();
+        for &phase in &Phase::ORDER[..Phase::EXECUTOR.start] {
+            self.agent_step(phase, steps, cmds);
+        }
+        let summary = self.run_executor(cmds);
+        for &phase in &Phase::ORDER[Phase::EXECUTOR.end..] {
+            self.agent_step(phase, steps, cmds);
         }
         summary
+    }
+
+    /// One of the agent's own phases (see [`Phase::is_agent_step`]).
+    fn agent_step(&self, phase: Phase, run: bool, cmds: &mut CommandBuffer) {
+        match phase {
+            Phase::Exchange if run => self.run_exchange_commands(cmds),
+            // Keep what P2P peers get from "send me yours" current.
+            Phase::Publish if run && self.exchange_slot().is_started() => {
+                let _ = self.refresh_snapshot();
+            }
+            _ => {}
+        }
+    }
+
+    /// The executor's phases, under the world lock (or every command refused with
+    /// [`Error::Poisoned`]).
+    fn run_executor(&self, cmds: &mut CommandBuffer) -> FlushSummary {
+        match self.lock() {
+            Ok(mut state) => {
+                let AgentState { world, md, .. } = &mut *state;
+                flush(world, md, cmds)
+            }
+            Err(poisoned) => {
+                cmds.fail_all(poisoned);
+                FlushSummary {
+                    failed: cmds.len() as u32,
+                    ..FlushSummary::default()
+                }
+            }
+        }
     }
 
     /// Run `f` with the reused scratch buffer, cleared (a concurrent caller gets a

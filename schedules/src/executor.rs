@@ -123,6 +123,28 @@ impl Phase {
     /// Number of phases.
     pub const COUNT: usize = Phase::ORDER.len();
 
+    /// The executor's part of [`Phase::ORDER`]: the agent steps before it and after it
+    /// are run by the agent (computed from `ORDER`, checked to be one run).
+    pub const EXECUTOR: std::ops::Range<usize> = {
+        let mut start = 0;
+        while Phase::ORDER[start].is_agent_step() {
+            start += 1;
+        }
+        let mut end = start;
+        while end < Phase::COUNT && !Phase::ORDER[end].is_agent_step() {
+            end += 1;
+        }
+        let mut rest = end;
+        while rest < Phase::COUNT {
+            assert!(
+                Phase::ORDER[rest].is_agent_step(),
+                "the executor's phases are one run"
+            );
+            rest += 1;
+        }
+        start..end
+    };
+
     /// Position of the phase in [`Phase::ORDER`] (the variants are declared in that
     /// order; a test checks it).
     #[inline]
@@ -131,7 +153,7 @@ impl Phase {
     }
 
     /// Whether the agent runs this phase itself (around the executor's phases).
-    pub fn is_agent_step(self) -> bool {
+    pub const fn is_agent_step(self) -> bool {
         matches!(self, Phase::Exchange | Phase::Publish)
     }
 
@@ -180,20 +202,9 @@ pub fn flush(
         let buckets = classify(&arena, cmds);
         let mut created_preps = BumpVec::new_in(&arena);
         let mut posted = BumpVec::new_in(&arena);
-        for phase in Phase::ORDER {
+        for &phase in &Phase::ORDER[Phase::EXECUTOR] {
             let bucket = &buckets[phase.position()];
             match phase {
-                Phase::Exchange | Phase::Publish => {
-                    // The agent's steps; a buffer flushed without an agent says so.
-                    for &i in bucket.iter() {
-                        if cmds.outcomes[i as usize] == Outcome::Pending {
-                            cmds.outcomes[i as usize] = Outcome::Failed(Error::NotSupported {
-                                backend: "executor".into(),
-                                what: "metadata-exchange commands run in Agent::flush".into(),
-                            });
-                        }
-                    }
-                }
                 Phase::Metadata => phase_metadata(world, loader, cmds, bucket),
                 Phase::Register => phase_register(world, cmds, bucket),
                 Phase::Prep => created_preps = phase_prep(world, &arena, cmds, bucket),
@@ -207,6 +218,16 @@ pub fn flush(
                 }
                 Phase::Notify => summary.notifications = phase_notify(world, cmds, bucket),
                 Phase::Retire => phase_retire(world, cmds, bucket),
+                Phase::Exchange | Phase::Publish => unreachable!("agent steps are not in EXECUTOR"),
+            }
+        }
+        // The agent's steps are the agent's: a buffer flushed without one says so.
+        for &i in buckets[Phase::Exchange.position()].iter() {
+            if cmds.outcomes[i as usize] == Outcome::Pending {
+                cmds.outcomes[i as usize] = Outcome::Failed(Error::NotSupported {
+                    backend: "executor".into(),
+                    what: "metadata-exchange commands run in Agent::flush".into(),
+                });
             }
         }
     }
@@ -664,9 +685,8 @@ mod tests {
         for (i, phase) in Phase::ORDER.iter().enumerate() {
             assert_eq!(phase.position(), i, "{phase:?}");
         }
-        assert!(Phase::ORDER[0].is_agent_step());
-        assert!(Phase::ORDER[Phase::COUNT - 1].is_agent_step());
-        assert!(Phase::ORDER[1..Phase::COUNT - 1]
+        assert_eq!(Phase::EXECUTOR, 1..Phase::COUNT - 1);
+        assert!(Phase::ORDER[Phase::EXECUTOR]
             .iter()
             .all(|p| !p.is_agent_step()));
     }

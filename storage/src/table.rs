@@ -69,6 +69,7 @@ impl<K: Key> Rows<K> {
     }
 
     /// Append a row; the caller pushes one value onto every column with the proof.
+    #[inline]
     pub fn push_row(&mut self) -> (K, RowPush) {
         let row = self.keys.len();
         let key = self.slots.insert(row as u32);
@@ -94,6 +95,7 @@ impl<K: Key> Rows<K> {
     }
 
     /// Remove `key`; the caller swap-removes every column with the proof.
+    #[inline]
     pub fn remove_row(&mut self, key: K) -> Option<RowRemove> {
         let row = self.slots.remove(key)? as usize;
         self.keys.swap_remove(row);
@@ -223,6 +225,7 @@ macro_rules! table {
             }
 
             /// Add a row; returns its handle.
+            #[inline]
             pub fn insert(&mut self, row: $row) -> $key {
                 let (key, proof) = self.rows.push_row();
                 $( self.$field.push(&proof, row.$field); )*
@@ -231,6 +234,7 @@ macro_rules! table {
             }
 
             /// Remove the row of `key`, giving its values back; `None` if stale.
+            #[inline]
             pub fn remove(&mut self, key: $key) -> Option<$row> {
                 let proof = self.rows.remove_row(key)?;
                 let out = $row { $( $field: self.$field.swap_remove(&proof), )* };

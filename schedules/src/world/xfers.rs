@@ -212,6 +212,11 @@ impl World {
         let mut bytes = 0u64;
         // Consecutive descriptors mostly share a region: remember the last lookups.
         let (mut last_local, mut last_remote) = ((u64::MAX, 0u64), (u64::MAX, 0u64));
+        // Both lists as plain slices: their pointers and lengths stay in registers.
+        let (lentries, rentries) = (
+            self.preps.entries[lrow].as_slice(),
+            self.preps.entries[rrow].as_slice(),
+        );
         let built = (|| {
             for k in 0..n {
                 let li = if local_idx.is_empty() {
@@ -224,8 +229,8 @@ impl World {
                 } else {
                     remote_idx[k] as usize
                 };
-                let le = self.preps.entries[lrow][li];
-                let re = self.preps.entries[rrow][ri];
+                let le = lentries[li];
+                let re = rentries[ri];
                 if le.desc.len != re.desc.len {
                     return Err(Error::Mismatch {
                         subject: desc_subject(k, re.desc),
@@ -553,6 +558,7 @@ impl World {
     }
 
     /// Whether request `row` may be posted now; marks it in progress if so.
+    #[inline]
     pub(crate) fn accept_post(&mut self, id: XferId) -> Result<usize, Error> {
         let row = self
             .xfers
