@@ -78,11 +78,27 @@ pub struct FlushSummary {
     pub notifications: u32,
 }
 
-/// One phase of a flush. [`Phase::ORDER`] is the order; [`Phase::of`] says where each
-/// command runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum Phase {
+/// Declares [`Phase`] and its order from one list: the enum's variants (so
+/// [`Phase::position`] is the discriminant) and [`Phase::ORDER`] both come from it.
+macro_rules! phases {
+    ($($(#[$doc:meta])* $phase:ident),* $(,)?) => {
+        /// One phase of a flush. [`Phase::ORDER`] is the order; [`Phase::of`] says where
+        /// each command runs.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        #[repr(u8)]
+        pub enum Phase {
+            $($(#[$doc])* $phase,)*
+        }
+
+        impl Phase {
+            /// Every phase in the order a flush runs them. The one place the order is
+            /// written.
+            pub const ORDER: [Phase; [$(stringify!($phase)),*].len()] = [$(Phase::$phase),*];
+        }
+    };
+}
+
+phases! {
     /// Metadata-exchange commands (run by the agent, before the executor).
     Exchange,
     /// Load / invalidate peer metadata; make connections.
@@ -106,20 +122,6 @@ pub enum Phase {
 }
 
 impl Phase {
-    /// Every phase in the order a flush runs them. The one place the order is written.
-    pub const ORDER: [Phase; 10] = [
-        Phase::Exchange,
-        Phase::Metadata,
-        Phase::Register,
-        Phase::Prep,
-        Phase::Make,
-        Phase::Dispatch,
-        Phase::Progress,
-        Phase::Notify,
-        Phase::Retire,
-        Phase::Publish,
-    ];
-
     /// Number of phases.
     pub const COUNT: usize = Phase::ORDER.len();
 
@@ -145,8 +147,8 @@ impl Phase {
         start..end
     };
 
-    /// Position of the phase in [`Phase::ORDER`] (the variants are declared in that
-    /// order; a test checks it).
+    /// Position of the phase in [`Phase::ORDER`] (the variants are declared from the
+    /// same list; a test checks it).
     #[inline]
     pub const fn position(self) -> usize {
         self as usize
