@@ -159,6 +159,7 @@ impl Agent {
 
     /// The agent's state, or [`Error::Poisoned`] once a panic interrupted a flush (see
     /// the module docs: the tables may be half-updated, so nobody touches them again).
+    #[inline]
     pub(crate) fn lock(&self) -> Result<MutexGuard<'_, AgentState>> {
         self.state.lock().map_err(|_| Error::Poisoned {
             agent: self.name.clone(),

@@ -225,7 +225,7 @@ macro_rules! table {
             }
 
             /// Add a row; returns its handle.
-            #[inline]
+            #[inline(always)]
             pub fn insert(&mut self, row: $row) -> $key {
                 let (key, proof) = self.rows.push_row();
                 $( self.$field.push(&proof, row.$field); )*
@@ -234,7 +234,7 @@ macro_rules! table {
             }
 
             /// Remove the row of `key`, giving its values back; `None` if stale.
-            #[inline]
+            #[inline(always)]
             pub fn remove(&mut self, key: $key) -> Option<$row> {
                 let proof = self.rows.remove_row(key)?;
                 let out = $row { $( $field: self.$field.swap_remove(&proof), )* };

@@ -402,6 +402,7 @@ impl World {
         })
     }
 
+    #[inline]
     pub(crate) fn check_peer_generation(&self, peer: PeerId, generation: u32) -> Result<(), Error> {
         let row = self
             .peers
