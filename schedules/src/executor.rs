@@ -1,7 +1,11 @@
 //! The executor: one flush runs the phases of [`Phase::ORDER`], in that order, each a
-//! plain function over the world's tables. The order is data, written once in
-//! [`Phase::ORDER`]; the agent's own steps (the exchange pre-phase and the publish
-//! post-phase) are phases of the same list, run by the agent around the executor:
+//! plain function over the world's tables. The order is data, written once: the
+//! `phase_list!` macro holds the list and hands it to the macros that declare [`Phase`]
+//! and [`Phase::ORDER`] and that expand the executor's sequence of phase calls (one call
+//! per phase, unrolled at compile time: no loop, no dispatch; a phase that reads what an
+//! earlier phase produced does not compile if the list puts it first). The agent's own
+//! steps (the exchange pre-phase and the publish post-phase) are phases of the same list,
+//! run by the agent around the executor's span [`Phase::EXECUTOR`]:
 //!
 //! | phase | what |
 //! |---|---|
@@ -78,9 +82,38 @@ pub struct FlushSummary {
     pub notifications: u32,
 }
 
-/// Declares [`Phase`] and its order from one list: the enum's variants (so
-/// [`Phase::position`] is the discriminant) and [`Phase::ORDER`] both come from it.
-macro_rules! phases {
+/// The phases of a flush, in order: the one list. It hands itself to the macro `$then`,
+/// so the enum and [`Phase::ORDER`] (`declare_phases`) and the executor's sequence of
+/// phase calls (`flush`, unrolled at compile time: no loop, no dispatch) all come from it.
+macro_rules! phase_list {
+    ($then:ident) => {
+        $then! {
+            /// Metadata-exchange commands (run by the agent, before the executor).
+            Exchange,
+            /// Load / invalidate peer metadata; make connections.
+            Metadata,
+            /// Register regions.
+            Register,
+            /// Prepare descriptor lists.
+            Prep,
+            /// Build requests.
+            Make,
+            /// Post requests, one batch per backend × endpoint.
+            Dispatch,
+            /// Drive backends, route completions, answer checks.
+            Progress,
+            /// Send and drain notifications.
+            Notify,
+            /// Release requests and lists, deregister regions.
+            Retire,
+            /// Refresh the published metadata snapshot (run by the agent, after the
+            /// executor).
+            Publish,
+        }
+    };
+}
+
+macro_rules! declare_phases {
     ($($(#[$doc:meta])* $phase:ident),* $(,)?) => {
         /// One phase of a flush. [`Phase::ORDER`] is the order; [`Phase::of`] says where
         /// each command runs.
@@ -91,35 +124,13 @@ macro_rules! phases {
         }
 
         impl Phase {
-            /// Every phase in the order a flush runs them. The one place the order is
-            /// written.
+            /// Every phase in the order a flush runs them (declared from the one list).
             pub const ORDER: [Phase; [$(stringify!($phase)),*].len()] = [$(Phase::$phase),*];
         }
     };
 }
 
-phases! {
-    /// Metadata-exchange commands (run by the agent, before the executor).
-    Exchange,
-    /// Load / invalidate peer metadata; make connections.
-    Metadata,
-    /// Register regions.
-    Register,
-    /// Prepare descriptor lists.
-    Prep,
-    /// Build requests.
-    Make,
-    /// Post requests, one batch per backend × endpoint.
-    Dispatch,
-    /// Drive backends, route completions, answer checks.
-    Progress,
-    /// Send and drain notifications.
-    Notify,
-    /// Release requests and lists, deregister regions.
-    Retire,
-    /// Refresh the published metadata snapshot (run by the agent, after the executor).
-    Publish,
-}
+phase_list!(declare_phases);
 
 impl Phase {
     /// Number of phases.
@@ -202,27 +213,52 @@ pub fn flush(
     arena.reset();
     {
         let buckets = classify(&arena, cmds);
-        let mut created_preps = BumpVec::new_in(&arena);
-        let mut posted = BumpVec::new_in(&arena);
-        for &phase in &Phase::ORDER[Phase::EXECUTOR] {
-            let bucket = &buckets[phase.position()];
-            match phase {
-                Phase::Metadata => phase_metadata(world, loader, cmds, bucket),
-                Phase::Register => phase_register(world, cmds, bucket),
-                Phase::Prep => created_preps = phase_prep(world, &arena, cmds, bucket),
-                Phase::Make => phase_make(world, cmds, bucket, &created_preps),
-                Phase::Dispatch => {
-                    posted = phase_dispatch(world, &arena, cmds, bucket);
-                    summary.posted = posted.len() as u32;
-                }
-                Phase::Progress => {
-                    summary.completed = phase_progress(world, cmds, &posted, bucket);
-                }
-                Phase::Notify => summary.notifications = phase_notify(world, cmds, bucket),
-                Phase::Retire => phase_retire(world, cmds, bucket),
-                Phase::Exchange | Phase::Publish => unreachable!("agent steps are not in EXECUTOR"),
-            }
+        // Set by their phases (the compiler checks they run before their readers).
+        let created_preps: CreatedPreps<'_>;
+        let posted: BumpVec<'_, Posted>;
+        // One call per phase, in the order of the one list (expanded at compile time).
+        macro_rules! run_phase {
+            (Exchange) => {}; // the agent's step, before the executor
+            (Publish) => {};  // the agent's step, after the executor
+            (Metadata) => {
+                phase_metadata(world, loader, cmds, &buckets[Phase::Metadata.position()])
+            };
+            (Register) => {
+                phase_register(world, cmds, &buckets[Phase::Register.position()])
+            };
+            (Prep) => {
+                created_preps = phase_prep(world, &arena, cmds, &buckets[Phase::Prep.position()])
+            };
+            (Make) => {
+                phase_make(
+                    world,
+                    cmds,
+                    &buckets[Phase::Make.position()],
+                    &created_preps,
+                )
+            };
+            (Dispatch) => {
+                posted = phase_dispatch(world, &arena, cmds, &buckets[Phase::Dispatch.position()]);
+                summary.posted = posted.len() as u32;
+            };
+            (Progress) => {
+                summary.completed =
+                    phase_progress(world, cmds, &posted, &buckets[Phase::Progress.position()])
+            };
+            (Notify) => {
+                summary.notifications =
+                    phase_notify(world, cmds, &buckets[Phase::Notify.position()])
+            };
+            (Retire) => {
+                phase_retire(world, cmds, &buckets[Phase::Retire.position()])
+            };
         }
+        macro_rules! run_phases {
+            ($($(#[$doc:meta])* $phase:ident),* $(,)?) => {
+                $( run_phase!($phase); )*
+            };
+        }
+        phase_list!(run_phases);
         // The agent's steps are the agent's: a buffer flushed without one says so.
         for &i in buckets[Phase::Exchange.position()].iter() {
             if cmds.outcomes[i as usize] == Outcome::Pending {
