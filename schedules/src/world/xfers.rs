@@ -455,13 +455,15 @@ impl World {
         let Some(row) = self.xfers.row(id) else {
             return false;
         };
-        match &mut self.xfers.states[row] {
+        match self.xfers.states[row] {
             XferState::InProgress => {}
-            XferState::Draining(error) => {
-                // The backend confirmed the end: the caller already saw `error`; the
+            XferState::Draining(_) => {
+                // The backend confirmed the end: the caller already saw the error; the
                 // request may now be released and its regions deregistered.
-                let error = std::mem::replace(error, Error::DependencyFailed { command: 0 });
-                self.xfers.states[row] = XferState::Failed(error);
+                let state = &mut self.xfers.states[row];
+                if let XferState::Draining(error) = std::mem::replace(state, XferState::NotPosted) {
+                    *state = XferState::Failed(error);
+                }
                 return true;
             }
             _ => return false,
