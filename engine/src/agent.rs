@@ -1,16 +1,33 @@
 //! The agent: one participant with a unique name, owning backends, registered memory,
 //! peers and requests. All methods take `&self`; an agent is `Send + Sync` and command
 //! buffers may be recorded on any thread and flushed from there.
+//!
+//! # One path
+//!
+//! Every direct method that changes or drives the agent (`register`, `post`,
+//! `progress`, `drain_notifications`, `load_remote_md`, `invalidate_remote_md`,
+//! `make_connection`, …) records one command into a reused scratch buffer and runs it
+//! through [`Agent::flush`], so a direct call and the same command in a buffer behave
+//! the same (phases, exchange pre-step, snapshot refresh).
+//!
+//! # Panic policy
+//!
+//! A panic inside a flush (a backend bug, say) may stop the executor between two table
+//! updates. The agent does not guess what is left: the world's lock is poisoned by the
+//! unwinding, and from then on the agent refuses work — every command of a flush fails
+//! with [`Error::Poisoned`], direct methods return it, and the methods that cannot
+//! fail (`progress`, `drain_notifications`, `counts`, …) report nothing. Drop the agent
+//! and make a new one. [`Agent::is_poisoned`] tells.
 
 use std::collections::HashSet;
 use std::path::Path;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use ferry_backend_api::{
-    effective_params, BackendInit, Capabilities, FileMode, NotifSink, Params, QueryResult,
+    effective_params, BackendInit, Capabilities, FileMode, Params, QueryResult,
 };
 use ferry_schedules::{
-    flush, Bounds, CommandBuffer, FlushSummary, Side, Telemetry, World, XferStatus,
+    flush, Bounds, CommandBuffer, FlushSummary, Phase, Side, Telemetry, World, XferStatus,
 };
 use ferry_storage::{
     BackendId, Desc, Error, MemKind, Op, PeerId, PrepId, RegionId, Result, Subject, XferId,
@@ -140,10 +157,18 @@ impl Agent {
         &self.exchange
     }
 
-    pub(crate) fn lock(&self) -> MutexGuard<'_, AgentState> {
-        // A panic in another thread while flushing leaves tables consistent between
-        // phases' row operations; keep serving rather than poisoning every caller.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    /// The agent's state, or [`Error::Poisoned`] once a panic interrupted a flush (see
+    /// the module docs: the tables may be half-updated, so nobody touches them again).
+    #[inline]
+    pub(crate) fn lock(&self) -> Result<MutexGuard<'_, AgentState>> {
+        self.state.lock().map_err(|_| Error::Poisoned {
+            agent: self.name.clone(),
+        })
+    }
+
+    /// Whether a panic inside an earlier flush poisoned this agent (it refuses all work).
+    pub fn is_poisoned(&self) -> bool {
+        self.state.is_poisoned()
     }
 
     /// Backend types compiled into this build, with parameters and availability.
@@ -167,7 +192,7 @@ impl Agent {
             agent_name: &self.name,
             params: &params,
         })?;
-        let mut state = self.lock();
+        let mut state = self.lock()?;
         if state
             .world
             .backend_ids()
@@ -183,7 +208,9 @@ impl Agent {
 
     /// Backends created on this agent.
     pub fn backends(&self) -> Vec<BackendInfo> {
-        let state = self.lock();
+        let Ok(state) = self.lock() else {
+            return Vec::new();
+        };
         state
             .world
             .backend_ids()
@@ -199,21 +226,67 @@ impl Agent {
             .collect()
     }
 
-    /// Run every recorded command of `cmds` (see the crate docs for the phase order).
-    /// Outcomes, statuses and drained notifications are read from `cmds` afterwards.
+    /// Run every recorded command of `cmds`: the phases of [`Phase::ORDER`] — the
+    /// exchange pre-step, the executor's phases under the agent's lock, the publish
+    /// post-step. Outcomes, statuses and drained notifications are read from `cmds`
+    /// afterwards. A buffer already flushed (not cleared since) is refused; a poisoned
+    /// agent refuses every command with [`Error::Poisoned`].
     pub fn flush(&self, cmds: &mut CommandBuffer) -> FlushSummary {
-        let exchange = self.exchange_slot().is_started();
-        self.run_exchange_commands(cmds);
-        let summary = {
-            let mut state = self.lock();
-            let AgentState { world, md, .. } = &mut *state;
-            flush(world, md, cmds)
-        };
-        if exchange {
-            // Keep what P2P peers get from "send me yours" current with registrations.
-            let _ = self.refresh_snapshot();
+        // Decided once: a poisoned agent or an already flushed buffer runs no agent step.
+        let steps = !cmds.is_flushed() && !self.is_poisoned();
+        for &phase in &Phase::ORDER[..Phase::EXECUTOR.start] {
+            self.agent_step(phase, steps, cmds);
+        }
+        let summary = self.run_executor(cmds);
+        for &phase in &Phase::ORDER[Phase::EXECUTOR.end..] {
+            self.agent_step(phase, steps, cmds);
         }
         summary
+    }
+
+    /// One of the agent's own phases (see [`Phase::is_agent_step`]).
+    fn agent_step(&self, phase: Phase, run: bool, cmds: &mut CommandBuffer) {
+        match phase {
+            Phase::Exchange if run => self.run_exchange_commands(cmds),
+            // Keep what P2P peers get from "send me yours" current.
+            Phase::Publish if run && self.exchange_slot().is_started() => {
+                let _ = self.refresh_snapshot();
+            }
+            _ => {}
+        }
+    }
+
+    /// The executor's phases, under the world lock (or every command refused with
+    /// [`Error::Poisoned`]).
+    fn run_executor(&self, cmds: &mut CommandBuffer) -> FlushSummary {
+        match self.lock() {
+            Ok(mut state) => {
+                let AgentState { world, md, .. } = &mut *state;
+                flush(world, md, cmds)
+            }
+            Err(poisoned) => {
+                cmds.fail_all(poisoned);
+                FlushSummary {
+                    failed: cmds.len() as u32,
+                    ..FlushSummary::default()
+                }
+            }
+        }
+    }
+
+    /// Run `f` with the reused scratch buffer, cleared (a concurrent caller gets a
+    /// fresh one).
+    fn with_scratch<T>(&self, f: impl FnOnce(&mut CommandBuffer) -> T) -> T {
+        let mut scratch = self
+            .lock()
+            .map(|mut s| std::mem::take(&mut s.scratch))
+            .unwrap_or_default();
+        scratch.clear();
+        let out = f(&mut scratch);
+        if let Ok(mut state) = self.lock() {
+            state.scratch = scratch;
+        }
+        out
     }
 
     /// Flush one command with the reused scratch buffer and give its outcome.
@@ -222,15 +295,11 @@ impl Agent {
         record: impl FnOnce(&mut CommandBuffer) -> u32,
         read: impl FnOnce(&CommandBuffer, u32) -> Result<T>,
     ) -> Result<T> {
-        // Same path as a recorded buffer (exchange pre-phase, snapshot refresh); the
-        // scratch buffer is reused across calls (a concurrent caller gets a fresh one).
-        let mut scratch = std::mem::take(&mut self.lock().scratch);
-        scratch.clear();
-        let index = record(&mut scratch);
-        self.flush(&mut scratch);
-        let result = read(&scratch, index);
-        self.lock().scratch = scratch;
-        result
+        self.with_scratch(|scratch| {
+            let index = record(scratch);
+            self.flush(scratch);
+            read(scratch, index)
+        })
     }
 
     /// Register one region with every backend that supports `kind`.
@@ -354,40 +423,40 @@ impl Agent {
         self.one(|c| c.notify(to, payload).index(), done)
     }
 
-    /// Take every inbound notification: (sender agent, payload). Allocates; batch users
-    /// drain into their command buffer instead.
+    /// Drive every backend once, then take every inbound notification: (sender agent,
+    /// payload) — as NIXL's `getNotifs`, so a caller without a progress thread sees
+    /// what arrived. Allocates; batch users drain into their command buffer instead.
     pub fn drain_notifications(&self) -> Vec<(String, Vec<u8>)> {
-        struct Collect(Vec<(String, Vec<u8>)>);
-        impl NotifSink for Collect {
-            fn deliver(&mut self, from: &str, payload: &[u8]) {
-                self.0.push((from.to_string(), payload.to_vec()));
-            }
-        }
-        let mut sink = Collect(Vec::new());
-        self.lock().world.drain_notifications(&mut sink);
-        sink.0
+        self.with_scratch(|c| {
+            c.drain_notifications();
+            self.flush(c);
+            c.notifications()
+                .map(|(from, payload)| (from.to_string(), payload.to_vec()))
+                .collect()
+        })
     }
 
-    /// Drive every backend once; returns how many requests completed.
+    /// Drive every backend once; returns how many requests completed (an empty flush:
+    /// its progress phase).
     pub fn progress(&self) -> u32 {
-        self.lock().world.progress()
+        self.with_scratch(|c| self.flush(c).completed)
     }
 
     /// Telemetry of a request: start, post and transfer durations, bytes, descriptor
     /// count after merging.
     pub fn telemetry(&self, xfer: XferId) -> Result<Telemetry> {
-        self.lock().world.telemetry(xfer)
+        self.lock()?.world.telemetry(xfer)
     }
 
     /// Number of merged ranges of a request.
     pub fn xfer_ranges(&self, xfer: XferId) -> Result<usize> {
-        self.lock().world.xfer_range_count(xfer)
+        self.lock()?.world.xfer_range_count(xfer)
     }
 
     /// Our full metadata: name, generation, connection info of every remote-capable
     /// backend, every registered region's public metadata.
     pub fn local_md(&self) -> Result<Vec<u8>> {
-        let state = self.lock();
+        let state = self.lock()?;
         state.md.encode_local(&state.world, None, true)
     }
 
@@ -397,7 +466,7 @@ impl Agent {
         regions: &[RegionId],
         include_conn_info: bool,
     ) -> Result<Vec<u8>> {
-        let state = self.lock();
+        let state = self.lock()?;
         state
             .md
             .encode_local(&state.world, Some(regions), include_conn_info)
@@ -405,23 +474,31 @@ impl Agent {
 
     /// Validate and load a peer's metadata blob (idempotent for identical content;
     /// conflicting content refused; partial metadata accumulates; new content of a new
-    /// generation replaces the old and invalidates requests built on it).
+    /// generation replaces the old and invalidates requests built on it; metadata
+    /// carrying this agent's own name is refused).
     pub fn load_remote_md(&self, blob: &[u8]) -> Result<PeerId> {
-        let mut state = self.lock();
-        let AgentState { world, md, .. } = &mut *state;
-        ferry_schedules::MetadataLoader::load(md, world, blob)
+        self.one(
+            |c| c.load_md(blob).index(),
+            |c, i| c.created(ferry_schedules::Ticket::<PeerId>::at(i)),
+        )
     }
 
-    /// Forget a peer's metadata; requests built on it fail with not-found.
+    /// Forget a peer's metadata: the peer's handle goes stale, requests built on it fail
+    /// with not-found, and those in flight drain until their backend confirms the end
+    /// (their regions stay pinned until then).
     pub fn invalidate_remote_md(&self, peer: PeerId) -> Result<()> {
-        let mut state = self.lock();
-        state.md.peers.remove(&peer);
-        state.world.invalidate_peer(peer)
+        self.one(|c| c.invalidate_md(peer).index(), done)
+    }
+
+    /// Establish the connections to a loaded peer now (NIXL's `makeConnection`) instead
+    /// of on first use.
+    pub fn make_connection(&self, peer: PeerId) -> Result<()> {
+        self.one(|c| c.make_connection(peer).index(), done)
     }
 
     /// The peer known by agent name `name`.
     pub fn peer(&self, name: &str) -> Option<PeerId> {
-        self.lock().world.peer_by_name(name)
+        self.lock().ok()?.world.peer_by_name(name)
     }
 
     /// Ask backend `backend` about memory or files (one result per descriptor).
@@ -432,15 +509,19 @@ impl Agent {
         descs: &[Desc],
         paths: &[Option<&Path>],
     ) -> Result<Vec<QueryResult>> {
-        self.lock()
-            .world
-            .backend_mut(backend)?
-            .query(kind, descs, paths)
+        self.lock()?.world.query(backend, kind, descs, paths)
     }
 
     /// Live (requests, prepared lists, regions, peers).
     pub fn counts(&self) -> (usize, usize, usize, usize) {
-        self.lock().world.counts()
+        self.lock().map(|s| s.world.counts()).unwrap_or_default()
+    }
+
+    /// Slots the peer table holds (live and free): flat while peers come and go.
+    pub fn peer_slots(&self) -> usize {
+        self.lock()
+            .map(|s| s.world.peer_slots())
+            .unwrap_or_default()
     }
 }
 

@@ -33,6 +33,7 @@
 //! ```
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use ferry_storage::{Desc, Error, MemKind, RegionId, Result, Subject, MAX_BACKENDS};
@@ -56,6 +57,11 @@ pub const FAILURES_MAX: usize = 1024;
 pub(crate) struct ExchangeSlot {
     manager: OnceLock<Manager>,
     inner: Mutex<Inner>,
+    /// Set while some thread applies events. Applying an event flushes a command
+    /// (load, invalidate), and every flush starts by applying events: without this
+    /// guard the nested flush would apply the *next* events before the current one's
+    /// command ran, out of order (a withdrawal before the load it follows).
+    applying: AtomicBool,
 }
 
 #[derive(Default)]
@@ -139,7 +145,7 @@ impl Agent {
     pub(crate) fn refresh_snapshot(&self) -> Result<()> {
         let manager = self.manager()?;
         let now = {
-            let state = self.lock();
+            let state = self.lock()?;
             (
                 state.world.regions().len(),
                 state.world.deregistrations(),
@@ -194,9 +200,7 @@ impl Agent {
     pub fn poll_exchange(&self) -> Result<usize> {
         let manager = self.manager()?;
         self.refresh_snapshot()?;
-        // Applied as they are popped: the queue holds no lock while `apply` runs, and
-        // nothing is collected on the way (no allocation beyond the events' own).
-        Ok(manager.poll(|event| self.apply(event)))
+        Ok(self.apply_events_of(manager))
     }
 
     /// Apply pending exchange events (the first step of every flush, so an
@@ -205,8 +209,31 @@ impl Agent {
     /// event is pending.
     pub(crate) fn apply_exchange_events(&self) {
         if let Some(manager) = self.exchange_slot().manager.get() {
-            manager.poll(|event| self.apply(event));
+            self.apply_events_of(manager);
         }
+    }
+
+    /// Apply `manager`'s events in queue order, unless this agent is applying already
+    /// (a flush nested in `apply`, or another thread, which then applies them). Applied
+    /// as they are popped: the queue holds no lock while `apply` runs, and nothing is
+    /// collected on the way (no allocation beyond the events' own).
+    fn apply_events_of(&self, manager: &Manager) -> usize {
+        let applying = &self.exchange_slot().applying;
+        if applying
+            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            return 0;
+        }
+        // Cleared on unwind too, so a panicking load cannot stop event delivery.
+        struct Clear<'a>(&'a AtomicBool);
+        impl Drop for Clear<'_> {
+            fn drop(&mut self) {
+                self.0.store(false, Ordering::Release);
+            }
+        }
+        let _clear = Clear(applying);
+        manager.poll(|event| self.apply(event))
     }
 
     /// Load `blob`, received on a side channel as the metadata of `agent`: the agent
@@ -332,8 +359,8 @@ impl Agent {
         let Some(peer) = self.peer(agent) else {
             return Ok(false);
         };
-        let state = self.lock();
-        // An invalidated peer keeps its handle but has no view.
+        let state = self.lock()?;
+        // A peer whose load is under way has no view yet.
         let Some(view) = state.world.peer_view(peer)?.0 else {
             return Ok(false);
         };

@@ -55,8 +55,8 @@ pub use ferry_schedules::{
     Outcome, Ref, Side, Telemetry, Ticket, XferStatus,
 };
 pub use ferry_storage::{
-    BackendId, BackendMask, Desc, Endpoint, Error, MemKind, NotifId, Op, PeerId, PrepId, RegionId,
-    Result, Subject, XferId,
+    BackendId, BackendMask, Desc, Endpoint, Error, MemKind, Op, PeerId, PrepId, RegionId, Result,
+    Subject, XferId,
 };
 pub use registry::{factories, factory, FactoryInfo};
 

@@ -20,6 +20,11 @@ pub(crate) const PEER_BLOBS_MAX: usize = 256;
 ///
 /// Backend indices of the view are positions in `names` (the union of the blobs'
 /// backend types); a region token is `blob << 32 | region index in that blob`.
+///
+/// One blob is searched in place. With several (partial metadata accumulating), every
+/// region of every blob is merged once, at load, into one sorted [`Merged`] index per
+/// view backend and memory kind, so a lookup stays one binary search however many
+/// blobs the peer sent.
 pub(crate) struct PeerMdSet {
     agent: String,
     generation: u64,
@@ -27,6 +32,40 @@ pub(crate) struct PeerMdSet {
     names: Vec<String>,
     /// For each view backend index, that backend's index in each blob.
     per_blob: Vec<Vec<Option<u8>>>,
+    /// With more than one blob: the merged index, by view backend index then kind.
+    merged: Vec<[Merged; 5]>,
+}
+
+/// The regions of one (view backend, memory kind) over all blobs, sorted by (device,
+/// start). Regions of one generation never overlap (`PeerMdSet::compare` refuses it);
+/// a region published in two blobs appears once. Columns indexed by position.
+#[derive(Default)]
+struct Merged {
+    starts: Vec<(u64, u64)>,
+    ends: Vec<u64>,
+    tokens: Vec<u64>,
+}
+
+impl Merged {
+    fn find(&self, desc: Desc) -> Option<usize> {
+        if desc.len == 0 {
+            return None;
+        }
+        let end = desc.end()?;
+        let i = self
+            .starts
+            .partition_point(|&s| s <= (desc.dev, desc.addr))
+            .checked_sub(1)?;
+        (self.starts[i].0 == desc.dev && end <= self.ends[i]).then_some(i)
+    }
+
+    fn exact(&self, desc: Desc) -> Option<usize> {
+        let i = self.starts.partition_point(|&s| s < (desc.dev, desc.addr));
+        (i < self.starts.len()
+            && self.starts[i] == (desc.dev, desc.addr)
+            && Some(self.ends[i]) == desc.end())
+        .then_some(i)
+    }
 }
 
 impl PeerMdSet {
@@ -42,17 +81,67 @@ impl PeerMdSet {
                 }
             }
         }
-        let per_blob = names
+        let per_blob: Vec<Vec<Option<u8>>> = names
             .iter()
             .map(|n| blobs.iter().map(|b| b.backend_index(n)).collect())
             .collect();
+        let merged = if blobs.len() > 1 {
+            Self::merge(&blobs, &names)
+        } else {
+            Vec::new()
+        };
         PeerMdSet {
             agent: first.agent().to_string(),
             generation: first.generation(),
             blobs,
             names,
             per_blob,
+            merged,
         }
+    }
+
+    /// Sort every region of every blob into one index per (view backend, kind).
+    fn merge(blobs: &[Arc<PeerMd>], names: &[String]) -> Vec<[Merged; 5]> {
+        /// (device, start, end, token) of each region, per kind.
+        type Rows = [Vec<(u64, u64, u64, u64)>; 5];
+        let mut rows: Vec<Rows> = (0..names.len()).map(|_| Default::default()).collect();
+        for (b, blob) in blobs.iter().enumerate() {
+            for index in 0..blob.region_count() as u32 {
+                let Some(region) = blob.region(index) else {
+                    continue;
+                };
+                let Some((name, _)) = blob.backend(region.backend) else {
+                    continue;
+                };
+                let Some(v) = names.iter().position(|n| n == name) else {
+                    continue;
+                };
+                let d = region.desc;
+                rows[v][region.kind as usize].push((
+                    d.dev,
+                    d.addr,
+                    d.addr.saturating_add(d.len),
+                    Self::token(b, index),
+                ));
+            }
+        }
+        rows.into_iter()
+            .map(|kinds| {
+                kinds.map(|mut regions| {
+                    // Earlier blobs first among equal ranges, so the first publication
+                    // of a region keeps its token.
+                    regions.sort_by_key(|&(dev, start, end, token)| (dev, start, end, token));
+                    regions.dedup_by_key(|r| (r.0, r.1, r.2));
+                    let mut m = Merged::default();
+                    for (dev, start, end, token) in regions {
+                        m.starts.push((dev, start));
+                        m.ends.push(end);
+                        m.tokens.push(token);
+                    }
+                    m
+                })
+            })
+            .collect()
     }
 
     fn token(blob: usize, region: u32) -> u64 {
@@ -143,6 +232,10 @@ impl PeerMdSet {
     }
 
     fn exact(&self, backend: u8, kind: MemKind, desc: Desc) -> Option<u64> {
+        if let Some(m) = self.merged.get(usize::from(backend)) {
+            let m = &m[kind as usize];
+            return m.exact(desc).map(|i| m.tokens[i]);
+        }
         let per = self.per_blob.get(usize::from(backend))?;
         per.iter().enumerate().find_map(|(b, idx)| {
             idx.and_then(|i| self.blobs[b].exact(i, kind, desc))
@@ -184,15 +277,13 @@ impl PeerView for PeerMdSet {
 
     #[inline]
     fn find(&self, backend: u8, kind: MemKind, desc: Desc) -> Option<u64> {
-        let per = self.per_blob.get(usize::from(backend))?;
-        if per.len() == 1 {
-            let i = per[0]?;
-            return self.blobs[0].find(i, kind, desc).map(|r| Self::token(0, r));
+        if let Some(m) = self.merged.get(usize::from(backend)) {
+            let m = &m[kind as usize];
+            return m.find(desc).map(|i| m.tokens[i]);
         }
-        per.iter().enumerate().find_map(|(b, idx)| {
-            idx.and_then(|i| self.blobs[b].find(i, kind, desc))
-                .map(|r| Self::token(b, r))
-        })
+        let per = self.per_blob.get(usize::from(backend))?;
+        let i = (*per.first()?)?;
+        self.blobs[0].find(i, kind, desc).map(|r| Self::token(0, r))
     }
 }
 
@@ -299,8 +390,15 @@ impl MetadataLoader for MdState {
             None => (PeerMdSet::new(vec![md]), LoadKind::Replace),
         };
         let set = Arc::new(set);
-        let peer = world.load_peer(&name, set.clone(), kind)?;
+        #[allow(unsafe_code)]
+        // SAFETY: `load_peer` asks for a view of regions agent `name` really registered:
+        // `set` holds only blobs the codec validated, published under that name.
+        let peer = unsafe { world.load_peer(&name, set.clone(), kind)? };
         self.peers.insert(peer, set);
         Ok(peer)
+    }
+
+    fn forget(&mut self, peer: PeerId) {
+        self.peers.remove(&peer);
     }
 }

@@ -165,6 +165,12 @@ pub enum Command {
         /// The peer.
         peer: Ref<PeerId>,
     },
+    /// Establish the endpoints to a loaded peer now (NIXL's `makeConnection`) instead of
+    /// on first use.
+    Connect {
+        /// The peer.
+        peer: Ref<PeerId>,
+    },
     /// Register one region with every backend that supports its kind (or the hinted ones).
     Register {
         /// Memory kind.
@@ -395,6 +401,21 @@ impl CommandBuffer {
         self.flushed = false;
     }
 
+    /// Whether the buffer was flushed and not cleared since (flushing it again is
+    /// refused; recording a new command starts a new batch).
+    pub fn is_flushed(&self) -> bool {
+        self.flushed
+    }
+
+    /// Mark every recorded command failed with `error` and the buffer flushed (for an
+    /// agent that refuses a whole flush).
+    pub fn fail_all(&mut self, error: Error) {
+        for outcome in &mut self.outcomes {
+            *outcome = Outcome::Failed(error.clone());
+        }
+        self.flushed = true;
+    }
+
     /// Number of recorded commands.
     pub fn len(&self) -> usize {
         self.commands.len()
@@ -463,8 +484,9 @@ impl CommandBuffer {
         Ticket::new(self.push(Command::LoadMd { bytes }))
     }
 
-    /// Forget a peer's metadata (its generation moves on; requests built on the old
-    /// metadata then fail with not-found).
+    /// Forget a peer's metadata: its row is freed (the handle goes stale), requests built
+    /// on it fail with not-found, and those in flight drain until their backend confirms
+    /// the end.
     pub fn invalidate_md(&mut self, peer: impl Into<Ref<PeerId>>) -> Ticket<()> {
         Ticket::new(self.push(Command::InvalidateMd { peer: peer.into() }))
     }
@@ -696,6 +718,12 @@ impl CommandBuffer {
     pub fn check_remote_md(&mut self, agent: &str) -> Ticket<bool> {
         let agent = self.push_bytes(agent.as_bytes());
         Ticket::new(self.push(Command::Exchange(ExchangeCmd::Check { agent })))
+    }
+
+    /// Make the connections to a loaded peer now (NIXL's `makeConnection`); otherwise
+    /// backends connect on first use.
+    pub fn make_connection(&mut self, peer: impl Into<Ref<PeerId>>) -> Ticket<()> {
+        Ticket::new(self.push(Command::Connect { peer: peer.into() }))
     }
 
     /// The regions recorded by a `SendPartial` command.

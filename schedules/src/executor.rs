@@ -1,38 +1,57 @@
-//! The executor: one flush runs these phases, in this order, each a plain function over
-//! the world's tables (the order is written here and nowhere else):
+//! The executor: one flush runs the phases of [`Phase::ORDER`], in that order, each a
+//! plain function over the world's tables. The order is data, written once: the
+//! `phase_list!` macro holds the list and hands it to the macros that declare [`Phase`]
+//! and [`Phase::ORDER`] and that expand the executor's sequence of phase calls (one call
+//! per phase, unrolled at compile time: no loop, no dispatch; a phase that reads what an
+//! earlier phase produced does not compile if the list puts it first). The agent's own
+//! steps (the exchange pre-phase and the publish post-phase) are phases of the same list,
+//! run by the agent around the executor's span [`Phase::EXECUTOR`]:
 //!
-//! (−1. **exchange** – metadata-exchange commands, run by the agent before the
-//!      executor: send / fetch / check through its exchange manager, no network wait)
-//! 0. **classify**   – bucket command indices by phase (arena scratch)
-//! 1. **metadata**   – load / invalidate peer metadata
-//! 2. **register**   – register regions with backends, index them in sections
-//! 3. **prep**       – resolve descriptor lists against sections (incl. `create`'s lists)
-//! 4. **make**       – build requests: index lists → ranges, merged on the fly
-//! 5. **dispatch**   – validate posts, sort by backend × endpoint × op, one batch each
-//! 6. **progress**   – drive backends, route completions by tag, answer checks
-//! 7. **notify**     – standalone notifications, drain inbound ones into the buffer
-//! 8. **retire**     – release requests / prepared lists, deregister regions
+//! | phase | what |
+//! |---|---|
+//! | [`Phase::Exchange`] | (agent) metadata-exchange commands: send / fetch / check through its exchange manager, no network wait |
+//! | [`Phase::Metadata`] | load / invalidate peer metadata, make connections |
+//! | [`Phase::Register`] | register regions with backends, index them in sections |
+//! | [`Phase::Prep`] | resolve descriptor lists against sections (incl. `create`'s lists) |
+//! | [`Phase::Make`] | build requests: index lists → ranges, merged on the fly; pin regions |
+//! | [`Phase::Dispatch`] | validate posts, sort by backend × endpoint × op (record order kept within each), one batch per backend × endpoint |
+//! | [`Phase::Progress`] | drive backends, route completions by tag, answer checks |
+//! | [`Phase::Notify`] | standalone notifications, drain inbound ones into the buffer |
+//! | [`Phase::Retire`] | release requests / prepared lists, deregister regions |
+//! | [`Phase::Publish`] | (agent) refresh the metadata snapshot the exchange serves |
 //!
 //! Every command gets its own [`Outcome`]; one bad command fails alone. A command whose
-//! input is the result of a failed command fails with `DependencyFailed`.
+//! input is the result of a failed command fails with `DependencyFailed`; a ticket must
+//! name an *earlier* command of the buffer (a later one is refused, whatever the phase
+//! order would allow). A buffer is flushed once: flushing it again without `clear()` (or
+//! recording, which starts a new batch) is refused and every outcome says so.
+//!
+//! # Ordering a caller can rely on
+//!
+//! - Phases run in [`Phase::ORDER`], whatever the record order: a `post` recorded before
+//!   the `make` it names (by ticket) is refused, but `release` recorded before `post` of
+//!   the same request still runs after it (retire is last).
+//! - Within one phase, commands run in record order.
+//! - Posts to the same backend × endpoint × op reach the backend in record order, in one
+//!   batch. Posts to different endpoints, backends or ops go in separate batches whose
+//!   order is unspecified; and no backend promises that the *bytes* of two requests of
+//!   one batch land in order (a NIC may complete them out of order). A caller that needs
+//!   B after A waits for A's completion (or its notification) before posting B.
 
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::time::Instant;
 
 use bumpalo::collections::Vec as BumpVec;
-use ferry_backend_api::{Completion, FailureKind, NotifSink, Post, Range, RegionSpec};
-use ferry_storage::{
-    handle_from_tag, handle_to_tag, BackendMask, Desc, Endpoint, Error, MemKind, Op, PeerId,
-    PrepId, RegionId, Subject, XferId, MAX_BACKENDS,
-};
+use ferry_backend_api::{NotifSink, Post};
+use ferry_storage::{handle_to_tag, Endpoint, Error, PeerId, PrepId, Subject, XferId};
 
 use crate::command::{
     Command, CommandBuffer, Created, FromCreated, NotifEntry, Outcome, Ref, Releasable, Side, Span,
     XferStatus,
 };
-use crate::merge::{dispatch_key, push_merged};
-use crate::world::{Hit, PrepEntry, PrepSide, World, XferState};
+use crate::merge::dispatch_key;
+use crate::world::{World, XferState};
 
 macro_rules! phase_span {
     ($name:literal) => {
@@ -46,6 +65,8 @@ macro_rules! phase_span {
 pub trait MetadataLoader {
     /// Validate `blob` and load it into `world` (creating or refreshing a peer).
     fn load(&mut self, world: &mut World, blob: &[u8]) -> Result<PeerId, Error>;
+    /// `peer` was invalidated (its row is gone): drop what the loader keeps for it.
+    fn forget(&mut self, peer: PeerId);
 }
 
 /// What one flush did, in numbers.
@@ -61,45 +82,185 @@ pub struct FlushSummary {
     pub notifications: u32,
 }
 
-const PHASES: usize = 9;
+/// The phases of a flush, in order: the one list. It hands itself to the macro `$then`,
+/// so the enum and [`Phase::ORDER`] (`declare_phases`) and the executor's sequence of
+/// phase calls (`flush`, unrolled at compile time: no loop, no dispatch) all come from it.
+macro_rules! phase_list {
+    ($then:ident) => {
+        $then! {
+            /// Metadata-exchange commands (run by the agent, before the executor).
+            Exchange,
+            /// Load / invalidate peer metadata; make connections.
+            Metadata,
+            /// Register regions.
+            Register,
+            /// Prepare descriptor lists.
+            Prep,
+            /// Build requests.
+            Make,
+            /// Post requests, one batch per backend × endpoint.
+            Dispatch,
+            /// Drive backends, route completions, answer checks.
+            Progress,
+            /// Send and drain notifications.
+            Notify,
+            /// Release requests and lists, deregister regions.
+            Retire,
+            /// Refresh the published metadata snapshot (run by the agent, after the
+            /// executor).
+            Publish,
+        }
+    };
+}
 
-fn phase_of(command: &Command) -> usize {
-    match command {
-        Command::LoadMd { .. } | Command::InvalidateMd { .. } => 0,
-        Command::Register { .. } => 1,
-        Command::Prep { .. } | Command::Create { .. } => 2,
-        Command::Make { .. } => 3,
-        Command::Post { .. } => 4,
-        Command::Check { .. } => 5,
-        Command::Notify { .. } | Command::DrainNotifications => 6,
-        Command::Release { .. } | Command::Deregister { .. } => 7,
-        Command::Exchange(_) => 8,
+macro_rules! declare_phases {
+    ($($(#[$doc:meta])* $phase:ident),* $(,)?) => {
+        /// One phase of a flush. [`Phase::ORDER`] is the order; [`Phase::of`] says where
+        /// each command runs.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        #[repr(u8)]
+        pub enum Phase {
+            $($(#[$doc])* $phase,)*
+        }
+
+        impl Phase {
+            /// Every phase in the order a flush runs them (declared from the one list).
+            pub const ORDER: [Phase; [$(stringify!($phase)),*].len()] = [$(Phase::$phase),*];
+        }
+    };
+}
+
+phase_list!(declare_phases);
+
+impl Phase {
+    /// Number of phases.
+    pub const COUNT: usize = Phase::ORDER.len();
+
+    /// The executor's part of [`Phase::ORDER`]: the agent steps before it and after it
+    /// are run by the agent (computed from `ORDER`, checked to be one run).
+    pub const EXECUTOR: std::ops::Range<usize> = {
+        let mut start = 0;
+        while Phase::ORDER[start].is_agent_step() {
+            start += 1;
+        }
+        let mut end = start;
+        while end < Phase::COUNT && !Phase::ORDER[end].is_agent_step() {
+            end += 1;
+        }
+        let mut rest = end;
+        while rest < Phase::COUNT {
+            assert!(
+                Phase::ORDER[rest].is_agent_step(),
+                "the executor's phases are one run"
+            );
+            rest += 1;
+        }
+        start..end
+    };
+
+    /// Position of the phase in [`Phase::ORDER`] (the variants are declared from the
+    /// same list; a test checks it).
+    #[inline]
+    pub const fn position(self) -> usize {
+        self as usize
+    }
+
+    /// Whether the agent runs this phase itself (around the executor's phases).
+    pub const fn is_agent_step(self) -> bool {
+        matches!(self, Phase::Exchange | Phase::Publish)
+    }
+
+    /// The phase a command runs in.
+    pub fn of(command: &Command) -> Phase {
+        match command {
+            Command::Exchange(_) => Phase::Exchange,
+            Command::LoadMd { .. } | Command::InvalidateMd { .. } | Command::Connect { .. } => {
+                Phase::Metadata
+            }
+            Command::Register { .. } => Phase::Register,
+            Command::Prep { .. } | Command::Create { .. } => Phase::Prep,
+            Command::Make { .. } => Phase::Make,
+            Command::Post { .. } => Phase::Dispatch,
+            Command::Check { .. } => Phase::Progress,
+            Command::Notify { .. } | Command::DrainNotifications => Phase::Notify,
+            Command::Release { .. } | Command::Deregister { .. } => Phase::Retire,
+        }
     }
 }
 
-/// Flush `cmds` against `world`. Outcomes land in the buffer.
+/// Flush `cmds` against `world`: the executor's phases of [`Phase::ORDER`]. Outcomes
+/// land in the buffer. The agent phases ([`Phase::is_agent_step`]) are the caller's;
+/// exchange commands still pending afterwards fail with not-supported.
 pub fn flush(
     world: &mut World,
     loader: &mut dyn MetadataLoader,
     cmds: &mut CommandBuffer,
 ) -> FlushSummary {
     phase_span!("ferry::flush");
+    let mut summary = FlushSummary::default();
+    if cmds.flushed {
+        let error = Error::NotAllowed {
+            subject: Subject::Named("command buffer".into()),
+            reason: "already flushed: clear() it (or record a new command, which starts a new batch) before flushing again".into(),
+        };
+        for outcome in &mut cmds.outcomes {
+            *outcome = Outcome::Failed(error.clone());
+        }
+        summary.failed = cmds.outcomes.len() as u32;
+        return summary;
+    }
     let mut arena = std::mem::take(&mut world.arena);
     arena.reset();
-    let mut summary = FlushSummary::default();
     {
         let buckets = classify(&arena, cmds);
-        phase_metadata(world, loader, cmds, &buckets[0]);
-        phase_register(world, cmds, &buckets[1]);
-        let created_preps = phase_prep(world, &arena, cmds, &buckets[2]);
-        phase_make(world, cmds, &buckets[3], &created_preps);
-        let posted = phase_dispatch(world, &arena, cmds, &buckets[4]);
-        summary.posted = posted.len() as u32;
-        summary.completed = phase_progress(world, cmds, &posted, &buckets[5]);
-        summary.notifications = phase_notify(world, cmds, &buckets[6]);
-        phase_retire(world, cmds, &buckets[7]);
-        for &i in buckets[8].iter() {
-            // Exchange commands are the agent's; a buffer flushed without one says so.
+        // Set by their phases (the compiler checks they run before their readers).
+        let created_preps: CreatedPreps<'_>;
+        let posted: BumpVec<'_, Posted>;
+        // One call per phase, in the order of the one list (expanded at compile time).
+        macro_rules! run_phase {
+            (Exchange) => {}; // the agent's step, before the executor
+            (Publish) => {};  // the agent's step, after the executor
+            (Metadata) => {
+                phase_metadata(world, loader, cmds, &buckets[Phase::Metadata.position()])
+            };
+            (Register) => {
+                phase_register(world, cmds, &buckets[Phase::Register.position()])
+            };
+            (Prep) => {
+                created_preps = phase_prep(world, &arena, cmds, &buckets[Phase::Prep.position()])
+            };
+            (Make) => {
+                phase_make(
+                    world,
+                    cmds,
+                    &buckets[Phase::Make.position()],
+                    &created_preps,
+                )
+            };
+            (Dispatch) => {
+                posted = phase_dispatch(world, &arena, cmds, &buckets[Phase::Dispatch.position()]);
+                summary.posted = posted.len() as u32;
+            };
+            (Progress) => {
+                summary.completed =
+                    phase_progress(world, cmds, &posted, &buckets[Phase::Progress.position()])
+            };
+            (Notify) => {
+                summary.notifications =
+                    phase_notify(world, cmds, &buckets[Phase::Notify.position()])
+            };
+            (Retire) => {
+                phase_retire(world, cmds, &buckets[Phase::Retire.position()])
+            };
+        }
+        macro_rules! run_phases {
+            ($($(#[$doc:meta])* $phase:ident),* $(,)?) => {
+                $( run_phase!($phase); )*
+            };
+        }
+        phase_list!(run_phases);
+        // The agent's steps are the agent's: a buffer flushed without one says so.
+        for &i in buckets[Phase::Exchange.position()].iter() {
             if cmds.outcomes[i as usize] == Outcome::Pending {
                 cmds.outcomes[i as usize] = Outcome::Failed(Error::NotSupported {
                     backend: "executor".into(),
@@ -114,19 +275,27 @@ pub fn flush(
     summary
 }
 
-fn classify<'a>(arena: &'a bumpalo::Bump, cmds: &CommandBuffer) -> [BumpVec<'a, u32>; PHASES] {
+fn classify<'a>(
+    arena: &'a bumpalo::Bump,
+    cmds: &CommandBuffer,
+) -> [BumpVec<'a, u32>; Phase::COUNT] {
     phase_span!("ferry::classify");
-    let mut buckets: [BumpVec<'a, u32>; PHASES] = std::array::from_fn(|_| BumpVec::new_in(arena));
+    let mut buckets: [BumpVec<'a, u32>; Phase::COUNT] =
+        std::array::from_fn(|_| BumpVec::new_in(arena));
     for (i, command) in cmds.commands.iter().enumerate() {
-        buckets[phase_of(command)].push(i as u32);
+        buckets[Phase::of(command).position()].push(i as u32);
     }
     buckets
 }
 
-/// Resolve a handle-or-ticket against earlier outcomes.
-fn resolve<H: FromCreated + Copy>(outcomes: &[Outcome], r: Ref<H>) -> Result<H, Error> {
+/// Resolve a handle-or-ticket of command `at` against earlier outcomes.
+fn resolve<H: FromCreated + Copy>(outcomes: &[Outcome], at: u32, r: Ref<H>) -> Result<H, Error> {
     match r {
         Ref::Handle(h) => Ok(h),
+        Ref::Ticket(i) if i >= at => Err(Error::invalid(
+            Subject::Command(i),
+            format!("a ticket must name an earlier command; command #{at} names command #{i}"),
+        )),
         Ref::Ticket(i) => match outcomes.get(i as usize) {
             Some(Outcome::Created(c)) => H::from_created(*c).ok_or_else(|| {
                 Error::invalid(
@@ -137,7 +306,7 @@ fn resolve<H: FromCreated + Copy>(outcomes: &[Outcome], r: Ref<H>) -> Result<H, 
             Some(Outcome::Failed(_)) => Err(Error::DependencyFailed { command: i }),
             _ => Err(Error::invalid(
                 Subject::Command(i),
-                "ticket does not name an earlier command",
+                "ticket names a command that creates nothing (or runs in a later phase)",
             )),
         },
     }
@@ -164,8 +333,13 @@ fn phase_metadata(
             Command::LoadMd { bytes } => loader
                 .load(world, &cmds.bytes[bytes.range()])
                 .map(|p| Outcome::Created(Created::Peer(p))),
-            Command::InvalidateMd { peer } => resolve(&cmds.outcomes, peer)
-                .and_then(|p| world.invalidate_peer(p))
+            Command::InvalidateMd { peer } => resolve(&cmds.outcomes, i, peer).and_then(|p| {
+                world.invalidate_peer(p)?;
+                loader.forget(p);
+                Ok(Outcome::Done)
+            }),
+            Command::Connect { peer } => resolve(&cmds.outcomes, i, peer)
+                .and_then(|p| world.connect_peer(p))
                 .map(|()| Outcome::Done),
             _ => unreachable!("classified as metadata"),
         };
@@ -200,175 +374,6 @@ fn phase_register(world: &mut World, cmds: &mut CommandBuffer, bucket: &[u32]) {
     }
 }
 
-impl World {
-    /// Register one region with every backend in `hint` that supports `kind`; succeeds
-    /// if at least one accepts. Overlap with a region of the same section is refused.
-    pub fn register_region(
-        &mut self,
-        kind: MemKind,
-        desc: Desc,
-        hint: BackendMask,
-        path: Option<(&Path, ferry_backend_api::FileMode)>,
-    ) -> Result<RegionId, Error> {
-        let subject = || Subject::Descriptor {
-            index: 0,
-            addr: desc.addr,
-            len: desc.len,
-            dev: desc.dev,
-        };
-        // A FILE region of length 0 means "unbounded": index it up to the end of the offset space.
-        let indexed = if kind == MemKind::File && desc.len == 0 {
-            Desc::new(desc.addr, u64::MAX - desc.addr, desc.dev)
-        } else {
-            desc
-        };
-        if indexed.len == 0 {
-            return Err(Error::invalid(subject(), "a region must not be empty"));
-        }
-        if indexed.end().is_none() {
-            return Err(Error::invalid(subject(), "range wraps the address space"));
-        }
-        if self.regions.len() >= self.bounds.regions_max {
-            return Err(Error::Capacity {
-                what: "registered regions",
-                limit: self.bounds.regions_max,
-            });
-        }
-        let mut candidates = BackendMask::EMPTY;
-        for slot in 0..MAX_BACKENDS {
-            if hint.contains(slot) && self.backends.caps[slot].is_some_and(|c| c.supports(kind)) {
-                candidates.insert(slot);
-            }
-        }
-        if candidates.is_empty() {
-            return Err(Error::NotSupported {
-                backend: "agent".into(),
-                what: format!("no backend (of those hinted) supports memory kind {kind}").into(),
-            });
-        }
-        // Refuse overlap before any backend does work.
-        for slot in candidates.iter() {
-            let section = &self.sections[slot][kind as usize];
-            let probe_start = section.covering(Desc::new(indexed.addr, 1, indexed.dev));
-            let overlapping = probe_start.or_else(|| {
-                section
-                    .iter()
-                    .find(|&(_, dev, start, end)| {
-                        dev == indexed.dev
-                            && start < indexed.addr + indexed.len
-                            && indexed.addr < end
-                    })
-                    .map(|(id, ..)| id)
-            });
-            if let Some(other) = overlapping {
-                return Err(Error::NotAllowed {
-                    subject: subject(),
-                    reason: format!("overlaps registered region {other:?}").into(),
-                });
-            }
-        }
-        let spec = RegionSpec { kind, desc, path };
-        let mut tokens = [0u64; MAX_BACKENDS];
-        let mut public = Vec::new();
-        let mut accepted = BackendMask::EMPTY;
-        let mut first_error = None;
-        for slot in candidates.iter() {
-            let backend = self.backends.backends[slot]
-                .as_mut()
-                .expect("candidate slot is filled");
-            match backend.register(&spec) {
-                Ok(reg) => {
-                    tokens[slot] = reg.token;
-                    public.push((slot as u8, reg.public_md.into_boxed_slice()));
-                    accepted.insert(slot);
-                }
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                }
-            }
-        }
-        if accepted.is_empty() {
-            return Err(first_error.expect("at least one candidate failed"));
-        }
-        let id = self.regions.insert(kind, desc, accepted, tokens, public);
-        for slot in accepted.iter() {
-            self.sections[slot][kind as usize]
-                .insert(indexed, id)
-                .expect("overlap was checked before registering");
-        }
-        Ok(id)
-    }
-
-    /// Deregister a region from every backend that holds it. Refused while an in-flight
-    /// request uses it.
-    pub fn deregister_region(&mut self, id: RegionId) -> Result<(), Error> {
-        let row = self
-            .regions
-            .row(id)
-            .ok_or_else(|| Error::not_found(Subject::Region(id)))?;
-        let kind = self.regions.kinds[row];
-        let desc = self.regions.descs[row];
-        let tokens = self.regions.tokens[row];
-        let backends = self.regions.backends[row];
-        // In-flight check: a request's local ranges carry the region's token for its
-        // slot, and its ranges lie inside the region's span.
-        let end = if kind == MemKind::File && desc.len == 0 {
-            u64::MAX
-        } else {
-            desc.addr + desc.len
-        };
-        for x in 0..self.xfers.rows.len() {
-            if self.xfers.states[x] != XferState::InProgress {
-                continue;
-            }
-            let slot = usize::from(self.xfers.slots[x]);
-            if !backends.contains(slot) {
-                continue;
-            }
-            let (lk, rk) = self.xfers.kinds[x];
-            let local_target = self.xfers.endpoints[x] == Endpoint::Local;
-            let uses = self.xfers.ranges[x].iter().any(|r| {
-                (lk == kind
-                    && r.local_dev == desc.dev
-                    && r.local_addr >= desc.addr
-                    && r.local_addr < end)
-                    || (local_target
-                        && rk == kind
-                        && r.remote_dev == desc.dev
-                        && r.remote_addr >= desc.addr
-                        && r.remote_addr < end)
-            });
-            if uses {
-                return Err(Error::NotAllowed {
-                    subject: Subject::Region(id),
-                    reason: format!(
-                        "transfer request {:?} using it is in flight",
-                        self.xfers.rows.key(x)
-                    )
-                    .into(),
-                });
-            }
-        }
-        let indexed = if kind == MemKind::File && desc.len == 0 {
-            Desc::new(desc.addr, u64::MAX - desc.addr, desc.dev)
-        } else {
-            desc
-        };
-        let mut first_error = None;
-        for slot in backends.iter() {
-            if let Some(backend) = self.backends.backends[slot].as_mut() {
-                if let Err(e) = backend.deregister(kind, tokens[slot]) {
-                    first_error.get_or_insert(e);
-                }
-            }
-            self.sections[slot][kind as usize].remove(indexed, id);
-        }
-        self.regions.remove(id);
-        self.deregistrations += 1;
-        first_error.map_or(Ok(()), Err)
-    }
-}
-
 // ---------------------------------------------------------------- 3. prep
 
 /// The temporary prepared lists of `create` commands: (command, local, remote).
@@ -390,7 +395,7 @@ fn phase_prep<'a>(
                 descs,
                 hint,
             } => {
-                let result = resolve_side(&cmds.outcomes, side)
+                let result = resolve_side(&cmds.outcomes, i, side)
                     .and_then(|side| world.prep_list(side, kind, &cmds.descs[descs.range()], hint))
                     .map(|p| Outcome::Created(Created::Prep(p)));
                 set(cmds, i, result);
@@ -405,7 +410,7 @@ fn phase_prep<'a>(
                 ..
             } => {
                 let pair = (|| {
-                    let side = resolve_side(&cmds.outcomes, remote_side)?;
+                    let side = resolve_side(&cmds.outcomes, i, remote_side)?;
                     let l = world.prep_list(None, local_kind, &cmds.descs[local.range()], hint)?;
                     match world.prep_list(side, remote_kind, &cmds.descs[remote.range()], hint) {
                         Ok(r) => Ok((l, r)),
@@ -423,242 +428,10 @@ fn phase_prep<'a>(
     created
 }
 
-fn resolve_side(outcomes: &[Outcome], side: Side) -> Result<Option<PeerId>, Error> {
+fn resolve_side(outcomes: &[Outcome], at: u32, side: Side) -> Result<Option<PeerId>, Error> {
     match side {
         Side::Local => Ok(None),
-        Side::Peer(p) => resolve(outcomes, p).map(Some),
-    }
-}
-
-fn desc_subject(index: usize, d: Desc) -> Subject {
-    Subject::Descriptor {
-        index: index as u32,
-        addr: d.addr,
-        len: d.len,
-        dev: d.dev,
-    }
-}
-
-/// Resolve `descs` against the backend slots of `mask`: `lookup(slot, desc)` gives the
-/// target (region tag or peer token) and the covering region's range. Each entry gets
-/// the target of the lowest slot that covers every descriptor (the list's first slot);
-/// slots that miss a descriptor leave the mask. Consecutive descriptors in the same
-/// region cost one range check per slot, not a search.
-///
-/// `Err(None)` means every descriptor was covered by some slot but no one slot covers
-/// them all.
-fn resolve_descs(
-    descs: &[Desc],
-    mut mask: BackendMask,
-    out: &mut Vec<PrepEntry>,
-    lookup: impl Fn(usize, Desc) -> Option<(u64, Desc)>,
-) -> Result<BackendMask, Option<Error>> {
-    out.reserve(descs.len());
-    let start = out.len();
-    let Some(mut recorded) = mask.first() else {
-        return Err(None);
-    };
-    let mut hits = [Hit::NONE; MAX_BACKENDS];
-    for (i, &d) in descs.iter().enumerate() {
-        if d.len == 0 || d.end().is_none() {
-            return Err(Some(Error::invalid(
-                desc_subject(i, d),
-                "empty or wrapping descriptor",
-            )));
-        }
-        let mut target = None;
-        for slot in mask.iter() {
-            if !hits[slot].covers(d) {
-                match lookup(slot, d) {
-                    Some((value, region)) => {
-                        hits[slot] = Hit {
-                            dev: region.dev,
-                            start: region.addr,
-                            end: region.addr.saturating_add(region.len),
-                            value,
-                        };
-                    }
-                    None => {
-                        mask.remove(slot);
-                        continue;
-                    }
-                }
-            }
-            target.get_or_insert(hits[slot].value);
-        }
-        let Some(target) = target else {
-            return Err(Some(Error::NotFound {
-                subject: desc_subject(i, d),
-            }));
-        };
-        if mask.first() != Some(recorded) {
-            // The slot whose targets were recorded so far dropped out: re-resolve the
-            // earlier entries for the new first slot (rare: mixed coverage).
-            recorded = mask.first().expect("a slot covered this descriptor");
-            for entry in &mut out[start..] {
-                entry.target = lookup(recorded, entry.desc).map(|(v, _)| v).ok_or(None)?;
-            }
-        }
-        out.push(PrepEntry { desc: d, target });
-    }
-    Ok(mask)
-}
-
-impl World {
-    /// Resolve `descs` (all of `kind`) against the local sections (`peer` = None) or a
-    /// peer's published sections, once.
-    pub fn prep_list(
-        &mut self,
-        peer: Option<PeerId>,
-        kind: MemKind,
-        descs: &[Desc],
-        hint: BackendMask,
-    ) -> Result<PrepId, Error> {
-        if descs.len() > self.bounds.descs_per_list_max {
-            return Err(Error::Capacity {
-                what: "descriptors per list",
-                limit: self.bounds.descs_per_list_max,
-            });
-        }
-        if self.preps.rows.len() >= self.bounds.preps_max {
-            return Err(Error::Capacity {
-                what: "prepared lists",
-                limit: self.bounds.preps_max,
-            });
-        }
-        let mut entries = self.preps.pool.pop().unwrap_or_default();
-        entries.clear();
-        let result = match peer {
-            None => self
-                .resolve_local(kind, descs, hint, &mut entries)
-                .map(|mask| (PrepSide::Local, mask)),
-            Some(p) => self.resolve_peer(p, kind, descs, hint, &mut entries),
-        };
-        match result {
-            Ok((side, mask)) => {
-                let (id, _) = self.preps.rows.push();
-                self.preps.sides.push(side);
-                self.preps.kinds.push(kind);
-                self.preps.masks.push(mask);
-                self.preps.entries.push(entries);
-                Ok(id)
-            }
-            Err(e) => {
-                self.preps.pool.push(entries);
-                Err(e)
-            }
-        }
-    }
-
-    fn resolve_local(
-        &self,
-        kind: MemKind,
-        descs: &[Desc],
-        hint: BackendMask,
-        out: &mut Vec<PrepEntry>,
-    ) -> Result<BackendMask, Error> {
-        let mut mask = BackendMask::EMPTY;
-        for slot in 0..MAX_BACKENDS {
-            if hint.contains(slot)
-                && self.backends.caps[slot].is_some_and(|c| c.supports(kind))
-                && !self.sections[slot][kind as usize].is_empty()
-            {
-                mask.insert(slot);
-            }
-        }
-        resolve_descs(descs, mask, out, |slot, d| {
-            self.sections[slot][kind as usize].covering_bounds(d).map(
-                |(region, dev, start, end)| {
-                    (handle_to_tag(region), Desc::new(start, end - start, dev))
-                },
-            )
-        })
-        .map_err(|e| {
-            e.unwrap_or_else(|| Error::NotFound {
-                subject: Subject::Named(
-                    format!("a single backend whose {kind} regions cover every descriptor").into(),
-                ),
-            })
-        })
-    }
-
-    fn resolve_peer(
-        &self,
-        peer: PeerId,
-        kind: MemKind,
-        descs: &[Desc],
-        hint: BackendMask,
-        out: &mut Vec<PrepEntry>,
-    ) -> Result<(PrepSide, BackendMask), Error> {
-        let row = self
-            .peers
-            .rows
-            .row(peer)
-            .ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
-        let view = self.peers.views[row]
-            .as_ref()
-            .ok_or_else(|| Error::NotFound {
-                subject: Subject::PeerName(format!(
-                    "{} (metadata invalidated)",
-                    self.peers.names[row]
-                )),
-            })?;
-        let slot_map = &self.peers.slot_maps[row];
-        let mut mask = BackendMask::EMPTY;
-        for slot in self.peers.loaded[row].iter() {
-            if hint.contains(slot)
-                && slot_map[slot].is_some()
-                && self.backends.caps[slot].is_some_and(|c| c.remote && c.supports(kind))
-            {
-                mask.insert(slot);
-            }
-        }
-        let mask = resolve_descs(descs, mask, out, |slot, d| {
-            view.find_bounds(slot_map[slot]?, kind, d)
-        })
-        .map_err(|e| {
-            e.unwrap_or_else(|| Error::NotFound {
-                subject: Subject::Named(
-                    format!(
-                        "a backend shared with peer '{}' whose {kind} sections cover every descriptor",
-                        self.peers.names[row]
-                    )
-                    .into(),
-                ),
-            })
-        })?;
-        Ok((
-            PrepSide::Peer {
-                peer,
-                generation: self.peers.generations[row],
-            },
-            mask,
-        ))
-    }
-
-    /// Release a prepared list.
-    pub fn release_prep(&mut self, id: PrepId) -> Result<(), Error> {
-        let row = self
-            .preps
-            .rows
-            .remove(id)
-            .ok_or_else(|| Error::not_found(Subject::Prep(id)))?;
-        self.preps.sides.swap_remove(row);
-        self.preps.kinds.swap_remove(row);
-        self.preps.masks.swap_remove(row);
-        let entries = self.preps.entries.swap_remove(row);
-        self.preps.pool.push(entries);
-        Ok(())
-    }
-
-    /// Number of descriptors in a prepared list.
-    pub fn prep_len(&self, id: PrepId) -> Result<usize, Error> {
-        let row = self
-            .preps
-            .rows
-            .row(id)
-            .ok_or_else(|| Error::not_found(Subject::Prep(id)))?;
-        Ok(self.preps.entries[row].len())
+        Side::Peer(p) => resolve(outcomes, at, p).map(Some),
     }
 }
 
@@ -705,8 +478,8 @@ fn phase_make(
             unreachable!("classified as make")
         };
         let result = (|| {
-            let l = resolve(&cmds.outcomes, local)?;
-            let r = resolve(&cmds.outcomes, remote)?;
+            let l = resolve(&cmds.outcomes, i, local)?;
+            let r = resolve(&cmds.outcomes, i, remote)?;
             let notif = notif.map(|s| &cmds.bytes[s.range()]);
             world.make_xfer(
                 op,
@@ -720,308 +493,6 @@ fn phase_make(
         })()
         .map(|x| Outcome::Created(Created::Xfer(x)));
         set(cmds, i, result);
-    }
-}
-
-fn check_indices(indices: &[u32], len: usize, which: &'static str) -> Result<(), Error> {
-    for (pos, &ix) in indices.iter().enumerate() {
-        if ix as usize >= len {
-            return Err(Error::invalid(
-                Subject::Named(format!("{which} index list entry #{pos}").into()),
-                format!("index {ix} is out of range for a list of {len} descriptors"),
-            ));
-        }
-    }
-    Ok(())
-}
-
-impl World {
-    /// Build a request from two prepared lists and index lists (empty = all, in order).
-    #[allow(clippy::too_many_arguments)]
-    pub fn make_xfer(
-        &mut self,
-        op: Op,
-        local: PrepId,
-        local_idx: &[u32],
-        remote: PrepId,
-        remote_idx: &[u32],
-        notif: Option<&[u8]>,
-        hint: BackendMask,
-    ) -> Result<XferId, Error> {
-        let lrow = self
-            .preps
-            .rows
-            .row(local)
-            .ok_or_else(|| Error::not_found(Subject::Prep(local)))?;
-        let rrow = self
-            .preps
-            .rows
-            .row(remote)
-            .ok_or_else(|| Error::not_found(Subject::Prep(remote)))?;
-        if self.preps.sides[lrow] != PrepSide::Local {
-            return Err(Error::invalid(
-                Subject::Prep(local),
-                "the local list of a request must name local regions",
-            ));
-        }
-        let (endpoint, generation) = match self.preps.sides[rrow] {
-            PrepSide::Local => (Endpoint::Local, 0),
-            PrepSide::Peer { peer, generation } => {
-                self.check_peer_generation(peer, generation)?;
-                (Endpoint::Peer(peer), generation)
-            }
-        };
-        let local_len = self.preps.entries[lrow].len();
-        let remote_len = self.preps.entries[rrow].len();
-        check_indices(local_idx, local_len, "local")?;
-        check_indices(remote_idx, remote_len, "remote")?;
-        let n = if local_idx.is_empty() {
-            local_len
-        } else {
-            local_idx.len()
-        };
-        let m = if remote_idx.is_empty() {
-            remote_len
-        } else {
-            remote_idx.len()
-        };
-        if n != m {
-            return Err(Error::Mismatch {
-                subject: Subject::Prep(remote),
-                reason: format!("local side has {n} descriptors, remote side {m}").into(),
-            });
-        }
-        if n == 0 {
-            return Err(Error::invalid(
-                Subject::Prep(local),
-                "a request needs at least one descriptor",
-            ));
-        }
-        if let Some(payload) = notif {
-            if payload.len() > self.bounds.notif_len_max {
-                return Err(Error::Capacity {
-                    what: "notification bytes",
-                    limit: self.bounds.notif_len_max,
-                });
-            }
-        }
-        if self.xfers.rows.len() >= self.bounds.xfers_max {
-            return Err(Error::Capacity {
-                what: "transfer requests",
-                limit: self.bounds.xfers_max,
-            });
-        }
-        // Pick the backend: first hinted one common to both lists, else the first common.
-        let mut common = self.preps.masks[lrow].and(self.preps.masks[rrow]);
-        for slot in common.iter() {
-            let caps = self.backends.caps[slot].expect("masked slot is filled");
-            let ok = match endpoint {
-                Endpoint::Local => caps.local,
-                Endpoint::Peer(_) => caps.remote,
-            };
-            if !ok || (notif.is_some() && !caps.notifications) {
-                common.remove(slot);
-            }
-        }
-        let slot = common
-            .and(hint)
-            .first()
-            .or_else(|| common.first())
-            .ok_or_else(|| Error::NotSupported {
-                backend: "agent".into(),
-                what: "no backend covers both lists for this kind of transfer".into(),
-            })?;
-        let (lkind, rkind) = (self.preps.kinds[lrow], self.preps.kinds[rrow]);
-        let lfirst = self.preps.masks[lrow].first();
-        let rfirst = self.preps.masks[rrow].first();
-
-        let mut ranges = self.xfers.range_pool.pop().unwrap_or_default();
-        ranges.clear();
-        ranges.reserve(n);
-        let mut bytes = 0u64;
-        // Consecutive descriptors mostly share a region: remember the last lookups.
-        let (mut last_local, mut last_remote) = ((u64::MAX, 0u64), (u64::MAX, 0u64));
-        let built = (|| {
-            for k in 0..n {
-                let li = if local_idx.is_empty() {
-                    k
-                } else {
-                    local_idx[k] as usize
-                };
-                let ri = if remote_idx.is_empty() {
-                    k
-                } else {
-                    remote_idx[k] as usize
-                };
-                let le = self.preps.entries[lrow][li];
-                let re = self.preps.entries[rrow][ri];
-                if le.desc.len != re.desc.len {
-                    return Err(Error::Mismatch {
-                        subject: desc_subject(k, re.desc),
-                        reason: format!(
-                            "length {} differs from the local descriptor's {}",
-                            re.desc.len, le.desc.len
-                        )
-                        .into(),
-                    });
-                }
-                let local_token = if le.target == last_local.0 {
-                    last_local.1
-                } else {
-                    let t = self.region_token(le, slot, lkind, Some(slot) == lfirst, k)?;
-                    last_local = (le.target, t);
-                    t
-                };
-                let remote_token = match endpoint {
-                    Endpoint::Local if re.target == last_remote.0 => last_remote.1,
-                    Endpoint::Local => {
-                        let t = self.region_token(re, slot, rkind, Some(slot) == rfirst, k)?;
-                        last_remote = (re.target, t);
-                        t
-                    }
-                    Endpoint::Peer(peer) => {
-                        if Some(slot) == rfirst {
-                            re.target
-                        } else {
-                            self.peer_token(peer, slot, rkind, re.desc, k)?
-                        }
-                    }
-                };
-                bytes += le.desc.len;
-                push_merged(
-                    &mut ranges,
-                    Range {
-                        local_addr: le.desc.addr,
-                        remote_addr: re.desc.addr,
-                        len: le.desc.len,
-                        local_dev: le.desc.dev,
-                        remote_dev: re.desc.dev,
-                        local_token,
-                        remote_token,
-                    },
-                );
-            }
-            Ok(())
-        })();
-        let built = built.and_then(|()| {
-            let backend = self.backends.backends[slot]
-                .as_ref()
-                .expect("chosen slot is filled");
-            backend.validate(
-                endpoint,
-                &Post {
-                    tag: 0,
-                    op,
-                    local_kind: lkind,
-                    remote_kind: rkind,
-                    ranges: &ranges,
-                    notif,
-                },
-            )
-        });
-        if let Err(e) = built {
-            self.xfers.range_pool.push(ranges);
-            return Err(e);
-        }
-        let mut payload = self.xfers.notif_pool.pop().unwrap_or_default();
-        payload.clear();
-        if let Some(p) = notif {
-            payload.extend_from_slice(p);
-        }
-        let telemetry = crate::world::Telemetry {
-            total_bytes: bytes,
-            desc_count: ranges.len() as u64,
-            desc_count_unmerged: n as u64,
-            ..Default::default()
-        };
-        let x = &mut self.xfers;
-        let (id, _) = x.rows.push();
-        x.ops.push(op);
-        x.slots.push(slot as u8);
-        x.endpoints.push(endpoint);
-        x.generations.push(generation);
-        x.kinds.push((lkind, rkind));
-        x.ranges.push(ranges);
-        x.notifs.push(payload);
-        x.has_notif.push(notif.is_some());
-        x.states.push(XferState::NotPosted);
-        x.telemetry.push(telemetry);
-        Ok(id)
-    }
-
-    #[inline]
-    fn region_token(
-        &self,
-        entry: PrepEntry,
-        slot: usize,
-        kind: MemKind,
-        first_slot: bool,
-        k: usize,
-    ) -> Result<u64, Error> {
-        let region: RegionId = handle_from_tag(entry.target);
-        let row = match self.regions.row(region) {
-            Some(row) if self.regions.backends[row].contains(slot) => row,
-            Some(_) if !first_slot => {
-                // Another region covers the descriptor for this backend.
-                let other = self.sections[slot][kind as usize]
-                    .covering(entry.desc)
-                    .ok_or(Error::NotFound {
-                        subject: desc_subject(k, entry.desc),
-                    })?;
-                self.regions.row(other).ok_or(Error::NotFound {
-                    subject: Subject::Region(other),
-                })?
-            }
-            _ => {
-                return Err(Error::NotFound {
-                    subject: Subject::Named(
-                        format!("region {region:?} of descriptor #{k} (deregistered after prep)")
-                            .into(),
-                    ),
-                })
-            }
-        };
-        Ok(self.regions.tokens[row][slot])
-    }
-
-    fn peer_token(
-        &self,
-        peer: PeerId,
-        slot: usize,
-        kind: MemKind,
-        desc: Desc,
-        k: usize,
-    ) -> Result<u64, Error> {
-        let row = self
-            .peers
-            .rows
-            .row(peer)
-            .ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
-        let view = self.peers.views[row]
-            .as_ref()
-            .ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
-        let index =
-            self.peers.slot_maps[row][slot].ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
-        view.find(index, kind, desc).ok_or(Error::NotFound {
-            subject: desc_subject(k, desc),
-        })
-    }
-
-    fn check_peer_generation(&self, peer: PeerId, generation: u32) -> Result<(), Error> {
-        let row = self
-            .peers
-            .rows
-            .row(peer)
-            .ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
-        if self.peers.generations[row] != generation || self.peers.views[row].is_none() {
-            return Err(Error::NotFound {
-                subject: Subject::PeerName(format!(
-                    "{} (metadata generation {generation} was invalidated or reloaded; now {})",
-                    self.peers.names[row], self.peers.generations[row]
-                )),
-            });
-        }
-        Ok(())
     }
 }
 
@@ -1055,22 +526,8 @@ fn phase_dispatch<'a>(
         let Command::Post { xfer } = cmds.commands[i as usize] else {
             unreachable!("classified as post")
         };
-        let accepted = (|| {
-            let id = resolve(&cmds.outcomes, xfer)?;
-            let row = world
-                .xfers
-                .rows
-                .row(id)
-                .ok_or_else(|| Error::not_found(Subject::Xfer(id)))?;
-            // A request posted earlier in this buffer is already marked in progress,
-            // so a second post of it is refused like any repost of an active request.
-            if world.xfers.states[row] == XferState::InProgress {
-                return Err(Error::RepostActive { xfer: id });
-            }
-            if let Endpoint::Peer(peer) = world.xfers.endpoints[row] {
-                world.check_peer_generation(peer, world.xfers.generations[row])?;
-            }
-            world.xfers.states[row] = XferState::InProgress;
+        let accepted = resolve(&cmds.outcomes, i, xfer).and_then(|id| {
+            let row = world.accept_post(id)?;
             let key = dispatch_key(
                 world.xfers.slots[row],
                 endpoint_rank(world.xfers.endpoints[row]),
@@ -1082,13 +539,15 @@ fn phase_dispatch<'a>(
                 xfer: id,
                 row: row as u32,
             })
-        })();
+        });
         match accepted {
             Ok(p) => posted.push(p),
             Err(e) => cmds.outcomes[i as usize] = Outcome::Failed(e),
         }
     }
-    posted.sort_unstable_by_key(|p| p.key);
+    // Command indices are unique, so this unstable sort keeps record order among posts
+    // of one backend × endpoint × op (a stable order without a stable sort's buffer).
+    posted.sort_unstable_by_key(|p| (p.key, p.command));
 
     let telemetry = world.bounds.telemetry;
     let mut start = 0;
@@ -1163,8 +622,8 @@ fn phase_progress(
         let Command::Check { xfer } = cmds.commands[i as usize] else {
             unreachable!("classified as check")
         };
-        let result =
-            resolve(&cmds.outcomes, xfer).and_then(|id| world.xfer_state(id).map(status_outcome));
+        let result = resolve(&cmds.outcomes, i, xfer)
+            .and_then(|id| world.xfer_state(id).map(status_outcome));
         set(cmds, i, result);
     }
     routed
@@ -1175,93 +634,7 @@ fn status_outcome(state: &XferState) -> Outcome {
         XferState::NotPosted => Outcome::Status(XferStatus::NotPosted),
         XferState::InProgress => Outcome::Status(XferStatus::InProgress),
         XferState::Done => Outcome::Status(XferStatus::Done),
-        XferState::Failed(e) => Outcome::Failed(e.clone()),
-    }
-}
-
-impl World {
-    /// Drive every backend once and route completions to their requests. Returns how
-    /// many completions were routed. Never blocks.
-    pub fn progress(&mut self) -> u32 {
-        for slot in 0..MAX_BACKENDS {
-            if let Some(backend) = self.backends.backends[slot].as_mut() {
-                backend.progress(&mut self.completions);
-            }
-        }
-        let mut routed = 0;
-        let now = self.bounds.telemetry.then(Instant::now);
-        let mut completions = std::mem::take(&mut self.completions);
-        for c in completions.as_slice() {
-            routed += u32::from(self.route(*c, now));
-        }
-        completions.clear();
-        self.completions = completions;
-        routed
-    }
-
-    /// Name the remote target of range `range` of request `row`, if its backend can.
-    fn failure_target(&self, row: usize, range: Option<u32>) -> Option<String> {
-        let r = self.xfers.ranges[row].get(range? as usize)?;
-        let slot = usize::from(self.xfers.slots[row]);
-        let kind = self.xfers.kinds[row].1;
-        self.backends.backends[slot]
-            .as_ref()?
-            .describe_target(kind, r.remote_token)
-    }
-
-    fn route(&mut self, c: Completion, now: Option<Instant>) -> bool {
-        let id: XferId = handle_from_tag(c.tag);
-        let Some(row) = self.xfers.rows.row(id) else {
-            return false;
-        };
-        if self.xfers.states[row] != XferState::InProgress {
-            return false;
-        }
-        self.xfers.states[row] = match c.result {
-            Ok(()) => XferState::Done,
-            Err(f) => {
-                let slot = usize::from(self.xfers.slots[row]);
-                let backend = self.slot_name(slot).unwrap_or("?");
-                XferState::Failed(match f.kind {
-                    FailureKind::RemoteDisconnect => {
-                        let subject = match self.xfers.endpoints[row] {
-                            Endpoint::Peer(p) => self
-                                .peer_name(p)
-                                .map(|n| Subject::PeerName(n.to_string()))
-                                .unwrap_or(Subject::Peer(p)),
-                            Endpoint::Local => Subject::Named("the local agent".into()),
-                        };
-                        Error::RemoteDisconnect { subject }
-                    }
-                    FailureKind::Canceled => Error::Canceled { xfer: id },
-                    FailureKind::ShortRead => Error::Backend {
-                        backend: backend.into(),
-                        errno: f.errno,
-                        desc: f.range,
-                        detail: format!(
-                            "short read: {} ended before the range did",
-                            self.failure_target(row, f.range)
-                                .unwrap_or_else(|| "the file".into())
-                        )
-                        .into(),
-                    },
-                    FailureKind::Backend => Error::Backend {
-                        backend: backend.into(),
-                        errno: f.errno,
-                        desc: f.range,
-                        detail: self
-                            .failure_target(row, f.range)
-                            .map_or("transfer failed".into(), |t| {
-                                format!("transfer failed on {t}").into()
-                            }),
-                    },
-                })
-            }
-        };
-        if let (Some(now), Some(start)) = (now, self.xfers.telemetry[row].start) {
-            self.xfers.telemetry[row].xfer_duration = now.saturating_duration_since(start);
-        }
-        true
+        XferState::Failed(e) | XferState::Draining(e) => Outcome::Failed(e.clone()),
     }
 }
 
@@ -1299,7 +672,7 @@ fn phase_notify(world: &mut World, cmds: &mut CommandBuffer, bucket: &[u32]) -> 
     for &i in bucket {
         match cmds.commands[i as usize] {
             Command::Notify { to, payload } => {
-                let result = resolve_side(&cmds.outcomes, to)
+                let result = resolve_side(&cmds.outcomes, i, to)
                     .and_then(|peer| world.send_notification(peer, &cmds.bytes[payload.range()]))
                     .map(|()| Outcome::Done);
                 set(cmds, i, result);
@@ -1320,57 +693,6 @@ fn phase_notify(world: &mut World, cmds: &mut CommandBuffer, bucket: &[u32]) -> 
     drained
 }
 
-impl World {
-    /// Send a standalone notification to a peer (`None` = to oneself) through the first
-    /// backend that supports notifications and knows the peer.
-    pub fn send_notification(&mut self, peer: Option<PeerId>, payload: &[u8]) -> Result<(), Error> {
-        if payload.len() > self.bounds.notif_len_max {
-            return Err(Error::Capacity {
-                what: "notification bytes",
-                limit: self.bounds.notif_len_max,
-            });
-        }
-        let (endpoint, mask) = match peer {
-            None => (Endpoint::Local, BackendMask::ALL),
-            Some(p) => {
-                let row = self
-                    .peers
-                    .rows
-                    .row(p)
-                    .ok_or_else(|| Error::not_found(Subject::Peer(p)))?;
-                if self.peers.views[row].is_none() {
-                    return Err(Error::NotFound {
-                        subject: Subject::PeerName(format!(
-                            "{} (metadata invalidated)",
-                            self.peers.names[row]
-                        )),
-                    });
-                }
-                (Endpoint::Peer(p), self.peers.loaded[row])
-            }
-        };
-        let slot = (0..MAX_BACKENDS)
-            .find(|&s| mask.contains(s) && self.backends.caps[s].is_some_and(|c| c.notifications))
-            .ok_or_else(|| Error::NotSupported {
-                backend: "agent".into(),
-                what: "no backend that supports notifications reaches this peer".into(),
-            })?;
-        self.backends.backends[slot]
-            .as_mut()
-            .expect("slot is filled")
-            .notify(endpoint, payload)
-    }
-
-    /// Hand every inbound notification of every backend to `sink`.
-    pub fn drain_notifications(&mut self, sink: &mut dyn NotifSink) -> usize {
-        let mut n = 0;
-        for (_, backend) in self.live_backends() {
-            n += backend.drain_notifications(sink);
-        }
-        n
-    }
-}
-
 // ---------------------------------------------------------------- 8. retire
 
 fn phase_retire(world: &mut World, cmds: &mut CommandBuffer, bucket: &[u32]) {
@@ -1379,12 +701,12 @@ fn phase_retire(world: &mut World, cmds: &mut CommandBuffer, bucket: &[u32]) {
         let result = match cmds.commands[i as usize] {
             Command::Release {
                 what: Releasable::Xfer(x),
-            } => resolve(&cmds.outcomes, x).and_then(|x| world.release_xfer(x)),
+            } => resolve(&cmds.outcomes, i, x).and_then(|x| world.release_xfer(x)),
             Command::Release {
                 what: Releasable::Prep(p),
-            } => resolve(&cmds.outcomes, p).and_then(|p| world.release_prep(p)),
+            } => resolve(&cmds.outcomes, i, p).and_then(|p| world.release_prep(p)),
             Command::Deregister { region } => {
-                resolve(&cmds.outcomes, region).and_then(|r| world.deregister_region(r))
+                resolve(&cmds.outcomes, i, region).and_then(|r| world.deregister_region(r))
             }
             _ => unreachable!("classified as retire"),
         };
@@ -1392,41 +714,18 @@ fn phase_retire(world: &mut World, cmds: &mut CommandBuffer, bucket: &[u32]) {
     }
 }
 
-impl World {
-    /// Release a request. An in-flight request is canceled if its backend can; otherwise
-    /// the release is refused and the request stays.
-    pub fn release_xfer(&mut self, id: XferId) -> Result<(), Error> {
-        let row = self
-            .xfers
-            .rows
-            .row(id)
-            .ok_or_else(|| Error::not_found(Subject::Xfer(id)))?;
-        if self.xfers.states[row] == XferState::InProgress {
-            let slot = usize::from(self.xfers.slots[row]);
-            let backend = self.backends.backends[slot]
-                .as_mut()
-                .expect("request slot is filled");
-            if !backend.cancel(handle_to_tag(id))? {
-                return Err(Error::NotAllowed {
-                    subject: Subject::Xfer(id),
-                    reason: "in progress and its backend cannot cancel it; check until done, then release".into(),
-                });
-            }
+#[cfg(test)]
+mod tests {
+    use super::Phase;
+
+    #[test]
+    fn phase_positions_follow_the_one_order() {
+        for (i, phase) in Phase::ORDER.iter().enumerate() {
+            assert_eq!(phase.position(), i, "{phase:?}");
         }
-        let x = &mut self.xfers;
-        let row = x.rows.remove(id).expect("row checked above");
-        x.ops.swap_remove(row);
-        x.slots.swap_remove(row);
-        x.endpoints.swap_remove(row);
-        x.generations.swap_remove(row);
-        x.kinds.swap_remove(row);
-        let ranges = x.ranges.swap_remove(row);
-        x.range_pool.push(ranges);
-        let notif = x.notifs.swap_remove(row);
-        x.notif_pool.push(notif);
-        x.has_notif.swap_remove(row);
-        x.states.swap_remove(row);
-        x.telemetry.swap_remove(row);
-        Ok(())
+        assert_eq!(Phase::EXECUTOR, 1..Phase::COUNT - 1);
+        assert!(Phase::ORDER[Phase::EXECUTOR]
+            .iter()
+            .all(|p| !p.is_agent_step()));
     }
 }

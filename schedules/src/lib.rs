@@ -5,13 +5,11 @@
 pub mod command;
 pub mod executor;
 pub mod merge;
-mod peers;
-pub use peers::LoadKind;
 pub mod world;
 
 pub use command::{
     Command, CommandBuffer, Created, ExchangeCmd, FromCreated, MakeBuilder, MdRoute, Outcome, Ref,
     Releasable, Side, Span, Ticket, XferStatus,
 };
-pub use executor::{flush, FlushSummary, MetadataLoader};
-pub use world::{Bounds, PeerView, Telemetry, World, XferState};
+pub use executor::{flush, FlushSummary, MetadataLoader, Phase};
+pub use world::{Bounds, LoadKind, PeerView, Telemetry, World, XferState};

@@ -4,7 +4,7 @@
 use std::borrow::Cow;
 use std::fmt;
 
-use crate::{BackendId, MemKind, NotifId, PeerId, PrepId, RegionId, XferId};
+use crate::{BackendId, MemKind, PeerId, PrepId, RegionId, XferId};
 
 /// Something an error can point at.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -23,8 +23,6 @@ pub enum Subject {
     Backend(BackendId),
     /// A backend by type name.
     BackendName(String),
-    /// A notification handle.
-    Notif(NotifId),
     /// Descriptor `index` of a list (or of a request's index list).
     Descriptor {
         /// Position in the list.
@@ -54,7 +52,6 @@ impl fmt::Display for Subject {
             Subject::PeerName(name) => write!(f, "peer agent '{name}'"),
             Subject::Backend(id) => write!(f, "backend {id:?}"),
             Subject::BackendName(name) => write!(f, "backend '{name}'"),
-            Subject::Notif(id) => write!(f, "notification {id:?}"),
             Subject::Descriptor {
                 index,
                 addr,
@@ -162,6 +159,22 @@ pub enum Error {
         /// The configured limit.
         limit: usize,
     },
+    /// A prepared list (or request) names a region that was deregistered after the list
+    /// was prepared; nothing was moved.
+    #[error("stale region: {region:?} (covering descriptor #{descriptor}) was deregistered after the list was prepared")]
+    StaleRegion {
+        /// The deregistered region.
+        region: RegionId,
+        /// Position of the descriptor (in the request's order) that named it.
+        descriptor: u32,
+    },
+    /// A panic inside an earlier flush left this agent's tables in an unknown state; the
+    /// agent refuses further work (drop it and make a new one).
+    #[error("agent '{agent}' is poisoned: a panic inside an earlier flush interrupted it, so it refuses further work")]
+    Poisoned {
+        /// The agent's name.
+        agent: String,
+    },
     /// A command depends on an earlier command of the same buffer that failed.
     #[error("command #{command} failed, so this command, which uses its result, did not run")]
     DependencyFailed {
@@ -228,6 +241,8 @@ impl Error {
             Error::InvalidMetadata { .. } => "INVALID_PARAM",
             Error::Capacity { .. } => "NOT_ALLOWED",
             Error::DependencyFailed { .. } => "INVALID_PARAM",
+            Error::StaleRegion { .. } => "NOT_FOUND",
+            Error::Poisoned { .. } => "NOT_ALLOWED",
         }
     }
 }

@@ -12,6 +12,4 @@ slotmap::new_key_type! {
     pub struct PeerId;
     /// A backend instance created on an agent.
     pub struct BackendId;
-    /// A notification held by the agent.
-    pub struct NotifId;
 }

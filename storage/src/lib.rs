@@ -14,9 +14,9 @@ mod table;
 mod types;
 
 pub use error::{Error, Result, Subject};
-pub use handles::{BackendId, NotifId, PeerId, PrepId, RegionId, XferId};
+pub use handles::{BackendId, PeerId, PrepId, RegionId, XferId};
 pub use section::{SectionIndex, SectionInsertError};
-pub use table::{RegionTable, Rows};
+pub use table::{Column, RegionRow, RegionTable, RowPush, RowRemove, Rows};
 pub use types::{BackendMask, Desc, Endpoint, MemKind, Op, MAX_BACKENDS};
 
 /// Re-export of the key trait so users can convert handles to and from `u64` tags.

@@ -44,17 +44,28 @@ impl SectionIndex {
             Some(end) if desc.len > 0 => end,
             _ => return Err(SectionInsertError::Empty),
         };
+        if let Some(other) = self.overlapping(desc) {
+            return Err(SectionInsertError::Overlaps(other));
+        }
         let pos = self.starts.partition_point(|&s| s < (desc.dev, desc.addr));
-        if pos > 0 && self.starts[pos - 1].0 == desc.dev && self.ends[pos - 1] > desc.addr {
-            return Err(SectionInsertError::Overlaps(self.regions[pos - 1]));
-        }
-        if pos < self.starts.len() && self.starts[pos].0 == desc.dev && self.starts[pos].1 < end {
-            return Err(SectionInsertError::Overlaps(self.regions[pos]));
-        }
         self.starts.insert(pos, (desc.dev, desc.addr));
         self.ends.insert(pos, end);
         self.regions.insert(pos, region);
         Ok(())
+    }
+
+    /// A region that shares at least one byte with `desc` on its device, if any: one
+    /// binary search (regions never overlap, so only the neighbours can).
+    pub fn overlapping(&self, desc: Desc) -> Option<RegionId> {
+        let end = desc.end()?;
+        let pos = self.starts.partition_point(|&s| s < (desc.dev, desc.addr));
+        if pos > 0 && self.starts[pos - 1].0 == desc.dev && self.ends[pos - 1] > desc.addr {
+            return Some(self.regions[pos - 1]);
+        }
+        if pos < self.starts.len() && self.starts[pos].0 == desc.dev && self.starts[pos].1 < end {
+            return Some(self.regions[pos]);
+        }
+        None
     }
 
     /// Remove the region registered with exactly `desc`; returns whether it was there.
@@ -155,6 +166,11 @@ mod tests {
                     }
                     Err(SectionInsertError::Empty) => prop_assert!(false, "non-empty region refused"),
                 }
+            }
+            for (dev, addr, len) in queries.iter().copied() {
+                let q = Desc::new(addr, len.max(1), dev);
+                let any = accepted.iter().any(|(d, _)| d.dev == dev && d.addr < q.addr + q.len && q.addr < d.addr + d.len);
+                prop_assert_eq!(index.overlapping(q).is_some(), any);
             }
             for (dev, addr, len) in queries {
                 let q = Desc::new(addr, len, dev);

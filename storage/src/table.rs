@@ -1,8 +1,15 @@
 //! Struct-of-arrays tables keyed by generational handles.
 //!
-//! A table is a [`Rows`] (handle ↔ dense row) plus one `Vec` per field ("column"), all
-//! indexed by row. Removal swaps the last row into the hole, so columns stay dense and
-//! iteration touches only live rows; the handle of the moved row is re-pointed.
+//! A table is a [`Rows`] (handle ↔ dense row) plus one [`Column`] per field, all indexed
+//! by row. The [`table!`](crate::table) macro writes the table once: `insert` pushes one
+//! value onto every column, `remove` swap-removes every column and re-points the moved
+//! row's handle, and the equal-length invariant is checked in one place. A column can
+//! change length only with a proof ([`RowPush`], [`RowRemove`]) that [`Rows`] hands
+//! out, so code outside the macro can read and overwrite cells but never push or remove
+//! one column alone. Removal swaps the last row into the hole, so columns stay dense and
+//! iteration touches only live rows.
+
+use std::ops::{Deref, DerefMut};
 
 use slotmap::{Key, SlotMap};
 
@@ -16,6 +23,19 @@ pub struct Rows<K: Key> {
     slots: SlotMap<K, u32>,
     /// Handle of each row (indexed by row).
     keys: Vec<K>,
+}
+
+/// Proof that [`Rows::push_row`] just appended row `row`: what lets a [`Column`] grow.
+#[derive(Debug)]
+pub struct RowPush {
+    row: usize,
+}
+
+/// Proof that [`Rows::remove_row`] just removed row `row` (the last row moved into
+/// it): what lets a [`Column`] shrink.
+#[derive(Debug)]
+pub struct RowRemove {
+    row: usize,
 }
 
 impl<K: Key> Default for Rows<K> {
@@ -43,20 +63,28 @@ impl<K: Key> Rows<K> {
         self.keys.is_empty()
     }
 
-    /// Append a row; the caller pushes one value onto every column.
-    pub fn push(&mut self) -> (K, usize) {
+    /// Slots the handle map holds (live and free); it stays flat when rows come and go.
+    pub fn slot_capacity(&self) -> usize {
+        self.slots.capacity()
+    }
+
+    /// Append a row; the caller pushes one value onto every column with the proof.
+    #[inline]
+    pub fn push_row(&mut self) -> (K, RowPush) {
         let row = self.keys.len();
         let key = self.slots.insert(row as u32);
         self.keys.push(key);
-        (key, row)
+        (key, RowPush { row })
     }
 
     /// Row of `key`, or `None` for a stale or foreign handle.
+    #[inline]
     pub fn row(&self, key: K) -> Option<usize> {
         self.slots.get(key).map(|&r| r as usize)
     }
 
     /// Handle of `row`.
+    #[inline]
     pub fn key(&self, row: usize) -> K {
         self.keys[row]
     }
@@ -66,125 +94,207 @@ impl<K: Key> Rows<K> {
         &self.keys
     }
 
-    /// Remove `key`; returns its row. The caller must `swap_remove(row)` every column.
-    pub fn remove(&mut self, key: K) -> Option<usize> {
+    /// Remove `key`; the caller swap-removes every column with the proof.
+    #[inline]
+    pub fn remove_row(&mut self, key: K) -> Option<RowRemove> {
         let row = self.slots.remove(key)? as usize;
         self.keys.swap_remove(row);
         if let Some(&moved) = self.keys.get(row) {
             self.slots[moved] = row as u32;
         }
-        Some(row)
+        Some(RowRemove { row })
     }
 }
 
-/// The local agent's registered regions, one row per region.
-#[derive(Debug, Default)]
-pub struct RegionTable {
-    rows: Rows<RegionId>,
-    /// Memory kind, indexed by row.
-    pub kinds: Vec<MemKind>,
-    /// The registered range, indexed by row.
-    pub descs: Vec<Desc>,
-    /// Backends that accepted the region, indexed by row.
-    pub backends: Vec<BackendMask>,
-    /// Per-backend private token returned by registration, indexed by row then slot.
-    pub tokens: Vec<[u64; MAX_BACKENDS]>,
-    /// Per-backend public metadata (what peers need), indexed by row: (slot, bytes).
-    pub public_md: Vec<Vec<(u8, Box<[u8]>)>>,
+/// One field of a table, indexed by row. Reads and in-place writes go through the
+/// slice it dereferences to; its length changes only with a [`Rows`] proof.
+#[derive(Debug, Clone)]
+pub struct Column<T>(Vec<T>);
+
+impl<T> Default for Column<T> {
+    fn default() -> Self {
+        Column(Vec::new())
+    }
 }
 
-impl RegionTable {
-    /// A table sized for `capacity` regions.
+impl<T> Column<T> {
+    /// A column with room for `capacity` rows.
     pub fn with_capacity(capacity: usize) -> Self {
-        RegionTable {
-            rows: Rows::with_capacity(capacity),
-            kinds: Vec::with_capacity(capacity),
-            descs: Vec::with_capacity(capacity),
-            backends: Vec::with_capacity(capacity),
-            tokens: Vec::with_capacity(capacity),
-            public_md: Vec::with_capacity(capacity),
+        Column(Vec::with_capacity(capacity))
+    }
+
+    /// Append the value of the row `proof` names (it must be the next row).
+    #[inline]
+    pub fn push(&mut self, proof: &RowPush, value: T) {
+        debug_assert_eq!(self.0.len(), proof.row, "column pushed out of step");
+        self.0.push(value);
+    }
+
+    /// Take the value of the row `proof` names; the last row moves into its place.
+    #[inline]
+    pub fn swap_remove(&mut self, proof: &RowRemove) -> T {
+        self.0.swap_remove(proof.row)
+    }
+
+    /// Rows this column holds without growing.
+    pub fn capacity(&self) -> usize {
+        self.0.capacity()
+    }
+}
+
+impl<T> Deref for Column<T> {
+    type Target = [T];
+    #[inline]
+    fn deref(&self) -> &[T] {
+        &self.0
+    }
+}
+
+impl<T> DerefMut for Column<T> {
+    #[inline]
+    fn deref_mut(&mut self) -> &mut [T] {
+        &mut self.0
+    }
+}
+
+/// Declare a struct-of-arrays table keyed by a handle type, and a plain struct for one
+/// of its rows:
+///
+/// ```
+/// ferry_storage::table! {
+///     /// Widgets.
+///     pub struct Widgets[ferry_storage::RegionId] / Widget {
+///         /// Size of each widget, indexed by row.
+///         pub(crate) size: u64,
+///     }
+/// }
+/// let mut t = Widgets::with_capacity(4);
+/// let id = t.insert(Widget { size: 3 });
+/// assert_eq!(t.size[t.row(id).unwrap()], 3);
+/// assert_eq!(t.remove(id).map(|w| w.size), Some(3));
+/// assert!(t.row(id).is_none());
+/// ```
+///
+/// Columns are [`Column`]s (read and overwrite in place; no push or remove of one
+/// column alone). `insert`, `remove`, `row`, `key`, `keys`, `len` are written here once.
+#[macro_export]
+macro_rules! table {
+    (
+        $(#[$meta:meta])*
+        $vis:vis struct $name:ident [$key:ty] / $row:ident {
+            $( $(#[$fmeta:meta])* $fvis:vis $field:ident : $ty:ty ),* $(,)?
         }
-    }
+    ) => {
+        $(#[$meta])*
+        $vis struct $name {
+            rows: $crate::Rows<$key>,
+            $( $(#[$fmeta])* $fvis $field: $crate::Column<$ty>, )*
+        }
 
-    /// Number of regions.
-    pub fn len(&self) -> usize {
-        self.check_columns();
-        self.rows.len()
-    }
+        #[doc = concat!("One row of [`", stringify!($name), "`], by value: what `insert` takes and `remove` gives back.")]
+        $vis struct $row {
+            $( $(#[$fmeta])* pub $field: $ty, )*
+        }
 
-    /// Whether no region is registered.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
+        impl Default for $name {
+            fn default() -> Self {
+                Self::with_capacity(0)
+            }
+        }
 
-    /// Add a region; returns its handle and row.
-    pub fn insert(
-        &mut self,
-        kind: MemKind,
-        desc: Desc,
-        backends: BackendMask,
-        tokens: [u64; MAX_BACKENDS],
-        public_md: Vec<(u8, Box<[u8]>)>,
-    ) -> RegionId {
-        let (key, _) = self.rows.push();
-        self.kinds.push(kind);
-        self.descs.push(desc);
-        self.backends.push(backends);
-        self.tokens.push(tokens);
-        self.public_md.push(public_md);
-        self.check_columns();
-        key
-    }
+        #[allow(dead_code)]
+        impl $name {
+            /// An empty table with room for `capacity` rows.
+            pub fn with_capacity(capacity: usize) -> Self {
+                $name {
+                    rows: $crate::Rows::with_capacity(capacity),
+                    $( $field: $crate::Column::with_capacity(capacity), )*
+                }
+            }
 
-    /// Row of `id`, or `None` if it is stale.
-    pub fn row(&self, id: RegionId) -> Option<usize> {
-        self.rows.row(id)
-    }
+            /// Number of live rows.
+            #[inline]
+            pub fn len(&self) -> usize {
+                self.check_columns();
+                self.rows.len()
+            }
 
-    /// Handle of `row`.
-    pub fn key(&self, row: usize) -> RegionId {
-        self.rows.key(row)
-    }
+            /// Whether no row is live.
+            pub fn is_empty(&self) -> bool {
+                self.len() == 0
+            }
 
-    /// All live handles in row order.
-    pub fn keys(&self) -> &[RegionId] {
-        self.rows.keys()
-    }
+            /// Add a row; returns its handle.
+            #[inline(always)]
+            pub fn insert(&mut self, row: $row) -> $key {
+                let (key, proof) = self.rows.push_row();
+                $( self.$field.push(&proof, row.$field); )*
+                self.check_columns();
+                key
+            }
 
-    /// Remove `id`, returning its columns, or `None` if it is stale.
-    #[allow(clippy::type_complexity)]
-    pub fn remove(
-        &mut self,
-        id: RegionId,
-    ) -> Option<(
-        MemKind,
-        Desc,
-        BackendMask,
-        [u64; MAX_BACKENDS],
-        Vec<(u8, Box<[u8]>)>,
-    )> {
-        let row = self.rows.remove(id)?;
-        let out = (
-            self.kinds.swap_remove(row),
-            self.descs.swap_remove(row),
-            self.backends.swap_remove(row),
-            self.tokens.swap_remove(row),
-            self.public_md.swap_remove(row),
-        );
-        self.check_columns();
-        Some(out)
-    }
+            /// Remove the row of `key`, giving its values back; `None` if stale.
+            #[inline(always)]
+            pub fn remove(&mut self, key: $key) -> Option<$row> {
+                let proof = self.rows.remove_row(key)?;
+                let out = $row { $( $field: self.$field.swap_remove(&proof), )* };
+                self.check_columns();
+                Some(out)
+            }
 
-    fn check_columns(&self) {
-        let n = self.rows.len();
-        debug_assert!(
-            self.kinds.len() == n
-                && self.descs.len() == n
-                && self.backends.len() == n
-                && self.tokens.len() == n
-                && self.public_md.len() == n,
-            "region table columns out of step"
-        );
+            /// Row of `key`, or `None` for a stale or foreign handle.
+            #[inline]
+            pub fn row(&self, key: $key) -> Option<usize> {
+                self.rows.row(key)
+            }
+
+            /// Handle of `row`.
+            #[inline]
+            pub fn key(&self, row: usize) -> $key {
+                self.rows.key(row)
+            }
+
+            /// Handles of all rows, in row order.
+            pub fn keys(&self) -> &[$key] {
+                self.rows.keys()
+            }
+
+            /// Slots the handle map holds (live and free).
+            pub fn slot_capacity(&self) -> usize {
+                self.rows.slot_capacity()
+            }
+
+            #[inline]
+            fn check_columns(&self) {
+                let n = self.rows.len();
+                $( debug_assert_eq!(
+                    self.$field.len(),
+                    n,
+                    concat!(stringify!($name), " column `", stringify!($field), "` out of step")
+                ); )*
+                let _ = n;
+            }
+        }
+    };
+}
+
+table! {
+    /// The local agent's registered regions, one row per region.
+    #[derive(Debug)]
+    pub struct RegionTable[RegionId] / RegionRow {
+        /// Memory kind, indexed by row.
+        pub kinds: MemKind,
+        /// The registered range, indexed by row.
+        pub descs: Desc,
+        /// Backends that accepted the region, indexed by row.
+        pub backends: BackendMask,
+        /// Per-backend private token returned by registration, indexed by row then slot.
+        pub tokens: [u64; MAX_BACKENDS],
+        /// Per-backend public metadata (what peers need), indexed by row: (slot, bytes).
+        pub public_md: Vec<(u8, Box<[u8]>)>,
+        /// Live transfer requests that use the region (counted once per run of
+        /// descriptors in it), indexed by row. Deregistration is refused while > 0.
+        pub pins: u64,
     }
 }
 
@@ -222,16 +332,16 @@ mod tests {
             for op in ops {
                 match op {
                     TableOp::Insert(addr) => {
-                        let id = table.insert(MemKind::Dram, Desc::new(addr, 1, 0), BackendMask::single(0), [addr; MAX_BACKENDS], Vec::new());
+                        let id = table.insert(RegionRow { kinds: MemKind::Dram, descs: Desc::new(addr, 1, 0), backends: BackendMask::single(0), tokens: [addr; MAX_BACKENDS], public_md: Vec::new(), pins: 0 });
                         prop_assert!(model.insert(id, addr).is_none());
                         live.push(id);
                     }
                     TableOp::Remove(i) if !live.is_empty() => {
                         let id = live.swap_remove(i % live.len());
-                        let (_, desc, _, tokens, _) = table.remove(id).expect("live handle");
+                        let row = table.remove(id).expect("live handle");
                         let want = model.remove(&id).unwrap();
-                        prop_assert_eq!(desc.addr, want);
-                        prop_assert_eq!(tokens[0], want);
+                        prop_assert_eq!(row.descs.addr, want);
+                        prop_assert_eq!(row.tokens[0], want);
                         dead.push(id);
                     }
                     TableOp::RemoveStale(i) if !dead.is_empty() => {

@@ -377,3 +377,82 @@ fn missing_file_registration_fails_and_query_reports_absent() {
         assert!(!got[1].exists);
     }
 }
+
+/// Issue 8 §1 on POSIX: DRAM and FILE regions are local regions, so a request pins both
+/// (deregistration refused while it lives), and a prepared list whose region was
+/// deregistered fails `make` as stale: no byte reaches the file.
+#[test]
+fn requests_pin_dram_and_file_regions_and_stale_lists_move_nothing() {
+    for engine in engines() {
+        let Some((agent, _)) = agent(engine) else {
+            continue;
+        };
+        let scratch = Scratch::new();
+        let src = Buffer::random(8192, &mut Rng::new(81));
+        let dram = register(&agent, &src);
+        let path = scratch.path("pinned.bin");
+        let file = agent
+            .register_file(&path, rw_create(), Desc::new(0, 0, 1))
+            .expect("register file");
+        let x = agent
+            .create(
+                Op::Write,
+                MemKind::Dram,
+                &[src.whole()],
+                Side::Local,
+                MemKind::File,
+                &[Desc::new(0, 8192, 1)],
+                None,
+            )
+            .unwrap();
+        for region in [dram, file] {
+            let e = agent.deregister(region).unwrap_err();
+            assert!(
+                matches!(&e, Error::NotAllowed { reason, .. } if reason.contains("in use")),
+                "{engine}: {e}"
+            );
+        }
+        assert_eq!(run(&agent, x).unwrap(), XferStatus::Done, "{engine}");
+        assert_eq!(std::fs::read(&path).unwrap(), src.bytes(), "{engine}");
+        agent.release(x).unwrap();
+
+        // A list prepared before its DRAM region went away is stale at make.
+        let other = Buffer::random(4096, &mut Rng::new(82));
+        let other_region = register(&agent, &other);
+        let local = agent
+            .prep(Side::Local, MemKind::Dram, &[other.whole()])
+            .unwrap();
+        let remote = agent
+            .prep(Side::Local, MemKind::File, &[Desc::new(8192, 4096, 1)])
+            .unwrap();
+        agent.deregister(other_region).unwrap();
+        let e = agent
+            .make(Op::Write, local, &[], remote, &[], None)
+            .unwrap_err();
+        assert_eq!(
+            e,
+            Error::StaleRegion {
+                region: other_region,
+                descriptor: 0
+            },
+            "{engine}"
+        );
+        // Same for the FILE side.
+        agent.deregister(file).unwrap();
+        let local = agent
+            .prep(Side::Local, MemKind::Dram, &[src.desc(0, 4096)])
+            .unwrap();
+        let e = agent
+            .make(Op::Write, local, &[], remote, &[], None)
+            .unwrap_err();
+        assert!(
+            matches!(e, Error::StaleRegion { region, .. } if region == file),
+            "{engine}: {e}"
+        );
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().len(),
+            8192,
+            "{engine}: nothing written past the first request"
+        );
+    }
+}

@@ -1,6 +1,6 @@
 //! End-to-end scenarios on the loopback backend: two agents in one process.
 
-use ferry::{Agent, CommandBuffer, Desc, Error, MemKind, Op, Outcome, Side, XferStatus};
+use ferry::{Agent, CommandBuffer, Desc, Error, MemKind, Op, Outcome, Side, Subject, XferStatus};
 use ferry_tests::{loopback_agent, pair, register, try_register, unique, Buffer, Rng};
 
 const KIB: usize = 1024;
@@ -289,22 +289,32 @@ fn invalidation_and_reload_give_not_found_for_old_requests() {
             .unwrap();
     let x = p.a.make(Op::Write, local, &[], remote, &[], None).unwrap();
     p.a.invalidate_remote_md(p.b_at_a).unwrap();
+    // The peer's row is freed: its handle is stale.
+    assert_eq!(p.a.peer(p.b.name()), None);
     let e = p.a.post(x).unwrap_err();
-    assert!(matches!(e, Error::NotFound { .. }), "{e}");
-    assert!(e.to_string().contains(p.b.name()), "{e}");
+    assert_eq!(
+        e,
+        Error::NotFound {
+            subject: Subject::Peer(p.b_at_a)
+        }
+    );
     assert!(matches!(
         p.a.notify(p.b_at_a, b"x"),
         Err(Error::NotFound { .. })
     ));
-    // Reload: same peer handle, but requests built on the old generation stay dead.
+    assert!(matches!(
+        p.a.invalidate_remote_md(p.b_at_a),
+        Err(Error::NotFound { .. })
+    ));
+    // Reload: a new peer handle; requests and lists built on the old one stay dead.
     let again = p.a.load_remote_md(&p.b.local_md().unwrap()).unwrap();
-    assert_eq!(again, p.b_at_a);
+    assert_ne!(again, p.b_at_a);
     assert!(matches!(p.a.post(x), Err(Error::NotFound { .. })));
     assert!(matches!(
         p.a.make(Op::Write, local, &[], remote, &[], None),
         Err(Error::NotFound { .. })
     ));
-    let remote2 = p.a.prep(p.b_at_a, MemKind::Dram, &[dst.whole()]).unwrap();
+    let remote2 = p.a.prep(again, MemKind::Dram, &[dst.whole()]).unwrap();
     let y = p.a.make(Op::Write, local, &[], remote2, &[], None).unwrap();
     assert_eq!(p.a.post(y).unwrap(), XferStatus::Done);
     assert_eq!(dst.bytes(), src.bytes());

@@ -59,6 +59,8 @@ pub struct Faults {
     /// Whether any peer is dropped: lets a post skip the lock in the common case.
     any_dropped: AtomicBool,
     dropped: Mutex<Vec<String>>,
+    panic_next_post: AtomicBool,
+    refuse_cancel: AtomicBool,
 }
 
 impl Faults {
@@ -86,8 +88,19 @@ impl Faults {
         self.any_dropped
             .store(!dropped.is_empty(), Ordering::SeqCst);
     }
+    /// Panic inside the next `post` (to test what a panic in a flush leaves behind).
+    pub fn panic_next_post(&self) {
+        self.panic_next_post.store(true, Ordering::SeqCst);
+    }
+    /// Make `cancel` answer "cannot cancel now" (`Ok(false)`), as a transport whose
+    /// request is already on the wire does: the request then completes on its own.
+    pub fn refuse_cancel(&self, refuse: bool) {
+        self.refuse_cancel.store(refuse, Ordering::SeqCst);
+    }
     /// Clear every fault.
     pub fn clear(&self) {
+        self.panic_next_post.store(false, Ordering::SeqCst);
+        self.refuse_cancel.store(false, Ordering::SeqCst);
         self.fail_next.store(0, Ordering::SeqCst);
         self.late_progress_calls.store(0, Ordering::SeqCst);
         self.dropped
@@ -412,6 +425,9 @@ impl Backend for Loopback {
         batch: &[Post<'_>],
         done: &mut Completions,
     ) -> Result<()> {
+        if self.faults.panic_next_post.swap(false, Ordering::SeqCst) {
+            panic!("loopback fault injection: panic inside post");
+        }
         let inbox = self.target_inbox(endpoint)?;
         for post in batch {
             if self.faults.take_failure() {
@@ -459,6 +475,9 @@ impl Backend for Loopback {
     }
 
     fn cancel(&mut self, tag: u64) -> Result<bool> {
+        if self.faults.refuse_cancel.load(Ordering::SeqCst) {
+            return Ok(false);
+        }
         let before = self.held.len();
         self.held.retain(|h| h.tag != tag);
         Ok(self.held.len() != before)

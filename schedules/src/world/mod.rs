@@ -1,14 +1,35 @@
 //! The executor's state: backends, regions and their sections, prepared lists,
-//! transfer requests and peers, each a struct-of-arrays table keyed by handles.
+//! transfer requests and peers, each a struct-of-arrays table (declared with
+//! [`ferry_storage::table!`], which owns the columns) keyed by handles. The domain logic
+//! of each table lives beside it:
+//!
+//! - [`regions`]: register / deregister, the section index, pins;
+//! - [`preps`]: prepared lists (descriptors resolved once);
+//! - [`xfers`]: requests — make, completion routing, draining, release;
+//! - [`peers`]: peers — load, invalidate (the row is freed), generations;
+//! - [`notifs`]: standalone notifications and draining inbound ones.
+//!
+//! Mutators that could hand a backend an address nobody promised to keep valid are not
+//! public: registration runs only through `CommandBuffer::register` (an `unsafe fn`),
+//! and loading a peer view is an `unsafe fn`.
+
+pub mod notifs;
+pub mod peers;
+pub mod preps;
+pub mod regions;
+pub mod xfers;
+
+pub use peers::{LoadKind, PeerTable};
+pub use preps::{PrepEntry, PrepSide, PrepTable};
+pub use xfers::{Telemetry, XferState, XferTable};
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use ferry_backend_api::{Backend, Capabilities, Completions, PeerRegions, Range};
 use ferry_storage::{
-    BackendId, BackendMask, Desc, Endpoint, Error, MemKind, Op, PeerId, PrepId, RegionTable, Rows,
-    SectionIndex, Subject, XferId, MAX_BACKENDS,
+    BackendId, Desc, Error, MemKind, PeerId, RegionId, RegionTable, SectionIndex, Subject,
+    MAX_BACKENDS,
 };
 
 /// Bounds chosen at start-up. Every table and queue is limited by one of these.
@@ -100,122 +121,17 @@ pub struct BackendSlots {
     pub(crate) caps: Vec<Option<Capabilities>>,
 }
 
-/// Which agent a prepared list belongs to, and the peer generation it was built for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PrepSide {
-    /// Local regions.
-    Local,
-    /// A peer's regions, resolved against generation `generation`.
-    Peer {
-        /// The peer.
-        peer: PeerId,
-        /// Its generation at prep time.
-        generation: u32,
-    },
-}
-
-/// One resolved descriptor of a prepared list.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PrepEntry {
-    /// The descriptor.
-    pub desc: Desc,
-    /// Local: the covering region's handle as a tag. Peer: the region token for the
-    /// first backend slot of the list's mask.
-    pub target: u64,
-}
-
-/// Prepared lists. Columns indexed by row.
+/// Vectors of released rows, kept for the next row that needs one.
 #[derive(Default)]
-pub struct PrepTable {
-    pub(crate) rows: Rows<PrepId>,
-    /// Local or a peer (with generation).
-    pub(crate) sides: Vec<PrepSide>,
-    /// Memory kind.
-    pub(crate) kinds: Vec<MemKind>,
-    /// Backend slots that cover every descriptor.
-    pub(crate) masks: Vec<BackendMask>,
-    /// Resolved descriptors.
+pub(crate) struct Pools {
+    /// Prepared-list entries.
     pub(crate) entries: Vec<Vec<PrepEntry>>,
-    /// Reusable entry vectors.
-    pub(crate) pool: Vec<Vec<PrepEntry>>,
-}
-
-/// Request telemetry.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Telemetry {
-    /// When the last post started.
-    pub start: Option<Instant>,
-    /// Time spent in the post call (dispatch to the backend).
-    pub post_duration: Duration,
-    /// Time from post to completion (zero while in progress).
-    pub xfer_duration: Duration,
-    /// Bytes moved per post.
-    pub total_bytes: u64,
-    /// Descriptors after merging.
-    pub desc_count: u64,
-    /// Descriptors before merging.
-    pub desc_count_unmerged: u64,
-}
-
-/// State of a request row.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum XferState {
-    /// Never posted.
-    NotPosted,
-    /// Posted, completion pending.
-    InProgress,
-    /// Last post succeeded.
-    Done,
-    /// Last post failed.
-    Failed(Error),
-}
-
-/// Transfer requests. Columns indexed by row.
-#[derive(Default)]
-pub struct XferTable {
-    pub(crate) rows: Rows<XferId>,
-    /// Direction.
-    pub(crate) ops: Vec<Op>,
-    /// Chosen backend slot.
-    pub(crate) slots: Vec<u8>,
-    /// Target.
-    pub(crate) endpoints: Vec<Endpoint>,
-    /// Peer generation the request was built against (0 for local).
-    pub(crate) generations: Vec<u32>,
-    /// (local kind, remote kind).
-    pub(crate) kinds: Vec<(MemKind, MemKind)>,
-    /// Merged ranges.
+    /// Request range lists.
     pub(crate) ranges: Vec<Vec<Range>>,
-    /// Notification payload (empty vec + `has_notif` false = none).
+    /// Notification payloads.
     pub(crate) notifs: Vec<Vec<u8>>,
-    /// Whether the request carries a notification.
-    pub(crate) has_notif: Vec<bool>,
-    /// Lifecycle state.
-    pub(crate) states: Vec<XferState>,
-    /// Telemetry.
-    pub(crate) telemetry: Vec<Telemetry>,
-    /// Reusable range vectors.
-    pub(crate) range_pool: Vec<Vec<Range>>,
-    /// Reusable notification buffers.
-    pub(crate) notif_pool: Vec<Vec<u8>>,
-}
-
-/// Peers. Columns indexed by row.
-#[derive(Default)]
-pub struct PeerTable {
-    pub(crate) rows: Rows<PeerId>,
-    /// Agent name.
-    pub(crate) names: Vec<String>,
-    /// Bumped by every invalidation and every reload with new content.
-    pub(crate) generations: Vec<u32>,
-    /// The loaded metadata, if any.
-    pub(crate) views: Vec<Option<Arc<dyn PeerView>>>,
-    /// For each local backend slot, the peer's backend index of the same type.
-    pub(crate) slot_maps: Vec<[Option<u8>; MAX_BACKENDS]>,
-    /// Local backend slots that accepted the peer.
-    pub(crate) loaded: Vec<BackendMask>,
-    /// Name → handle.
-    pub(crate) by_name: HashMap<String, PeerId>,
+    /// Request pin lists.
+    pub(crate) pins: Vec<Vec<RegionId>>,
 }
 
 /// Everything the executor works on.
@@ -236,6 +152,10 @@ pub struct World {
     pub(crate) xfers: XferTable,
     /// Peers.
     pub(crate) peers: PeerTable,
+    /// Peer name → handle.
+    pub(crate) peer_names: HashMap<String, PeerId>,
+    /// Reusable vectors of released rows (no allocation in steady state).
+    pub(crate) pools: Pools,
     /// Completion sink shared by all backends.
     pub(crate) completions: Completions,
     /// Per-flush scratch.
@@ -257,9 +177,11 @@ impl World {
             },
             regions: RegionTable::with_capacity(bounds.regions_max.min(1 << 12)),
             sections: (0..MAX_BACKENDS).map(|_| Default::default()).collect(),
-            preps: PrepTable::default(),
-            xfers: XferTable::default(),
-            peers: PeerTable::default(),
+            preps: PrepTable::with_capacity(bounds.preps_max.min(1 << 10)),
+            xfers: XferTable::with_capacity(bounds.xfers_max.min(1 << 10)),
+            peers: PeerTable::with_capacity(bounds.peers_max.min(1 << 8)),
+            peer_names: HashMap::new(),
+            pools: Pools::default(),
             completions: Completions::with_capacity(xfers),
             arena: bumpalo::Bump::with_capacity(64 * 1024),
             deregistrations: 0,
@@ -302,12 +224,27 @@ impl World {
             .expect("slot of a live id is filled"))
     }
 
-    /// The backend with handle `id`, mutably.
-    pub fn backend_mut(&mut self, id: BackendId) -> Result<&mut (dyn Backend + 'static), Error> {
+    /// The backend with handle `id`, mutably (the crate's own use: a `&mut dyn Backend`
+    /// would let safe code call backend methods behind the executor's checks).
+    pub(crate) fn backend_mut(
+        &mut self,
+        id: BackendId,
+    ) -> Result<&mut (dyn Backend + 'static), Error> {
         let slot = self.backend_slot(id)?;
         Ok(self.backends.backends[slot]
             .as_deref_mut()
             .expect("slot of a live id is filled"))
+    }
+
+    /// Ask backend `id` about memory or files (one result per descriptor).
+    pub fn query(
+        &mut self,
+        id: BackendId,
+        kind: MemKind,
+        descs: &[Desc],
+        paths: &[Option<&std::path::Path>],
+    ) -> Result<Vec<ferry_backend_api::QueryResult>, Error> {
+        self.backend_mut(id)?.query(kind, descs, paths)
     }
 
     /// Handles of all backends, in slot order.
@@ -341,14 +278,13 @@ impl World {
 
     /// Find a peer by agent name.
     pub fn peer_by_name(&self, name: &str) -> Option<PeerId> {
-        self.peers.by_name.get(name).copied()
+        self.peer_names.get(name).copied()
     }
 
     /// Agent name of a peer.
     pub fn peer_name(&self, peer: PeerId) -> Result<&str, Error> {
         let row = self
             .peers
-            .rows
             .row(peer)
             .ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
         Ok(&self.peers.names[row])
@@ -359,54 +295,19 @@ impl World {
     pub fn peer_view(&self, peer: PeerId) -> Result<(Option<&Arc<dyn PeerView>>, u32), Error> {
         let row = self
             .peers
-            .rows
             .row(peer)
             .ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
         Ok((self.peers.views[row].as_ref(), self.peers.generations[row]))
     }
 
-    /// Telemetry of a request.
-    pub fn telemetry(&self, xfer: XferId) -> Result<Telemetry, Error> {
-        let row = self
-            .xfers
-            .rows
-            .row(xfer)
-            .ok_or_else(|| Error::not_found(Subject::Xfer(xfer)))?;
-        let t = self.xfers.telemetry[row];
-        if !self.bounds.telemetry || t.start.is_none() {
-            return Err(Error::NoTelemetry { xfer });
-        }
-        Ok(t)
-    }
-
-    /// State of a request.
-    pub fn xfer_state(&self, xfer: XferId) -> Result<&XferState, Error> {
-        let row = self
-            .xfers
-            .rows
-            .row(xfer)
-            .ok_or_else(|| Error::not_found(Subject::Xfer(xfer)))?;
-        Ok(&self.xfers.states[row])
-    }
-
     /// Number of live requests, prepared lists, regions and peers.
     pub fn counts(&self) -> (usize, usize, usize, usize) {
         (
-            self.xfers.rows.len(),
-            self.preps.rows.len(),
+            self.xfers.len(),
+            self.preps.len(),
             self.regions.len(),
-            self.peers.rows.len(),
+            self.peers.len(),
         )
-    }
-
-    /// Number of merged ranges of a request.
-    pub fn xfer_range_count(&self, xfer: XferId) -> Result<usize, Error> {
-        let row = self
-            .xfers
-            .rows
-            .row(xfer)
-            .ok_or_else(|| Error::not_found(Subject::Xfer(xfer)))?;
-        Ok(self.xfers.ranges[row].len())
     }
 }
 

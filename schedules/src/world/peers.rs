@@ -1,0 +1,222 @@
+//! Peers: loading a peer's metadata view into the table and the backends, generations,
+//! invalidation.
+//!
+//! Peers come and go for the life of an agent: an invalidated peer's row is freed (its
+//! handle goes stale; a later load of the same agent makes a new peer), so the table
+//! holds only live peers and loading and invalidating any number of distinct agents one
+//! after another keeps it flat. Requests and prepared lists built on a peer carry its
+//! handle and generation; a stale handle or a moved-on generation fails them with
+//! not-found before a backend sees an address.
+
+use std::sync::Arc;
+
+use ferry_backend_api::{PeerRegions, RemoteAgent};
+use ferry_storage::{handle_to_tag, BackendMask, Endpoint, Error, PeerId, Subject, MAX_BACKENDS};
+
+use super::{PeerView, World, XferState};
+
+/// How a load changes a known peer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LoadKind {
+    /// New content that replaces what was known: the generation moves on and requests
+    /// built on the old metadata fail with not-found.
+    Replace,
+    /// The same or additional content (idempotent reload, partial metadata that
+    /// accumulates): the generation stays.
+    Extend,
+}
+
+ferry_storage::table! {
+    /// Loaded peers, one row per peer.
+    pub struct PeerTable[PeerId] / PeerRow {
+        /// Agent name, indexed by row.
+        pub(crate) names: String,
+        /// Bumped by every reload with new content, indexed by row.
+        pub(crate) generations: u32,
+        /// The loaded metadata, indexed by row (`None` only while a load is under way).
+        pub(crate) views: Option<Arc<dyn PeerView>>,
+        /// For each local backend slot, the peer's backend index of the same type,
+        /// indexed by row.
+        pub(crate) slot_maps: [Option<u8>; MAX_BACKENDS],
+        /// Local backend slots that accepted the peer, indexed by row.
+        pub(crate) loaded: BackendMask,
+    }
+}
+
+impl World {
+    /// Load (or refresh) peer `name` with `view`. Every local backend whose type the
+    /// peer published takes the peer's connection info and regions; the load succeeds if
+    /// at least one does (or if the view carries no connection info at all). Metadata
+    /// naming this agent itself is refused.
+    ///
+    /// # Safety
+    ///
+    /// `view` must describe regions that agent `name` really registered (metadata
+    /// validated by the codec, as the engine's loader does): backends will move bytes
+    /// to and from the addresses it names.
+    // Reason: declares the caller's promise only; no unsafe operation here.
+    #[allow(unsafe_code)]
+    pub unsafe fn load_peer(
+        &mut self,
+        name: &str,
+        view: Arc<dyn PeerView>,
+        kind: LoadKind,
+    ) -> Result<PeerId, Error> {
+        if name == self.name {
+            return Err(Error::NotAllowed {
+                subject: Subject::PeerName(name.to_string()),
+                reason: "the metadata names this agent itself; an agent does not load its own metadata as a peer".into(),
+            });
+        }
+        let (peer, row, is_new) = match self.peer_names.get(name) {
+            Some(&p) => (
+                p,
+                self.peers.row(p).expect("name index points at live rows"),
+                false,
+            ),
+            None => {
+                if self.peers.len() >= self.bounds.peers_max {
+                    return Err(Error::Capacity {
+                        what: "peers",
+                        limit: self.bounds.peers_max,
+                    });
+                }
+                let p = self.peers.insert(PeerRow {
+                    names: name.to_string(),
+                    generations: 1,
+                    views: None,
+                    slot_maps: [None; MAX_BACKENDS],
+                    loaded: BackendMask::EMPTY,
+                });
+                self.peer_names.insert(name.to_string(), p);
+                (p, self.peers.row(p).expect("just inserted"), true)
+            }
+        };
+        let replace = kind == LoadKind::Replace && !is_new;
+        if replace {
+            self.unload_everywhere(peer, row, "reloaded with new content");
+            self.peers.generations[row] = self.peers.generations[row].wrapping_add(1);
+        }
+        let mut slot_map = [None; MAX_BACKENDS];
+        let mut loaded = if replace {
+            BackendMask::EMPTY
+        } else {
+            self.peers.loaded[row]
+        };
+        let mut first_error = None;
+        let mut any_conn = false;
+        for (slot, entry) in slot_map.iter_mut().enumerate() {
+            let Some(backend) = self.backends.backends[slot].as_mut() else {
+                continue;
+            };
+            let Some(index) = view.backend_index(backend.name()) else {
+                continue;
+            };
+            *entry = Some(index);
+            let conn_info = view.conn_info(index).unwrap_or(&[]);
+            any_conn |= !conn_info.is_empty();
+            let regions: Arc<dyn PeerRegions> = view.clone();
+            let remote = RemoteAgent {
+                name,
+                conn_info,
+                regions,
+            };
+            match backend.load_remote(peer, remote) {
+                Ok(()) => loaded.insert(slot),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        if loaded.is_empty() && (any_conn || is_new) {
+            let error = first_error.unwrap_or_else(|| Error::NotSupported {
+                backend: "agent".into(),
+                what: format!("peer '{name}' published no backend type this agent has").into(),
+            });
+            if is_new {
+                self.remove_peer_row(peer);
+            }
+            return Err(error);
+        }
+        self.peers.views[row] = Some(view);
+        self.peers.slot_maps[row] = slot_map;
+        self.peers.loaded[row] = loaded;
+        Ok(peer)
+    }
+
+    /// Forget a peer: backends drop its keys and endpoints, requests in flight to it
+    /// report not-found and drain until their backend confirms the end, and its row is
+    /// freed (the handle goes stale; a later load of the same agent makes a new peer).
+    pub(crate) fn invalidate_peer(&mut self, peer: PeerId) -> Result<(), Error> {
+        let row = self
+            .peers
+            .row(peer)
+            .ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
+        self.unload_everywhere(peer, row, "invalidated");
+        self.remove_peer_row(peer);
+        Ok(())
+    }
+
+    /// Establish the endpoint to `peer` now on every backend that loaded it (NIXL's
+    /// `makeConnection`); otherwise endpoints are made on first use.
+    pub(crate) fn connect_peer(&mut self, peer: PeerId) -> Result<(), Error> {
+        let row = self
+            .peers
+            .row(peer)
+            .ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
+        let mut result = Ok(());
+        for slot in self.peers.loaded[row].iter() {
+            if let Some(b) = self.backends.backends[slot].as_mut() {
+                if let Err(e) = b.connect(peer) {
+                    result = result.and(Err(e));
+                }
+            }
+        }
+        result
+    }
+
+    /// End the requests in flight to `peer` (they report not-found now; those whose
+    /// backend cannot confirm a cancel drain until its completion) and make every
+    /// backend drop the peer.
+    fn unload_everywhere(&mut self, peer: PeerId, row: usize, why: &str) {
+        for x in 0..self.xfers.len() {
+            if self.xfers.endpoints[x] != Endpoint::Peer(peer)
+                || self.xfers.states[x] != XferState::InProgress
+            {
+                continue;
+            }
+            let error = Error::NotFound {
+                subject: Subject::PeerName(format!(
+                    "{} (metadata {why} while the request was in flight)",
+                    self.peers.names[row]
+                )),
+            };
+            let slot = usize::from(self.xfers.slots[x]);
+            let confirmed = self.backends.backends[slot]
+                .as_mut()
+                .is_some_and(|b| matches!(b.cancel(handle_to_tag(self.xfers.key(x))), Ok(true)));
+            self.xfers.states[x] = if confirmed {
+                XferState::Failed(error)
+            } else {
+                XferState::Draining(error)
+            };
+        }
+        for slot in self.peers.loaded[row].iter() {
+            if let Some(b) = self.backends.backends[slot].as_mut() {
+                b.unload_remote(peer);
+            }
+        }
+    }
+
+    fn remove_peer_row(&mut self, peer: PeerId) {
+        if let Some(row) = self.peers.remove(peer) {
+            self.peer_names.remove(&row.names);
+        }
+    }
+
+    /// Slots the peer table's handle map holds (live and free). It stays flat while
+    /// peers come and go.
+    pub fn peer_slots(&self) -> usize {
+        self.peers.slot_capacity()
+    }
+}

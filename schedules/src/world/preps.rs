@@ -1,0 +1,272 @@
+//! Prepared lists: descriptor lists resolved once against sections.
+//!
+//! A local list's entries carry the covering region's handle; a deregistration after
+//! prep makes the handle stale, so `make` refuses the list with [`Error::StaleRegion`]
+//! naming the region (nothing reaches a backend).
+
+use ferry_storage::{
+    handle_to_tag, BackendMask, Desc, Error, MemKind, PeerId, PrepId, Subject, MAX_BACKENDS,
+};
+
+use super::{Hit, World};
+
+/// Which agent a prepared list belongs to, and the peer generation it was built for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrepSide {
+    /// Local regions.
+    Local,
+    /// A peer's regions, resolved against generation `generation`.
+    Peer {
+        /// The peer.
+        peer: PeerId,
+        /// Its generation at prep time.
+        generation: u32,
+    },
+}
+
+/// One resolved descriptor of a prepared list.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PrepEntry {
+    /// The descriptor.
+    pub desc: Desc,
+    /// Local: the covering region's handle as a tag. Peer: the region token for the
+    /// first backend slot of the list's mask.
+    pub target: u64,
+}
+
+ferry_storage::table! {
+    /// Prepared lists, one row per list.
+    pub struct PrepTable[PrepId] / PrepRow {
+        /// Local or a peer (with generation), indexed by row.
+        pub(crate) sides: PrepSide,
+        /// Memory kind, indexed by row.
+        pub(crate) kinds: MemKind,
+        /// Backend slots that cover every descriptor, indexed by row.
+        pub(crate) masks: BackendMask,
+        /// Resolved descriptors, indexed by row.
+        pub(crate) entries: Vec<PrepEntry>,
+    }
+}
+
+pub(crate) fn desc_subject(index: usize, d: Desc) -> ferry_storage::Subject {
+    Subject::Descriptor {
+        index: index as u32,
+        addr: d.addr,
+        len: d.len,
+        dev: d.dev,
+    }
+}
+
+/// Resolve `descs` against the backend slots of `mask`: `lookup(slot, desc)` gives the
+/// target (region tag or peer token) and the covering region's range. Each entry gets
+/// the target of the lowest slot that covers every descriptor (the list's first slot);
+/// slots that miss a descriptor leave the mask. Consecutive descriptors in the same
+/// region cost one range check per slot, not a search.
+///
+/// `Err(None)` means every descriptor was covered by some slot but no one slot covers
+/// them all.
+fn resolve_descs(
+    descs: &[Desc],
+    mut mask: BackendMask,
+    out: &mut Vec<PrepEntry>,
+    lookup: impl Fn(usize, Desc) -> Option<(u64, Desc)>,
+) -> Result<BackendMask, Option<Error>> {
+    out.reserve(descs.len());
+    let start = out.len();
+    let Some(mut recorded) = mask.first() else {
+        return Err(None);
+    };
+    let mut hits = [Hit::NONE; MAX_BACKENDS];
+    for (i, &d) in descs.iter().enumerate() {
+        if d.len == 0 || d.end().is_none() {
+            return Err(Some(Error::invalid(
+                desc_subject(i, d),
+                "empty or wrapping descriptor",
+            )));
+        }
+        let mut target = None;
+        for slot in mask.iter() {
+            if !hits[slot].covers(d) {
+                match lookup(slot, d) {
+                    Some((value, region)) => {
+                        hits[slot] = Hit {
+                            dev: region.dev,
+                            start: region.addr,
+                            end: region.addr.saturating_add(region.len),
+                            value,
+                        };
+                    }
+                    None => {
+                        mask.remove(slot);
+                        continue;
+                    }
+                }
+            }
+            target.get_or_insert(hits[slot].value);
+        }
+        let Some(target) = target else {
+            return Err(Some(Error::NotFound {
+                subject: desc_subject(i, d),
+            }));
+        };
+        if mask.first() != Some(recorded) {
+            // The slot whose targets were recorded so far dropped out: re-resolve the
+            // earlier entries for the new first slot (rare: mixed coverage).
+            recorded = mask.first().expect("a slot covered this descriptor");
+            for entry in &mut out[start..] {
+                entry.target = lookup(recorded, entry.desc).map(|(v, _)| v).ok_or(None)?;
+            }
+        }
+        out.push(PrepEntry { desc: d, target });
+    }
+    Ok(mask)
+}
+
+impl World {
+    /// Resolve `descs` (all of `kind`) against the local sections (`peer` = None) or a
+    /// peer's published sections, once.
+    pub(crate) fn prep_list(
+        &mut self,
+        peer: Option<PeerId>,
+        kind: MemKind,
+        descs: &[Desc],
+        hint: BackendMask,
+    ) -> Result<PrepId, Error> {
+        if descs.len() > self.bounds.descs_per_list_max {
+            return Err(Error::Capacity {
+                what: "descriptors per list",
+                limit: self.bounds.descs_per_list_max,
+            });
+        }
+        if self.preps.len() >= self.bounds.preps_max {
+            return Err(Error::Capacity {
+                what: "prepared lists",
+                limit: self.bounds.preps_max,
+            });
+        }
+        let mut entries = self.pools.entries.pop().unwrap_or_default();
+        entries.clear();
+        let result = match peer {
+            None => self
+                .resolve_local(kind, descs, hint, &mut entries)
+                .map(|mask| (PrepSide::Local, mask)),
+            Some(p) => self.resolve_peer(p, kind, descs, hint, &mut entries),
+        };
+        match result {
+            Ok((side, mask)) => Ok(self.preps.insert(PrepRow {
+                sides: side,
+                kinds: kind,
+                masks: mask,
+                entries,
+            })),
+            Err(e) => {
+                self.pools.entries.push(entries);
+                Err(e)
+            }
+        }
+    }
+
+    fn resolve_local(
+        &self,
+        kind: MemKind,
+        descs: &[Desc],
+        hint: BackendMask,
+        out: &mut Vec<PrepEntry>,
+    ) -> Result<BackendMask, Error> {
+        let mut mask = BackendMask::EMPTY;
+        for slot in 0..MAX_BACKENDS {
+            if hint.contains(slot)
+                && self.backends.caps[slot].is_some_and(|c| c.supports(kind))
+                && !self.sections[slot][kind as usize].is_empty()
+            {
+                mask.insert(slot);
+            }
+        }
+        resolve_descs(descs, mask, out, |slot, d| {
+            self.sections[slot][kind as usize].covering_bounds(d).map(
+                |(region, dev, start, end)| {
+                    (handle_to_tag(region), Desc::new(start, end - start, dev))
+                },
+            )
+        })
+        .map_err(|e| {
+            e.unwrap_or_else(|| Error::NotFound {
+                subject: Subject::Named(
+                    format!("a single backend whose {kind} regions cover every descriptor").into(),
+                ),
+            })
+        })
+    }
+
+    fn resolve_peer(
+        &self,
+        peer: PeerId,
+        kind: MemKind,
+        descs: &[Desc],
+        hint: BackendMask,
+        out: &mut Vec<PrepEntry>,
+    ) -> Result<(PrepSide, BackendMask), Error> {
+        let row = self
+            .peers
+            .row(peer)
+            .ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
+        let view = self.peers.views[row]
+            .as_ref()
+            .ok_or_else(|| Error::NotFound {
+                subject: Subject::PeerName(format!(
+                    "{} (metadata invalidated)",
+                    self.peers.names[row]
+                )),
+            })?;
+        let slot_map = &self.peers.slot_maps[row];
+        let mut mask = BackendMask::EMPTY;
+        for slot in self.peers.loaded[row].iter() {
+            if hint.contains(slot)
+                && slot_map[slot].is_some()
+                && self.backends.caps[slot].is_some_and(|c| c.remote && c.supports(kind))
+            {
+                mask.insert(slot);
+            }
+        }
+        let mask = resolve_descs(descs, mask, out, |slot, d| {
+            view.find_bounds(slot_map[slot]?, kind, d)
+        })
+        .map_err(|e| {
+            e.unwrap_or_else(|| Error::NotFound {
+                subject: Subject::Named(
+                    format!(
+                        "a backend shared with peer '{}' whose {kind} sections cover every descriptor",
+                        self.peers.names[row]
+                    )
+                    .into(),
+                ),
+            })
+        })?;
+        Ok((
+            PrepSide::Peer {
+                peer,
+                generation: self.peers.generations[row],
+            },
+            mask,
+        ))
+    }
+
+    /// Release a prepared list.
+    pub(crate) fn release_prep(&mut self, id: PrepId) -> Result<(), Error> {
+        let row = self
+            .preps
+            .remove(id)
+            .ok_or_else(|| Error::not_found(Subject::Prep(id)))?;
+        self.pools.entries.push(row.entries);
+        Ok(())
+    }
+
+    /// Number of descriptors in a prepared list.
+    pub fn prep_len(&self, id: PrepId) -> Result<usize, Error> {
+        let row = self
+            .preps
+            .row(id)
+            .ok_or_else(|| Error::not_found(Subject::Prep(id)))?;
+        Ok(self.preps.entries[row].len())
+    }
+}

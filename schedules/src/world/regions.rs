@@ -1,0 +1,152 @@
+//! Registered regions: registration with backends, the section index, pins.
+//!
+//! The table itself is [`ferry_storage::RegionTable`]. Overlap at registration is one
+//! lookup per section ([`SectionIndex::overlapping`]); a region named by a live request
+//! is pinned (its `pins` count), so deregistration is refused in O(1) without scanning
+//! requests.
+//!
+//! [`SectionIndex::overlapping`]: ferry_storage::SectionIndex::overlapping
+
+use std::path::Path;
+
+use ferry_backend_api::RegionSpec;
+use ferry_storage::{
+    BackendMask, Desc, Error, MemKind, RegionId, RegionRow, Subject, MAX_BACKENDS,
+};
+
+use super::World;
+
+impl World {
+    /// Register one region with every backend in `hint` that supports `kind`; succeeds
+    /// if at least one accepts. Overlap with a region of the same section is refused.
+    pub(crate) fn register_region(
+        &mut self,
+        kind: MemKind,
+        desc: Desc,
+        hint: BackendMask,
+        path: Option<(&Path, ferry_backend_api::FileMode)>,
+    ) -> Result<RegionId, Error> {
+        let subject = || Subject::Descriptor {
+            index: 0,
+            addr: desc.addr,
+            len: desc.len,
+            dev: desc.dev,
+        };
+        // A FILE region of length 0 means "unbounded": index it up to the end of the offset space.
+        let indexed = if kind == MemKind::File && desc.len == 0 {
+            Desc::new(desc.addr, u64::MAX - desc.addr, desc.dev)
+        } else {
+            desc
+        };
+        if indexed.len == 0 {
+            return Err(Error::invalid(subject(), "a region must not be empty"));
+        }
+        if indexed.end().is_none() {
+            return Err(Error::invalid(subject(), "range wraps the address space"));
+        }
+        if self.regions.len() >= self.bounds.regions_max {
+            return Err(Error::Capacity {
+                what: "registered regions",
+                limit: self.bounds.regions_max,
+            });
+        }
+        let mut candidates = BackendMask::EMPTY;
+        for slot in 0..MAX_BACKENDS {
+            if hint.contains(slot) && self.backends.caps[slot].is_some_and(|c| c.supports(kind)) {
+                candidates.insert(slot);
+            }
+        }
+        if candidates.is_empty() {
+            return Err(Error::NotSupported {
+                backend: "agent".into(),
+                what: format!("no backend (of those hinted) supports memory kind {kind}").into(),
+            });
+        }
+        // Refuse overlap before any backend does work.
+        for slot in candidates.iter() {
+            if let Some(other) = self.sections[slot][kind as usize].overlapping(indexed) {
+                return Err(Error::NotAllowed {
+                    subject: subject(),
+                    reason: format!("overlaps registered region {other:?}").into(),
+                });
+            }
+        }
+        let spec = RegionSpec { kind, desc, path };
+        let mut tokens = [0u64; MAX_BACKENDS];
+        let mut public = Vec::new();
+        let mut accepted = BackendMask::EMPTY;
+        let mut first_error = None;
+        for slot in candidates.iter() {
+            let backend = self.backends.backends[slot]
+                .as_mut()
+                .expect("candidate slot is filled");
+            match backend.register(&spec) {
+                Ok(reg) => {
+                    tokens[slot] = reg.token;
+                    public.push((slot as u8, reg.public_md.into_boxed_slice()));
+                    accepted.insert(slot);
+                }
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        if accepted.is_empty() {
+            return Err(first_error.expect("at least one candidate failed"));
+        }
+        let id = self.regions.insert(RegionRow {
+            kinds: kind,
+            descs: desc,
+            backends: accepted,
+            tokens,
+            public_md: public,
+            pins: 0,
+        });
+        for slot in accepted.iter() {
+            self.sections[slot][kind as usize]
+                .insert(indexed, id)
+                .expect("overlap was checked before registering");
+        }
+        Ok(id)
+    }
+
+    /// Deregister a region from every backend that holds it. Refused while a live
+    /// request (made, posted, done or draining, until released) names it.
+    pub(crate) fn deregister_region(&mut self, id: RegionId) -> Result<(), Error> {
+        let row = self
+            .regions
+            .row(id)
+            .ok_or_else(|| Error::not_found(Subject::Region(id)))?;
+        let kind = self.regions.kinds[row];
+        let desc = self.regions.descs[row];
+        let tokens = self.regions.tokens[row];
+        let backends = self.regions.backends[row];
+        let pins = self.regions.pins[row];
+        if pins > 0 {
+            return Err(Error::NotAllowed {
+                subject: Subject::Region(id),
+                reason: format!(
+                    "in use: {pins} pin(s) by live transfer requests (release them first; a draining one once its backend confirmed its end)"
+                )
+                .into(),
+            });
+        }
+        let indexed = if kind == MemKind::File && desc.len == 0 {
+            Desc::new(desc.addr, u64::MAX - desc.addr, desc.dev)
+        } else {
+            desc
+        };
+        let mut first_error = None;
+        for slot in backends.iter() {
+            if let Some(backend) = self.backends.backends[slot].as_mut() {
+                if let Err(e) = backend.deregister(kind, tokens[slot]) {
+                    first_error.get_or_insert(e);
+                }
+            }
+            self.sections[slot][kind as usize].remove(indexed, id);
+        }
+        self.regions.remove(id);
+        self.deregistrations += 1;
+        first_error.map_or(Ok(()), Err)
+    }
+}
