@@ -14,7 +14,7 @@ use ferry_storage::{Desc, Error, MemKind, PeerId, RegionId, Subject, MAX_BACKEND
 /// Most blobs kept for one peer's generation (full plus partial ones that add
 /// something); a peer that sends more gets [`Error::Capacity`] (it can publish a new
 /// generation, or full metadata, instead). Bounds what a peer can make us keep.
-pub(crate) const PEER_BLOBS_MAX: usize = 256;
+pub(crate) const PEER_BLOBS_MAX: usize = 1024;
 
 /// Every blob loaded for one peer's current metadata generation.
 ///

@@ -485,25 +485,35 @@ fn flushing_alone_applies_exchange_events() {
     }
 }
 
-/// A peer cannot make an agent keep more than 256 blobs of one generation: partial
+/// A peer cannot make an agent keep more than 1024 blobs of one generation: partial
 /// metadata that adds something is kept up to that bound, then refused with a
 /// capacity error (identical blobs cost nothing at all).
 #[test]
 fn partial_blobs_per_peer_are_bounded() {
+    const BLOBS_MAX: usize = 1024;
     let c = loopback_agent("pb-c");
-    let buffers: Vec<Buffer> = (0..257).map(|_| Buffer::zeroed(64)).collect();
+    let buffers: Vec<Buffer> = (0..=BLOBS_MAX).map(|_| Buffer::zeroed(64)).collect();
     let regions: Vec<_> = buffers.iter().map(|b| register(&c, b)).collect();
     let a = loopback_agent("pb-a");
     for (i, r) in regions.iter().enumerate() {
         let blob = c.local_partial_md(&[*r], true).unwrap();
         let loaded = a.load_remote_md_as(c.name(), &blob);
-        if i < 256 {
+        if i < BLOBS_MAX {
             loaded.unwrap();
             // The same blob again: nothing new, nothing kept.
             a.load_remote_md_as(c.name(), &blob).unwrap();
         } else {
             let e = loaded.unwrap_err();
-            assert!(matches!(e, Error::Capacity { limit: 256, .. }), "{e}");
+            assert!(
+                matches!(
+                    e,
+                    Error::Capacity {
+                        limit: BLOBS_MAX,
+                        ..
+                    }
+                ),
+                "{e}"
+            );
         }
     }
 }
