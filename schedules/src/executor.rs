@@ -203,6 +203,8 @@ fn phase_register(world: &mut World, cmds: &mut CommandBuffer, bucket: &[u32]) {
 impl World {
     /// Register one region with every backend in `hint` that supports `kind`; succeeds
     /// if at least one accepts. Overlap with a region of the same section is refused.
+    // Reason: calls the backends' `unsafe fn register` (backend safety contract).
+    #[allow(unsafe_code)]
     pub fn register_region(
         &mut self,
         kind: MemKind,
@@ -276,7 +278,10 @@ impl World {
             let backend = self.backends.backends[slot]
                 .as_mut()
                 .expect("candidate slot is filled");
-            match backend.register(&spec) {
+            // SAFETY: the region comes from `CommandBuffer::register` (an `unsafe fn`),
+            // whose caller promised that the memory (or fd) stays valid until it is
+            // deregistered through this world, which calls `Backend::deregister` first.
+            match unsafe { backend.register(&spec) } {
                 Ok(reg) => {
                     tokens[slot] = reg.token;
                     public.push((slot as u8, reg.public_md.into_boxed_slice()));
@@ -301,6 +306,8 @@ impl World {
 
     /// Deregister a region from every backend that holds it. Refused while an in-flight
     /// request uses it.
+    // Reason: calls the backends' `unsafe fn deregister` (backend safety contract).
+    #[allow(unsafe_code)]
     pub fn deregister_region(&mut self, id: RegionId) -> Result<(), Error> {
         let row = self
             .regions
@@ -357,7 +364,10 @@ impl World {
         let mut first_error = None;
         for slot in backends.iter() {
             if let Some(backend) = self.backends.backends[slot].as_mut() {
-                if let Err(e) = backend.deregister(kind, tokens[slot]) {
+                // SAFETY: the scan above refused deregistration while any in-flight
+                // request of this backend uses the region, so no post naming its token
+                // is outstanding.
+                if let Err(e) = unsafe { backend.deregister(kind, tokens[slot]) } {
                     first_error.get_or_insert(e);
                 }
             }
@@ -1043,6 +1053,8 @@ fn endpoint_rank(endpoint: Endpoint) -> u64 {
     }
 }
 
+// Reason: calls the backends' `unsafe fn post` (backend safety contract).
+#[allow(unsafe_code)]
 fn phase_dispatch<'a>(
     world: &mut World,
     arena: &'a bumpalo::Bump,
@@ -1118,7 +1130,12 @@ fn phase_dispatch<'a>(
         let backend = world.backends.backends[slot]
             .as_mut()
             .expect("request slot is filled");
-        let result = backend.post(endpoint, &batch, &mut world.completions);
+        // SAFETY: every range was resolved by `make` against the section index, so its
+        // local side (and a local transfer's remote side) lies inside a region registered
+        // with this backend under the range's token; `deregister_region` refuses while
+        // the request is in flight, so those regions stay registered, and their memory
+        // valid by `register`'s promise, until the request's completion is routed.
+        let result = unsafe { backend.post(endpoint, &batch, &mut world.completions) };
         drop(batch);
         let post_duration = t0.map(|t| t.elapsed()).unwrap_or_default();
         for p in group {

@@ -3,8 +3,21 @@
 //! after the copy, and is the embedded default and the test vehicle of the engine.
 //!
 //! Connection info is the process id plus a process-unique backend id; loading a peer
-//! resolves the peer's inbox once, so a post does no lookup. A peer from another
-//! process is refused at load time.
+//! resolves the peer's shared state (inbox and region table) once, so a post does no
+//! lookup. A peer from another process is refused at load time.
+//!
+//! # Remote regions are checked at post
+//!
+//! The initiator copies straight into (or out of) the target agent's memory, which the
+//! target may deregister at any time. Each backend instance therefore keeps a table of
+//! its regions shared with the peers that loaded it: a region's token is
+//! `generation << 32 | slot`, and its public metadata is that token. A post pins every
+//! region it touches (local and remote) with one compare-and-swap on the region's slot,
+//! which succeeds only while the slot holds the token's generation; a request that names
+//! a region deregistered since fails the post with [`Error::NotFound`] naming the region,
+//! and no byte moves. `deregister` bumps the generation once no copy has the region
+//! pinned (a copy in progress on another thread is waited for; it is a bounded
+//! `memmove`, never a wait on anything else). Cost: O(1) per range, no lock.
 //!
 //! # Fault injection
 //!
@@ -22,8 +35,8 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use crossbeam_queue::ArrayQueue;
 use ferry_backend_api::{
     effective_params, Backend, BackendFactory, BackendInit, Capabilities, Completions, Endpoint,
-    Error, Failure, FailureKind, MemKind, NotifSink, ParamSpec, Params, PeerId, Post, Range,
-    RegionSpec, Registered, RemoteAgent, Result, Subject,
+    Error, Failure, FailureKind, MemKind, NotifSink, ParamSpec, Params, PeerId, PeerRegions, Post,
+    Range, RegionSpec, Registered, RemoteAgent, Result, Subject,
 };
 use smallvec::SmallVec;
 
@@ -44,11 +57,140 @@ struct Message {
     payload: SmallVec<[u8; 64]>,
 }
 
-/// One backend instance's mailbox, shared with every peer that loaded it.
-struct Inbox {
+/// One backend instance's state shared with every peer that loaded it: its mailbox and
+/// its region table.
+struct Shared {
+    /// Inbound notifications. Bounded: a sender whose notification does not fit gets a
+    /// typed error (see [`Loopback::deliver`]); an accepted one stays until drained.
     queue: ArrayQueue<Message>,
     /// Set when the owning backend is dropped.
     closed: AtomicBool,
+    /// Liveness of the owner's regions, read by every initiator at post.
+    regions: RegionSlots,
+}
+
+/// Regions one backend can hold at once.
+pub const REGIONS_MAX: usize = SLOTS_PER_CHUNK * CHUNKS;
+const SLOTS_PER_CHUNK: usize = 4096;
+const CHUNKS: usize = 256;
+
+/// The region table: one `AtomicU64` per slot, `generation << 32 | pins`. An odd
+/// generation is a live region, an even one a free slot. Slots are allocated in chunks
+/// of 4,096 as registrations need them (at `register`, never at post), and a chunk once
+/// made is never freed or moved, so a reader needs no lock.
+struct RegionSlots {
+    chunks: Box<[OnceLock<Box<[AtomicU64]>>]>,
+}
+
+fn slot_of(token: u64) -> usize {
+    (token & u64::from(u32::MAX)) as usize
+}
+
+fn generation_of(token: u64) -> u32 {
+    (token >> 32) as u32
+}
+
+impl RegionSlots {
+    fn new() -> RegionSlots {
+        RegionSlots {
+            chunks: (0..CHUNKS).map(|_| OnceLock::new()).collect(),
+        }
+    }
+
+    fn slot(&self, index: usize) -> Option<&AtomicU64> {
+        self.chunks
+            .get(index / SLOTS_PER_CHUNK)?
+            .get()?
+            .get(index % SLOTS_PER_CHUNK)
+    }
+
+    /// Make the free slot `index` live; returns its token.
+    fn activate(&self, index: usize) -> u64 {
+        let chunk = self.chunks[index / SLOTS_PER_CHUNK]
+            .get_or_init(|| (0..SLOTS_PER_CHUNK).map(|_| AtomicU64::new(0)).collect());
+        let slot = &chunk[index % SLOTS_PER_CHUNK];
+        let generation = generation_of(slot.load(Ordering::Acquire)).wrapping_add(1);
+        debug_assert!(generation & 1 == 1, "activating a live slot");
+        // Only the owner writes a free slot (readers fail on its even generation).
+        slot.store(u64::from(generation) << 32, Ordering::Release);
+        (u64::from(generation) << 32) | index as u64
+    }
+
+    /// Whether `token` names a live region.
+    fn is_live(&self, token: u64) -> bool {
+        let generation = generation_of(token);
+        generation & 1 == 1
+            && self
+                .slot(slot_of(token))
+                .is_some_and(|slot| generation_of(slot.load(Ordering::Acquire)) == generation)
+    }
+
+    /// Pin the region named by `token` for a copy; false if it is not live.
+    fn pin(&self, token: u64) -> bool {
+        let generation = generation_of(token);
+        if generation & 1 == 0 {
+            return false;
+        }
+        let Some(slot) = self.slot(slot_of(token)) else {
+            return false;
+        };
+        let mut current = slot.load(Ordering::Acquire);
+        loop {
+            if generation_of(current) != generation || current as u32 == u32::MAX {
+                return false;
+            }
+            match slot.compare_exchange_weak(
+                current,
+                current + 1,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return true,
+                Err(now) => current = now,
+            }
+        }
+    }
+
+    /// Undo one [`RegionSlots::pin`] of `token`.
+    fn unpin(&self, token: u64) {
+        if let Some(slot) = self.slot(slot_of(token)) {
+            let before = slot.fetch_sub(1, Ordering::Release);
+            debug_assert!(before as u32 != 0, "unpin without pin");
+        }
+    }
+
+    /// Retire the live region `token` (its slot becomes free) once no copy pins it.
+    /// False if `token` is not live.
+    fn retire(&self, token: u64) -> bool {
+        let generation = generation_of(token);
+        let Some(slot) = self.slot(slot_of(token)) else {
+            return false;
+        };
+        let mut spins = 0u32;
+        loop {
+            let current = slot.load(Ordering::Acquire);
+            if generation & 1 == 0 || generation_of(current) != generation {
+                return false;
+            }
+            if current as u32 == 0 {
+                let free = u64::from(generation.wrapping_add(1)) << 32;
+                if slot
+                    .compare_exchange(current, free, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+                {
+                    return true;
+                }
+                continue;
+            }
+            // A peer's copy out of or into this region runs on another thread right now.
+            spins += 1;
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
 }
 
 /// Fault-injection controls of one backend instance (all default off).
@@ -110,7 +252,7 @@ impl Faults {
 }
 
 struct Directory {
-    inboxes: HashMap<u64, Weak<Inbox>>,
+    inboxes: HashMap<u64, Weak<Shared>>,
     faults: HashMap<String, Weak<Faults>>,
 }
 
@@ -154,7 +296,8 @@ impl BackendFactory for LoopbackFactory {
 /// A peer as seen by this backend.
 struct RemotePeer {
     name: String,
-    inbox: Weak<Inbox>,
+    shared: Weak<Shared>,
+    regions: Arc<dyn PeerRegions>,
 }
 
 /// A completion waiting for its "late" delay to pass.
@@ -169,7 +312,11 @@ pub struct Loopback {
     params: Params,
     id: u64,
     agent: Arc<str>,
-    inbox: Arc<Inbox>,
+    shared: Arc<Shared>,
+    /// Region slots free for reuse (their generation is even).
+    free_slots: Vec<u32>,
+    /// Slots used so far (the next never-used slot).
+    slots_used: usize,
     faults: Arc<Faults>,
     peers: HashMap<PeerId, RemotePeer>,
     held: VecDeque<Held>,
@@ -190,16 +337,17 @@ impl Loopback {
                 )
             })?;
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-        let inbox = Arc::new(Inbox {
+        let shared = Arc::new(Shared {
             queue: ArrayQueue::new(capacity),
             closed: AtomicBool::new(false),
+            regions: RegionSlots::new(),
         });
         let faults = Arc::new(Faults::default());
         {
             let mut dir = directory().lock().unwrap_or_else(|e| e.into_inner());
             dir.inboxes.retain(|_, w| w.strong_count() > 0);
             dir.faults.retain(|_, w| w.strong_count() > 0);
-            dir.inboxes.insert(id, Arc::downgrade(&inbox));
+            dir.inboxes.insert(id, Arc::downgrade(&shared));
             dir.faults
                 .insert(init.agent_name.to_string(), Arc::downgrade(&faults));
         }
@@ -207,7 +355,9 @@ impl Loopback {
             params,
             id,
             agent: Arc::from(init.agent_name),
-            inbox,
+            shared,
+            free_slots: Vec::new(),
+            slots_used: 0,
             faults,
             peers: HashMap::new(),
             held: VecDeque::with_capacity(64),
@@ -219,9 +369,10 @@ impl Loopback {
         self.faults.clone()
     }
 
-    fn target_inbox(&self, endpoint: Endpoint) -> std::result::Result<Arc<Inbox>, Error> {
+    /// The shared state of the target of `endpoint` (ours for `Local`).
+    fn target(&self, endpoint: Endpoint) -> std::result::Result<Arc<Shared>, Error> {
         match endpoint {
-            Endpoint::Local => Ok(self.inbox.clone()),
+            Endpoint::Local => Ok(self.shared.clone()),
             Endpoint::Peer(peer) => {
                 let remote = self
                     .peers
@@ -232,8 +383,8 @@ impl Loopback {
                         subject: Subject::PeerName(remote.name.clone()),
                     });
                 }
-                match remote.inbox.upgrade() {
-                    Some(inbox) if !inbox.closed.load(Ordering::Acquire) => Ok(inbox),
+                match remote.shared.upgrade() {
+                    Some(shared) if !shared.closed.load(Ordering::Acquire) => Ok(shared),
                     _ => Err(Error::RemoteDisconnect {
                         subject: Subject::PeerName(remote.name.clone()),
                     }),
@@ -242,7 +393,9 @@ impl Loopback {
         }
     }
 
-    fn deliver(&self, inbox: &Inbox, payload: &[u8]) -> Result<()> {
+    /// Push a notification into `inbox`. A full inbox refuses it with a capacity error
+    /// to the sender (never a silent drop); once pushed it stays until drained.
+    fn deliver(&self, inbox: &Shared, payload: &[u8]) -> Result<()> {
         let message = Message {
             from: self.agent.clone(),
             payload: SmallVec::from_slice(payload),
@@ -274,26 +427,113 @@ impl Loopback {
 
 impl Drop for Loopback {
     fn drop(&mut self) {
-        self.inbox.closed.store(true, Ordering::Release);
+        self.shared.closed.store(true, Ordering::Release);
         let mut dir = directory().lock().unwrap_or_else(|e| e.into_inner());
         dir.inboxes.remove(&self.id);
     }
 }
 
-/// Copy one range. Returns the range index on an address overflow.
-fn copy_range(op: ferry_backend_api::Op, range: &Range) {
+/// Copy one range.
+///
+/// # Safety
+///
+/// Both sides of `range` lie inside live regions registered in this process (pinned by
+/// the caller for the duration of the copy), whose registrants promised (`register` is
+/// unsafe) that the bytes stay valid while registered and that no Rust reference aliases
+/// them during a transfer.
+unsafe fn copy_range(op: ferry_backend_api::Op, range: &Range) {
     let (src, dst) = match op {
         ferry_backend_api::Op::Write => (range.local_addr, range.remote_addr),
         ferry_backend_api::Op::Read => (range.remote_addr, range.local_addr),
     };
-    // SAFETY: the executor hands us only ranges that lie inside regions registered on
-    // both sides (it resolved every descriptor against the section indexes), and the
-    // registrants promised (`register` is unsafe) that those bytes stay valid and
-    // writable while registered and that no Rust reference aliases them during a
-    // transfer. Both agents live in this process (checked at `load_remote`), so the
-    // addresses are ours. `copy` tolerates overlap between source and destination.
+    // SAFETY: per this function's contract both ranges are valid, registered and pinned
+    // (so neither side can be deregistered during the copy); both agents live in this
+    // process (checked at `load_remote`). `copy` tolerates overlap.
     unsafe {
         std::ptr::copy(src as *const u8, dst as *mut u8, range.len as usize);
+    }
+}
+
+/// The error of a post that names a region deregistered since.
+fn stale_region(owner: &str, side: &str, addr: u64, len: u64) -> Error {
+    Error::NotFound {
+        subject: Subject::Named(
+            format!(
+                "{side} region of agent '{owner}' holding {addr:#x} (len {len}): deregistered \
+                 since the request was built (stale region)"
+            )
+            .into(),
+        ),
+    }
+}
+
+/// The target agent's token of a peer region, from its public metadata.
+fn peer_token(regions: &dyn PeerRegions, token: u64) -> Option<u64> {
+    let md = regions.public_md(token)?;
+    Some(u64::from_le_bytes(md.try_into().ok()?))
+}
+
+/// The tokens a batch names on one side, one per range, in order (`None` where the
+/// peer's metadata does not know the region).
+fn batch_tokens<'a>(
+    batch: &'a [Post<'a>],
+    side: Side<'a>,
+) -> impl Iterator<Item = (Option<u64>, &'a Range)> + 'a {
+    batch.iter().flat_map(|p| p.ranges.iter()).map(move |r| {
+        let token = match side {
+            Side::Local => Some(r.local_token),
+            Side::OwnTarget => Some(r.remote_token),
+            Side::Peer(regions) => peer_token(regions, r.remote_token),
+        };
+        (token, r)
+    })
+}
+
+#[derive(Clone, Copy)]
+enum Side<'a> {
+    /// Local ranges, our own table.
+    Local,
+    /// Remote ranges of a local transfer: tokens of our own table.
+    OwnTarget,
+    /// Remote ranges of a peer transfer: tokens through the peer's metadata.
+    Peer(&'a dyn PeerRegions),
+}
+
+/// Pin every region one side of `batch` names (once per run of equal tokens). On a
+/// region that is not live, undo the pins taken and return the offending range.
+fn pin_side<'a>(
+    table: &RegionSlots,
+    batch: &'a [Post<'a>],
+    side: Side<'a>,
+) -> std::result::Result<(), &'a Range> {
+    let mut last = None;
+    let mut pinned = 0usize;
+    for (i, (token, range)) in batch_tokens(batch, side).enumerate() {
+        if token.is_some() && token == last {
+            continue;
+        }
+        if !token.is_some_and(|t| table.pin(t)) {
+            unpin_side(table, batch, side, i);
+            return Err(range);
+        }
+        last = token;
+        pinned += 1;
+    }
+    debug_assert!(pinned <= batch.iter().map(|p| p.ranges.len()).sum());
+    Ok(())
+}
+
+/// Undo the pins [`pin_side`] took for the first `ranges` ranges of the batch.
+fn unpin_side<'a>(table: &RegionSlots, batch: &'a [Post<'a>], side: Side<'a>, ranges: usize) {
+    let mut last = None;
+    for (token, _) in batch_tokens(batch, side).take(ranges) {
+        if token.is_some() && token == last {
+            continue;
+        }
+        if let Some(t) = token {
+            table.unpin(t);
+        }
+        last = token;
     }
 }
 
@@ -315,7 +555,7 @@ impl Backend for Loopback {
         &self.params
     }
 
-    fn register(&mut self, region: &RegionSpec<'_>) -> Result<Registered> {
+    unsafe fn register(&mut self, region: &RegionSpec<'_>) -> Result<Registered> {
         if region.kind != MemKind::Dram {
             return Err(Error::NotSupported {
                 backend: NAME.into(),
@@ -333,13 +573,37 @@ impl Backend for Loopback {
                 "not a valid host address range",
             ));
         }
+        let index = match self.free_slots.pop() {
+            Some(index) => index as usize,
+            None if self.slots_used < REGIONS_MAX => {
+                self.slots_used += 1;
+                self.slots_used - 1
+            }
+            None => {
+                return Err(Error::Capacity {
+                    what: "loopback regions",
+                    limit: REGIONS_MAX,
+                })
+            }
+        };
+        let token = self.shared.regions.activate(index);
         Ok(Registered {
-            token: 0,
-            public_md: Vec::new(),
+            token,
+            // Peers check the region's liveness through this token at post.
+            public_md: token.to_le_bytes().to_vec(),
         })
     }
 
-    fn deregister(&mut self, _kind: MemKind, _token: u64) -> Result<()> {
+    unsafe fn deregister(&mut self, kind: MemKind, token: u64) -> Result<()> {
+        if kind != MemKind::Dram || !self.shared.regions.is_live(token) {
+            return Err(Error::not_found(Subject::Named(
+                format!("loopback {kind} region token {token:#x}").into(),
+            )));
+        }
+        // Waits only for a peer's copy that has the region pinned right now.
+        let retired = self.shared.regions.retire(token);
+        debug_assert!(retired, "only the owner retires its regions");
+        self.free_slots.push(slot_of(token) as u32);
         Ok(())
     }
 
@@ -380,7 +644,7 @@ impl Backend for Loopback {
                 .into(),
             });
         }
-        let inbox = {
+        let shared = {
             let dir = directory().lock().unwrap_or_else(|e| e.into_inner());
             dir.inboxes.get(&id).cloned()
         }
@@ -392,7 +656,8 @@ impl Backend for Loopback {
             peer,
             RemotePeer {
                 name: remote.name.to_string(),
-                inbox,
+                shared,
+                regions: remote.regions,
             },
         );
         Ok(())
@@ -403,16 +668,45 @@ impl Backend for Loopback {
     }
 
     fn connect(&mut self, peer: PeerId) -> Result<()> {
-        self.target_inbox(Endpoint::Peer(peer)).map(|_| ())
+        self.target(Endpoint::Peer(peer)).map(|_| ())
     }
 
-    fn post(
+    unsafe fn post(
         &mut self,
         endpoint: Endpoint,
         batch: &[Post<'_>],
         done: &mut Completions,
     ) -> Result<()> {
-        let inbox = self.target_inbox(endpoint)?;
+        let target = self.target(endpoint)?;
+        let peer_regions = match endpoint {
+            Endpoint::Local => None,
+            Endpoint::Peer(peer) => Some(
+                self.peers
+                    .get(&peer)
+                    .expect("target() checked the peer")
+                    .regions
+                    .clone(),
+            ),
+        };
+        let remote_side = peer_regions.as_deref().map_or(Side::OwnTarget, Side::Peer);
+        // Pin every region the batch touches, on both sides, before moving any byte: a
+        // region deregistered since the request was built fails the whole post.
+        if let Err(range) = pin_side(&self.shared.regions, batch, Side::Local) {
+            return Err(stale_region(
+                &self.agent,
+                "local",
+                range.local_addr,
+                range.len,
+            ));
+        }
+        if let Err(range) = pin_side(&target.regions, batch, remote_side) {
+            unpin_side(&self.shared.regions, batch, Side::Local, usize::MAX);
+            let owner = match endpoint {
+                Endpoint::Peer(peer) => self.peers[&peer].name.as_str(),
+                Endpoint::Local => &*self.agent,
+            };
+            return Err(stale_region(owner, "target", range.remote_addr, range.len));
+        }
         for post in batch {
             if self.faults.take_failure() {
                 let failure = Failure {
@@ -424,11 +718,16 @@ impl Backend for Loopback {
                 continue;
             }
             for range in post.ranges {
-                copy_range(post.op, range);
+                // SAFETY: the caller promised (`post` is unsafe) that the local ranges
+                // (and a local transfer's remote ranges) lie inside registered regions
+                // that stay valid until completion; a peer's ranges come from its
+                // published metadata and lie inside its regions. Every region on both
+                // sides is pinned above, so no side can be deregistered during the copy.
+                unsafe { copy_range(post.op, range) };
             }
             let mut result = Ok(());
             if let Some(payload) = post.notif {
-                if self.deliver(&inbox, payload).is_err() {
+                if self.deliver(&target, payload).is_err() {
                     result = Err(Failure {
                         kind: FailureKind::Backend,
                         errno: 105, // ENOBUFS
@@ -438,6 +737,8 @@ impl Backend for Loopback {
             }
             self.finish(post.tag, result, done);
         }
+        unpin_side(&target.regions, batch, remote_side, usize::MAX);
+        unpin_side(&self.shared.regions, batch, Side::Local, usize::MAX);
         Ok(())
     }
 
@@ -465,13 +766,13 @@ impl Backend for Loopback {
     }
 
     fn notify(&mut self, endpoint: Endpoint, payload: &[u8]) -> Result<()> {
-        let inbox = self.target_inbox(endpoint)?;
-        self.deliver(&inbox, payload)
+        let target = self.target(endpoint)?;
+        self.deliver(&target, payload)
     }
 
     fn drain_notifications(&mut self, sink: &mut dyn NotifSink) -> usize {
         let mut count = 0;
-        while let Some(message) = self.inbox.queue.pop() {
+        while let Some(message) = self.shared.queue.pop() {
             sink.deliver(&message.from, &message.payload);
             count += 1;
         }

@@ -812,7 +812,7 @@ impl Backend for PosixBackend {
         &self.params
     }
 
-    fn register(&mut self, region: &RegionSpec<'_>) -> Result<Registered> {
+    unsafe fn register(&mut self, region: &RegionSpec<'_>) -> Result<Registered> {
         match region.kind {
             MemKind::File => self.register_file(region),
             MemKind::Dram => self.register_dram(region),
@@ -823,7 +823,7 @@ impl Backend for PosixBackend {
         }
     }
 
-    fn deregister(&mut self, kind: MemKind, token: u64) -> Result<()> {
+    unsafe fn deregister(&mut self, kind: MemKind, token: u64) -> Result<()> {
         let subject = || Subject::Named(format!("{kind} region with token {token:#x}").into());
         match kind {
             MemKind::File => {
@@ -903,7 +903,7 @@ impl Backend for PosixBackend {
 
     fn unload_remote(&mut self, _peer: PeerId) {}
 
-    fn post(
+    unsafe fn post(
         &mut self,
         endpoint: Endpoint,
         batch: &[Post<'_>],

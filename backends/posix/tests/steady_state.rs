@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::*;
-use ferry_backend_api::{Backend, Completions, Endpoint, Op};
+use ferry_backend_api::{Completions, Endpoint, Op};
 
 struct Counting;
 
@@ -65,7 +65,7 @@ fn long_loop_allocates_nothing_and_leaks_nothing() {
             done.clear();
             let op = if i % 2 == 0 { Op::Write } else { Op::Read };
             let batch = [post(i, op, &ranges), post(i + (1 << 40), op, &ranges[..1])];
-            b.post(Endpoint::Local, &batch, &mut done).unwrap();
+            b.post_t(Endpoint::Local, &batch, &mut done).unwrap();
             while done.len() < 2 {
                 b.wait(&mut done, Duration::from_millis(100)).unwrap();
             }

@@ -456,7 +456,7 @@ impl Backend for UcxBackend {
         &self.params
     }
 
-    fn register(&mut self, region: &RegionSpec<'_>) -> Result<Registered> {
+    unsafe fn register(&mut self, region: &RegionSpec<'_>) -> Result<Registered> {
         if region.kind != MemKind::Dram {
             return Err(Error::NotSupported {
                 backend: BACKEND.into(),
@@ -479,7 +479,7 @@ impl Backend for UcxBackend {
         Ok(Registered { token, public_md })
     }
 
-    fn deregister(&mut self, kind: MemKind, token: u64) -> Result<()> {
+    unsafe fn deregister(&mut self, kind: MemKind, token: u64) -> Result<()> {
         if kind != MemKind::Dram {
             return Err(Error::NotSupported {
                 backend: BACKEND.into(),
@@ -515,7 +515,7 @@ impl Backend for UcxBackend {
         self.core().disconnect(peer)
     }
 
-    fn post(
+    unsafe fn post(
         &mut self,
         endpoint: Endpoint,
         batch: &[Post<'_>],

@@ -3,6 +3,9 @@
 //! local transfers, bad input, and the progress thread. Each data test runs under the
 //! default transports and under `transports=tcp`.
 
+// Reason: the tests call the backend's unsafe methods (through `common::TestCalls`).
+#![allow(unsafe_code)]
+
 mod common;
 
 use std::time::Duration;
@@ -85,7 +88,7 @@ fn post<'a>(tag: u64, op: Op, ranges: &'a [Range], notif: Option<&'a [u8]>) -> P
 
 fn run(p: &mut Pair, posts: &[Post<'_>]) {
     let mut done = Completions::with_capacity(posts.len());
-    p.a.post(Endpoint::Peer(p.peer_b), posts, &mut done)
+    p.a.post_t(Endpoint::Peer(p.peer_b), posts, &mut done)
         .expect("post");
     let tags: Vec<u64> = posts.iter().map(|x| x.tag).collect();
     let mut got: Vec<_> = done.as_slice().to_vec();
@@ -196,7 +199,7 @@ fn notification_arrives_after_its_data() {
             let ranges = [range(&p, 0, 0, LEN)];
             let tag = [b'n', round];
             let mut done = Completions::with_capacity(4);
-            p.a.post(
+            p.a.post_t(
                 Endpoint::Peer(p.peer_b),
                 &[post(u64::from(round), Op::Write, &ranges, Some(&tag))],
                 &mut done,
@@ -294,7 +297,7 @@ fn local_transfers_and_notification_to_self() {
             remote_token: d_tok,
         }];
         let mut done = Completions::with_capacity(4);
-        a.post(
+        a.post_t(
             Endpoint::Local,
             &[post(7, Op::Write, &ranges, Some(b"local done"))],
             &mut done,
@@ -312,7 +315,7 @@ fn local_transfers_and_notification_to_self() {
         dst.0.fill(0);
         Rng(6).fill(&mut dst.0);
         let mut done = Completions::with_capacity(4);
-        a.post(
+        a.post_t(
             Endpoint::Local,
             &[post(8, Op::Read, &ranges, None)],
             &mut done,
@@ -322,8 +325,8 @@ fn local_transfers_and_notification_to_self() {
             wait_for(&mut [&mut a], &[8], TIMEOUT);
         }
         assert!(src.0 == dst.0, "[{transports}] local READ differs");
-        a.deregister(MemKind::Dram, s_tok).unwrap();
-        a.deregister(MemKind::Dram, d_tok).unwrap();
+        a.deregister_t(MemKind::Dram, s_tok).unwrap();
+        a.deregister_t(MemKind::Dram, d_tok).unwrap();
     }
 }
 
@@ -339,7 +342,7 @@ fn bad_input_gets_typed_errors() {
     // Unknown local token.
     let mut r = good;
     r.local_token = 0xdead;
-    let e = p.a.post(
+    let e = p.a.post_t(
         Endpoint::Peer(p.peer_b),
         &[post(1, Op::Write, &[r], None)],
         &mut done,
@@ -348,7 +351,7 @@ fn bad_input_gets_typed_errors() {
     // Range outside its local region.
     let mut r = good;
     r.len = 8192;
-    let e = p.a.post(
+    let e = p.a.post_t(
         Endpoint::Peer(p.peer_b),
         &[post(1, Op::Write, &[r], None)],
         &mut done,
@@ -357,14 +360,14 @@ fn bad_input_gets_typed_errors() {
     // Remote token the peer never published.
     let mut r = good;
     r.remote_token = 77;
-    let e = p.a.post(
+    let e = p.a.post_t(
         Endpoint::Peer(p.peer_b),
         &[post(1, Op::Write, &[r], None)],
         &mut done,
     );
     assert!(matches!(e, Err(Error::NotFound { .. })), "{e:?}");
     // Unknown peer.
-    let e = p.a.post(
+    let e = p.a.post_t(
         Endpoint::Peer(peer_id(42)),
         &[post(1, Op::Write, &[good], None)],
         &mut done,
@@ -373,16 +376,16 @@ fn bad_input_gets_typed_errors() {
     // VRAM is not supported (yet).
     let mut x = post(1, Op::Write, std::slice::from_ref(&good), None);
     x.remote_kind = MemKind::Vram;
-    let e = p.a.post(Endpoint::Peer(p.peer_b), &[x], &mut done);
+    let e = p.a.post_t(Endpoint::Peer(p.peer_b), &[x], &mut done);
     assert!(matches!(e, Err(Error::NotSupported { .. })), "{e:?}");
-    let e = p.a.register(&RegionSpec {
+    let e = p.a.register_t(&RegionSpec {
         kind: MemKind::File,
         desc: ferry_backend_api::Desc::new(0, 10, 3),
         path: None,
     });
     assert!(matches!(e, Err(Error::NotSupported { .. })), "{e:?}");
     // Zero-length registration.
-    let e = p.a.register(&RegionSpec {
+    let e = p.a.register_t(&RegionSpec {
         kind: MemKind::Dram,
         desc: ferry_backend_api::Desc::new(p.a_buf.addr(), 0, 0),
         path: None,
@@ -409,7 +412,7 @@ fn bad_input_gets_typed_errors() {
     );
     let mut r = good;
     r.remote_token = 5;
-    let e = p.a.post(
+    let e = p.a.post_t(
         Endpoint::Peer(evil),
         &[post(1, Op::Write, &[r], None)],
         &mut done,
@@ -418,9 +421,9 @@ fn bad_input_gets_typed_errors() {
     // Deregistering twice.
     let small = Buffer::new(64);
     let (tok, _) = register(&mut p.a, &small);
-    p.a.deregister(MemKind::Dram, tok).unwrap();
+    p.a.deregister_t(MemKind::Dram, tok).unwrap();
     assert!(matches!(
-        p.a.deregister(MemKind::Dram, tok),
+        p.a.deregister_t(MemKind::Dram, tok),
         Err(Error::NotFound { .. })
     ));
     // Nothing above started a request.
@@ -440,7 +443,7 @@ fn unload_fails_in_flight_requests_with_remote_disconnect() {
     let mut p = pair("tcp", 16 << 20, &[]);
     let ranges = [range(&p, 0, 0, 16 << 20)];
     let mut done = Completions::with_capacity(4);
-    p.a.post(
+    p.a.post_t(
         Endpoint::Peer(p.peer_b),
         &[post(11, Op::Write, &ranges, Some(b"x"))],
         &mut done,
@@ -458,7 +461,7 @@ fn unload_fails_in_flight_requests_with_remote_disconnect() {
     let f = c.result.expect_err("request to an unloaded peer succeeded");
     assert_eq!(f.kind, FailureKind::RemoteDisconnect, "{f:?}");
     // Posting to the unloaded peer is refused.
-    let e = p.a.post(
+    let e = p.a.post_t(
         Endpoint::Peer(p.peer_b),
         &[post(12, Op::Write, &ranges, None)],
         &mut done,
@@ -467,7 +470,7 @@ fn unload_fails_in_flight_requests_with_remote_disconnect() {
     // Reloading restores it.
     let (bt, bmd) = (p.b_token, {
         // The packed rkey is still the one published at registration.
-        let r = p.b.register(&RegionSpec {
+        let r = p.b.register_t(&RegionSpec {
             kind: MemKind::Dram,
             desc: ferry_backend_api::Desc::new(p.b_buf.addr(), p.b_buf.len() as u64, 0),
             path: None,
@@ -498,7 +501,7 @@ fn progress_thread_serves_the_target_and_sleeps_when_idle() {
     Rng(11).fill(&mut p.a_buf.0);
     let ranges = [range(&p, 0, 0, 1 << 20)];
     let mut done = Completions::with_capacity(4);
-    p.a.post(
+    p.a.post_t(
         Endpoint::Peer(p.peer_b),
         &[post(21, Op::Write, &ranges, Some(b"t"))],
         &mut done,

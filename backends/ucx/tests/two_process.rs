@@ -8,6 +8,9 @@
 //!
 //! `harness = false`: `main` runs the scenarios (or the child role) itself.
 
+// Reason: the tests call the backend's unsafe methods (through `common::TestCalls`).
+#![allow(unsafe_code)]
+
 mod common;
 
 use std::io::{Read, Write};
@@ -139,7 +142,7 @@ fn post<'a>(tag: u64, op: Op, ranges: &'a [Range], notif: Option<&'a [u8]>) -> P
 
 fn transfer(ucx: &mut UcxBackend, peer: PeerId, posts: &[Post<'_>]) {
     let mut done = Completions::with_capacity(posts.len());
-    ucx.post(Endpoint::Peer(peer), posts, &mut done)
+    ucx.post_t(Endpoint::Peer(peer), posts, &mut done)
         .expect("post");
     let tags: Vec<u64> = posts
         .iter()
@@ -285,7 +288,7 @@ fn scenario(transports: &str, error_handling: &str) {
     let mut done = Completions::with_capacity(64);
     let mut outstanding: Vec<u64> = Vec::new();
     for tag in 1000..1008u64 {
-        ucx.post(
+        ucx.post_t(
             Endpoint::Peer(peer),
             &[post(tag, Op::Write, &big, None)],
             &mut done,
@@ -313,7 +316,7 @@ fn scenario(transports: &str, error_handling: &str) {
             break;
         }
         if outstanding.len() < 64 {
-            match ucx.post(
+            match ucx.post_t(
                 Endpoint::Peer(peer),
                 &[post(tag, Op::Write, &big, None)],
                 &mut done,
@@ -354,7 +357,7 @@ fn scenario(transports: &str, error_handling: &str) {
         "[{label}] target killed: detected after {detected_after:?}, {failures} of {} requests failed with remote-disconnect",
         outstanding.len()
     );
-    let e = ucx.post(
+    let e = ucx.post_t(
         Endpoint::Peer(peer),
         &[post(9999, Op::Write, &big, None)],
         &mut done,
@@ -392,7 +395,7 @@ fn scenario(transports: &str, error_handling: &str) {
     assert!(recv_frame(&mut t.stream).starts_with(b"bye"));
     let status = t.child.wait().unwrap();
     assert!(status.success(), "[{label}] target exited with {status}");
-    ucx.deregister(MemKind::Dram, ltok).unwrap();
+    ucx.deregister_t(MemKind::Dram, ltok).unwrap();
 }
 
 fn main() {
