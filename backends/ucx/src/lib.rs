@@ -125,6 +125,18 @@ pub const PARAMS: &[ParamSpec] = &[
               set; 'ucx' = UCX's own default (8256)",
     },
     ParamSpec {
+        name: "notif_queue",
+        default: "65536",
+        doc: "inbound notifications the inbox holds until drained; past it a local sender gets a \
+              capacity error and a peer's notification is refused and counted",
+    },
+    ParamSpec {
+        name: "notif_queue_bytes",
+        default: "67108864",
+        doc: "bytes (payloads and sender names) the inbox holds until drained; past it as for \
+              notif_queue",
+    },
+    ParamSpec {
         name: "max_requests",
         default: "8192",
         doc: "requests (and standalone notifications) in flight at once",
@@ -159,6 +171,10 @@ pub struct Config {
     pub max_requests: usize,
     /// Largest single put/get in bytes.
     pub chunk_bytes: u64,
+    /// Notifications the inbox holds until drained.
+    pub notif_entries_max: usize,
+    /// Bytes the inbox holds until drained.
+    pub notif_bytes_max: usize,
     /// Receive FIFO entries of UCX's shared-memory transports to set (`None` = leave
     /// UCX's configuration alone).
     pub shm_fifo_size: Option<u32>,
@@ -257,6 +273,16 @@ impl Config {
             .ok()
             .filter(|n| (1..=1 << 20).contains(n))
             .ok_or_else(|| bad("max_requests", "expected 1..=1048576"))?;
+        let notif_entries_max: usize = get("notif_queue")
+            .parse()
+            .ok()
+            .filter(|n| (1..=1 << 24).contains(n))
+            .ok_or_else(|| bad("notif_queue", "expected 1..=16777216"))?;
+        let notif_bytes_max: usize = get("notif_queue_bytes")
+            .parse()
+            .ok()
+            .filter(|n| (1024..=1 << 40).contains(n))
+            .ok_or_else(|| bad("notif_queue_bytes", "expected 1024..=2^40"))?;
         let chunk_bytes: u64 = get("chunk_bytes")
             .parse()
             .ok()
@@ -284,6 +310,8 @@ impl Config {
         )
         .map_err(|()| bad("shm_seg_bytes", "expected 'auto', 'ucx' or 4096..=32768"))?;
         Ok(Config {
+            notif_entries_max,
+            notif_bytes_max,
             shm_fifo_size,
             shm_seg_bytes,
             chunk_bytes,
@@ -353,6 +381,8 @@ pub struct UcxBackend {
     core: Arc<Mutex<Core>>,
     params: Params,
     version: UcxVersion,
+    /// Refused notifications already logged.
+    refused_reported: u64,
     // Declared last: dropped (thread stopped and joined) before `core` is released.
     thread: Option<ProgressThread>,
 }
@@ -386,6 +416,7 @@ impl UcxBackend {
             core,
             params,
             version,
+            refused_reported: 0,
             thread,
         })
     }
@@ -430,6 +461,21 @@ impl UcxBackend {
             .events
             .dropped_notifs
             .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Peers' notifications refused because the inbox was full (see the `notif_queue`
+    /// and `notif_queue_bytes` parameters). Local senders get an error instead.
+    pub fn refused_notifications(&self) -> u64 {
+        self.core()
+            .events
+            .refused_notifs
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Endpoints whose close UCX has not confirmed yet (their error-handler state and
+    /// rkeys are kept until it has; see `state/peers.rs`).
+    pub fn closing_endpoints(&self) -> usize {
+        self.core().closing_endpoints()
     }
 
     /// Whether a progress thread runs.
@@ -538,7 +584,19 @@ impl Backend for UcxBackend {
     }
 
     fn drain_notifications(&mut self, sink: &mut dyn NotifSink) -> usize {
-        let core = self.core();
+        let core = self.core.lock().unwrap_or_else(|e| e.into_inner());
+        let refused = core
+            .events
+            .refused_notifs
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if refused != self.refused_reported {
+            log::warn!(
+                "UCX: {} notification(s) from peers refused: inbox full (notif_queue, \
+                 notif_queue_bytes)",
+                refused - self.refused_reported
+            );
+            self.refused_reported = refused;
+        }
         let mut inbox = core.events.inbox.lock().unwrap_or_else(|e| e.into_inner());
         inbox.drain(|from, payload| sink.deliver(from, payload))
     }

@@ -30,7 +30,7 @@ mod requests;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::ptr;
-use std::sync::atomic::{AtomicBool, AtomicI8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -44,7 +44,7 @@ use ferry_ucx_sys::*;
 use crate::{Config, ErrorMode, BACKEND};
 
 pub(crate) use callbacks::Events;
-use callbacks::{on_ep_error, on_notif, on_op_done, OpCell, PeerLink};
+use callbacks::{on_ep_error, on_notif, on_op_done, CompletionQueue, OpCell, PeerLink};
 use config::{may_use_shared_memory, zcopy_thresh_override};
 pub(crate) use diagnostics::errno_of;
 #[cfg(test)]
@@ -52,7 +52,7 @@ pub(crate) use diagnostics::summarize_lanes;
 use diagnostics::ucx_error;
 use memory::MemEntry;
 use notifications::Inbox;
-use peers::PeerState;
+use peers::{Grave, PeerState};
 use requests::{Slot, SlotState};
 
 /// Active-message id of Ferry notifications.
@@ -90,6 +90,8 @@ pub(crate) struct Core {
     peers: HashMap<PeerId, PeerState>,
     next_worker: usize,
     self_ep: ucp_ep_h,
+    /// Endpoints whose close UCX has not confirmed yet, with what they still own.
+    graves: Vec<Grave>,
     /// Completions produced outside a `post` call (callbacks, progress thread).
     pub(crate) ready: Completions,
     /// Largest single put/get; longer ranges are split.
@@ -204,18 +206,16 @@ impl Core {
 
         let slot_count = config.max_requests;
         let events = Arc::new(Events {
-            ops: ArrayQueue::new(slot_count * 2),
+            completions: CompletionQueue::new(slot_count),
             ep_error: AtomicBool::new(false),
-            inbox: Mutex::new(Inbox::default()),
+            inbox: Mutex::new(Inbox::new(config.notif_entries_max, config.notif_bytes_max)),
+            refused_notifs: AtomicU64::new(0),
             dropped_notifs: AtomicU64::new(0),
             request_free: api.ucp_request_free,
         });
         let events_ptr = Arc::as_ptr(&events);
         let cells: Box<[OpCell]> = (0..slot_count as u32 * 2)
-            .map(|index| OpCell {
-                events: events_ptr,
-                index,
-            })
+            .map(|index| OpCell::new(events_ptr, index))
             .collect();
         let slots = (0..slot_count)
             .map(|_| Slot {
@@ -246,6 +246,7 @@ impl Core {
             self_ep: ptr::null_mut(),
             ready: Completions::with_capacity(slot_count),
             chunk_bytes: config.chunk_bytes,
+            graves: Vec::new(),
         };
         for index in 0..config.workers {
             core.add_worker(index, config.progress_thread)?;
@@ -346,9 +347,40 @@ impl Drop for Core {
         if !self.self_ep.is_null() {
             let ep = std::mem::replace(&mut self.self_ep, ptr::null_mut());
             let worker = self.workers[0].handle;
-            self.close_ep(worker, ep);
+            if let Some(request) = self.close_ep(worker, ep) {
+                self.graves.push(Grave {
+                    worker,
+                    request,
+                    link: None,
+                    rkeys: Vec::new(),
+                });
+            }
+        }
+        // Give pending closes a bounded time to finish, so their state is released in
+        // UCX's order (rkeys before the worker goes).
+        let deadline = Instant::now() + EP_CLOSE_TIMEOUT;
+        while !self.graves.is_empty() && Instant::now() < deadline {
+            for grave in &self.graves {
+                // SAFETY: the worker is live (destroyed below).
+                unsafe { self.ucp.api().ucp_worker_progress(grave.worker) };
+            }
+            self.reap_graves();
+        }
+        let mut unconfirmed = std::mem::take(&mut self.graves);
+        if !unconfirmed.is_empty() {
+            log::warn!(
+                "UCX: {} endpoint close(s) not confirmed within {EP_CLOSE_TIMEOUT:?}; their \
+                 state is released after the workers are destroyed",
+                unconfirmed.len()
+            );
         }
         let api = self.ucp.api();
+        for grave in &mut unconfirmed {
+            // SAFETY: our pending close request; UCX allows freeing a request before it
+            // completes (it is then released when done, or with the worker).
+            unsafe { api.ucp_request_free(grave.request) };
+            grave.request = ptr::null_mut();
+        }
         // Dropping the backend frees everything, including what was not deregistered.
         for entry in self.mems.iter_mut().filter_map(Option::take) {
             // SAFETY: our own rkey and mapping; no endpoint is left to use them.
@@ -363,6 +395,15 @@ impl Drop for Core {
             // SAFETY: all eps of this worker are closed; callbacks during destroy only
             // touch `events`/`cells`, which are still alive (fields of self).
             unsafe { api.ucp_worker_destroy(worker.handle) };
+        }
+        for grave in unconfirmed {
+            for rkey in grave.rkeys {
+                // SAFETY: the workers (and with them every endpoint and operation that
+                // could use the rkey) are gone; the context still is not.
+                unsafe { api.ucp_rkey_destroy(rkey) };
+            }
+            // The links are released only now: no endpoint is left to report on them.
+            drop(grave.link);
         }
         // SAFETY: every worker of the context is destroyed.
         unsafe { api.ucp_cleanup(self.context) };

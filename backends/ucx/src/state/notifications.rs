@@ -4,20 +4,53 @@ use super::*;
 
 /// Inbound notifications waiting for `drain_notifications`. Storage is reused, so
 /// steady-state receiving does not allocate.
-#[derive(Default)]
+///
+/// Bounded by entries and bytes (parameters `notif_queue`, `notif_queue_bytes`): a
+/// notification that does not fit is refused whole — a local sender gets a typed error
+/// (`Capacity` for a standalone one, an `ENOBUFS` failure for one attached to a
+/// transfer); one from a peer cannot be answered (UCX active messages have no reply), so
+/// it is counted (`UcxBackend::refused_notifications`) and logged at the next drain. A
+/// notification that was accepted stays until `drain` hands it over.
 pub(crate) struct Inbox {
     pub(super) bytes: Vec<u8>,
     /// (start in `bytes`, sender name length, payload length)
     pub(super) entries: Vec<(usize, u32, u32)>,
+    entries_max: usize,
+    bytes_max: usize,
 }
 
 impl Inbox {
-    pub(crate) fn push(&mut self, from: &[u8], payload: &[u8]) {
+    /// An empty inbox holding at most `entries_max` notifications of `bytes_max` bytes
+    /// (sender names included) in all.
+    pub(crate) fn new(entries_max: usize, bytes_max: usize) -> Inbox {
+        Inbox {
+            bytes: Vec::new(),
+            entries: Vec::new(),
+            entries_max,
+            bytes_max,
+        }
+    }
+
+    /// The configured entry bound.
+    pub(crate) fn entries_max(&self) -> usize {
+        self.entries_max
+    }
+
+    /// Accept one notification; false (nothing stored) if it does not fit.
+    #[must_use]
+    pub(crate) fn push(&mut self, from: &[u8], payload: &[u8]) -> bool {
+        let need = from.len() + payload.len();
+        if self.entries.len() >= self.entries_max
+            || self.bytes.len().saturating_add(need) > self.bytes_max
+        {
+            return false;
+        }
         let start = self.bytes.len();
         self.bytes.extend_from_slice(from);
         self.bytes.extend_from_slice(payload);
         self.entries
             .push((start, from.len() as u32, payload.len() as u32));
+        true
     }
 
     /// Hand every entry to `deliver` as (sender, payload) and forget them.
@@ -41,11 +74,20 @@ impl Core {
         let Some(peer) = peer else {
             // To oneself: straight into the inbox, the data is already in place.
             let slot = &self.slots[index as usize];
-            self.events
+            let accepted = self
+                .events
                 .inbox
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .push(&self.agent_name, &slot.notif);
+            if !accepted {
+                // The sender is this agent: its request fails, the inbox is full.
+                self.slots[index as usize].failure = Some(Failure {
+                    kind: FailureKind::Backend,
+                    errno: libc::ENOBUFS,
+                    range: None,
+                });
+            }
             self.finish(index);
             return;
         };
@@ -106,12 +148,15 @@ impl Core {
         }
         let peer = match endpoint {
             Endpoint::Local => {
-                self.events
-                    .inbox
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push(&self.agent_name, payload);
-                return Ok(());
+                let mut inbox = self.events.inbox.lock().unwrap_or_else(|e| e.into_inner());
+                return if inbox.push(&self.agent_name, payload) {
+                    Ok(())
+                } else {
+                    Err(Error::Capacity {
+                        what: "UCX notification inbox (parameters notif_queue, notif_queue_bytes)",
+                        limit: inbox.entries_max(),
+                    })
+                };
             }
             Endpoint::Peer(peer) => {
                 self.peer_ep(peer)?;

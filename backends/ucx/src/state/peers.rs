@@ -1,13 +1,39 @@
-//! Peers: endpoints (created lazily, closed on unload), remote keys.
+//! Peers: endpoints (created lazily, closed on unload), remote keys, and the graveyard
+//! of endpoints whose close UCX has not confirmed yet.
+//!
+//! # Who owns an endpoint's callback state
+//!
+//! Each endpoint gets its own [`PeerLink`] (the argument of its error handler), boxed so
+//! its address is stable. UCX may call the error handler until the endpoint's close has
+//! completed, so the link lives until then: closing is `ucp_ep_close_nbx(FORCE)`, which
+//! cancels the endpoint's outstanding requests (their callbacks report them, see
+//! `requests`); if UCX confirms the close within a few progress rounds, the link and the
+//! rkeys unpacked on the endpoint are released at once; otherwise they move, with the
+//! close request, into [`Grave`]s, checked at every `pump` and released when UCX
+//! confirms — or, at the latest, after the worker is destroyed (`Core::drop`). No close
+//! blocks the caller: unloading a peer never waits on the network.
 
 use super::*;
+
+/// What an endpoint whose close is still pending leaves behind (see the module docs).
+pub(super) struct Grave {
+    /// The endpoint's worker (progressed to finish the close).
+    pub(super) worker: ucp_worker_h,
+    /// The close request (null once freed or when there was none).
+    pub(super) request: *mut c_void,
+    /// The error-handler argument UCX may still call.
+    pub(super) link: Option<Box<PeerLink>>,
+    /// Rkeys unpacked on the endpoint.
+    pub(super) rkeys: Vec<ucp_rkey_h>,
+}
 
 pub(super) struct PeerState {
     pub(super) name: String,
     pub(super) worker: usize,
     pub(super) remote_address: Vec<u8>,
     pub(super) ep: ucp_ep_h,
-    pub(super) link: Box<PeerLink>,
+    /// The error-handler argument of `ep` (None while there is no endpoint).
+    pub(super) link: Option<Box<PeerLink>>,
     pub(super) regions: Arc<dyn PeerRegions>,
     pub(super) rkeys: HashMap<u64, ucp_rkey_h>,
     /// Set once UCX reported the endpoint dead; cleared by a reload with new info.
@@ -35,7 +61,6 @@ impl Core {
                     let state = self.peers.get_mut(&peer).expect("present");
                     state.remote_address = remote;
                     state.down = None;
-                    state.link.status.store(0, Ordering::Release);
                 }
             }
             return Ok(());
@@ -53,10 +78,7 @@ impl Core {
                 worker,
                 remote_address,
                 ep: ptr::null_mut(),
-                link: Box::new(PeerLink {
-                    events: Arc::as_ptr(&self.events),
-                    status: AtomicI8::new(0),
-                }),
+                link: None,
                 regions,
                 rkeys: HashMap::new(),
                 down: None,
@@ -66,22 +88,79 @@ impl Core {
         Ok(())
     }
 
-    /// Close the peer's endpoint (in-flight requests to it fail) and drop its rkeys.
+    /// Close the peer's endpoint (UCX cancels its in-flight requests, whose callbacks
+    /// then report them) and release its rkeys and error-handler argument once UCX
+    /// confirmed the close (at once, or later from the graveyard).
     pub(super) fn teardown_peer(&mut self, peer: PeerId) {
         let Some(state) = self.peers.get_mut(&peer) else {
             return;
         };
         let ep = std::mem::replace(&mut state.ep, ptr::null_mut());
+        let link = state.link.take();
         let worker = self.workers[state.worker].handle;
         let rkeys: Vec<ucp_rkey_h> = state.rkeys.drain().map(|(_, r)| r).collect();
-        if !ep.is_null() {
-            self.close_ep(worker, ep);
+        let pending = if ep.is_null() {
+            None
+        } else {
+            self.close_ep(worker, ep)
+        };
+        let grave = Grave {
+            worker,
+            request: pending.unwrap_or(ptr::null_mut()),
+            link,
+            rkeys,
+        };
+        if pending.is_some() {
+            log::debug!("UCX: endpoint close pending; its state waits in the graveyard");
+            self.graves.push(grave);
+        } else {
+            self.bury(grave);
         }
+    }
+
+    /// Release what a closed endpoint left: its rkeys, its link, its close request.
+    pub(super) fn bury(&mut self, grave: Grave) {
         let api = self.ucp.api();
-        for rkey in rkeys {
-            // SAFETY: rkeys unpacked on the now-closed ep; nothing uses them any more.
+        for rkey in grave.rkeys {
+            // SAFETY: unpacked on the endpoint whose close UCX has confirmed: every
+            // operation that used the rkey has completed or been canceled. (UCX asks for
+            // rkeys to be destroyed before the endpoint is; its force close cancels the
+            // operations only as part of the close, and releasing an rkey does not touch
+            // the endpoint, so this is the earliest point that is safe for both.)
             unsafe { api.ucp_rkey_destroy(rkey) };
         }
+        if !grave.request.is_null() {
+            // SAFETY: our close request, completed; freed once.
+            unsafe { api.ucp_request_free(grave.request) };
+        }
+        drop(grave.link);
+    }
+
+    /// Release the graves whose close UCX has confirmed meanwhile. Returns how many.
+    pub(super) fn reap_graves(&mut self) -> usize {
+        let mut reaped = 0;
+        let mut i = 0;
+        while i < self.graves.len() {
+            // SAFETY: the close request is ours and not freed yet; its worker is live.
+            let status = unsafe {
+                self.ucp
+                    .api()
+                    .ucp_request_check_status(self.graves[i].request)
+            };
+            if status == ucs_status_t::UCS_INPROGRESS {
+                i += 1;
+                continue;
+            }
+            let grave = self.graves.swap_remove(i);
+            self.bury(grave);
+            reaped += 1;
+        }
+        reaped
+    }
+
+    /// Endpoints whose close UCX has not confirmed yet (diagnostics and tests).
+    pub(crate) fn closing_endpoints(&self) -> usize {
+        self.graves.len()
     }
 
     pub(crate) fn unload_remote(&mut self, peer: PeerId) {
@@ -104,34 +183,32 @@ impl Core {
         Ok(())
     }
 
-    /// Force-close `ep` and progress until UCX confirms (bounded by a timeout).
-    pub(super) fn close_ep(&mut self, worker: ucp_worker_h, ep: ucp_ep_h) {
+    /// Force-close `ep` (UCX cancels its outstanding requests) and progress its worker a
+    /// bounded number of rounds. Returns the close request if UCX has not confirmed the
+    /// close yet (the caller keeps the endpoint's state alive until it has).
+    pub(super) fn close_ep(&mut self, worker: ucp_worker_h, ep: ucp_ep_h) -> Option<*mut c_void> {
         let api = self.ucp.api();
         let mut param = request_param();
         param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
         param.flags = UCP_EP_CLOSE_FLAG_FORCE;
         // SAFETY: ep is live and owned by us; param valid for the call.
         let request = unsafe { api.ucp_ep_close_nbx(ep, &param) };
-        if ucs_ptr_is_ptr(request) {
-            let deadline = Instant::now() + EP_CLOSE_TIMEOUT;
-            loop {
-                // SAFETY: worker is live; request is the close request we own.
-                let status = unsafe {
-                    api.ucp_worker_progress(worker);
-                    api.ucp_request_check_status(request)
-                };
-                if status != ucs_status_t::UCS_INPROGRESS {
-                    break;
-                }
-                if Instant::now() > deadline {
-                    log::warn!("UCX: endpoint close did not finish within {EP_CLOSE_TIMEOUT:?}");
-                    break;
-                }
-            }
-            // SAFETY: we own the close request; freeing an unfinished one lets UCX release
-            // it when done.
-            unsafe { api.ucp_request_free(request) };
+        if !ucs_ptr_is_ptr(request) {
+            return None;
         }
+        for _ in 0..PROGRESS_ROUNDS_MAX {
+            // SAFETY: worker is live; request is the close request we own.
+            let status = unsafe {
+                api.ucp_worker_progress(worker);
+                api.ucp_request_check_status(request)
+            };
+            if status != ucs_status_t::UCS_INPROGRESS {
+                // SAFETY: our close request, completed; freed once.
+                unsafe { api.ucp_request_free(request) };
+                return None;
+            }
+        }
+        Some(request)
     }
 
     pub(super) fn create_ep(
@@ -156,7 +233,8 @@ impl Core {
         }
         let mut ep: ucp_ep_h = ptr::null_mut();
         // SAFETY: worker live; the address bytes are valid for the call (UCX copies what
-        // it needs); the error handler arg outlives the ep (owned by the peer state).
+        // it needs); the error handler arg is boxed and outlives the ep: it stays in the
+        // peer state, then in the graveyard, until UCX confirmed the ep's close.
         let status = unsafe { api.ucp_ep_create(self.workers[worker].handle, &params, &mut ep) };
         if !status.is_ok() {
             return Err(ucx_error(&self.ucp, "ucp_ep_create", status));
@@ -179,9 +257,16 @@ impl Core {
             return Ok((state.ep, state.worker));
         }
         let worker = state.worker;
-        let ep = self.create_ep(worker, &state.remote_address, Some(&state.link))?;
+        // A fresh link per endpoint: the link of an earlier endpoint may still be in the
+        // graveyard, where UCX can still report on it.
+        let link = Box::new(PeerLink {
+            events: Arc::as_ptr(&self.events),
+            status: AtomicI8::new(0),
+        });
+        let ep = self.create_ep(worker, &state.remote_address, Some(&link))?;
         let transports = self.ep_transports(ep);
         let state = self.peers.get_mut(&peer).expect("present");
+        state.link = Some(link);
         log::info!(
             "UCX {}: endpoint to '{}' on worker {worker} uses {transports}",
             self.ucp.version(),

@@ -274,7 +274,8 @@ impl Core {
                 progressed = true;
             }
         }
-        progressed | self.handle_events()
+        let buried = !self.graves.is_empty() && self.reap_graves() > 0;
+        progressed | self.handle_events() | buried
     }
 
     pub(super) fn handle_events(&mut self) -> bool {
@@ -286,7 +287,10 @@ impl Core {
                 .iter()
                 .filter(|(_, s)| s.down.is_none())
                 .filter_map(|(&p, s)| {
-                    let status = s.link.status.load(Ordering::Acquire);
+                    let status = s
+                        .link
+                        .as_ref()
+                        .map_or(0, |l| l.status.load(Ordering::Acquire));
                     (status != 0).then_some((p, status))
                 })
                 .collect();
@@ -303,16 +307,29 @@ impl Core {
                 self.teardown_peer(peer);
             }
         }
-        while let Some(event) = self.events.ops.pop() {
+        while let Some((cell, status)) = self.events.completions.pop(&self.cells) {
             any = true;
-            let slot = event.cell / 2;
-            if event.cell % 2 == 0 {
-                self.batch_flushed(slot, event.status);
-            } else {
-                self.notif_sent(slot, event.status);
+            self.cell_done(cell, status);
+        }
+        if self.events.completions.overflowed() {
+            for cell in 0..self.cells.len() as u32 {
+                if let Some(status) = self.cells[cell as usize].take() {
+                    any = true;
+                    self.cell_done(cell, status);
+                }
             }
         }
         any
+    }
+
+    /// The request of callback cell `cell` finished with `status`.
+    fn cell_done(&mut self, cell: u32, status: ucs_status_t) {
+        let slot = cell / 2;
+        if cell & 1 == 0 {
+            self.batch_flushed(slot, status);
+        } else {
+            self.notif_sent(slot, status);
+        }
     }
 
     /// Arm every worker for sleeping on its event fd. False if some worker has events
