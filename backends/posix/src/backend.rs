@@ -635,10 +635,21 @@ impl PosixBackend {
         }
     }
 
+    /// Free op `slot` and its uses of a file and a fixed buffer.
+    fn release_op(&mut self, slot: u32) {
+        let op = self.ops.slab.get(slot);
+        let (file, fixed_buf) = (op.file, op.fixed_buf);
+        self.files.release(file);
+        if fixed_buf != NO_FIXED_BUF {
+            self.buffers.release(u32::from(fixed_buf));
+        }
+        self.ops.release(slot);
+    }
+
     /// Free op `slot`; complete its request if it was the last.
     fn finish_op(&mut self, slot: u32, done: &mut Completions) {
         let request = self.ops.slab.get(slot).request;
-        self.ops.release(slot);
+        self.release_op(slot);
         let last = match self.requests.get_mut(request) {
             Some(req) => {
                 req.ops_left -= 1;
@@ -831,12 +842,7 @@ impl Backend for PosixBackend {
                     .files
                     .slot(token)
                     .ok_or_else(|| Error::not_found(subject()))?;
-                let in_use = self
-                    .ops
-                    .slab
-                    .iter()
-                    .any(|(_, op)| op.state != OpState::Free && op.file == slot);
-                if in_use {
+                if self.files.in_use(slot) {
                     return Err(Error::NotAllowed {
                         subject: subject(),
                         reason: "a posted request still uses it".into(),
@@ -863,12 +869,7 @@ impl Backend for PosixBackend {
                     .buffers
                     .slot(token)
                     .ok_or_else(|| Error::not_found(subject()))?;
-                let in_use = self
-                    .ops
-                    .slab
-                    .iter()
-                    .any(|(_, op)| op.state != OpState::Free && op.fixed_buf as u32 == slot);
-                if in_use {
+                if self.buffers.in_use(slot) {
                     return Err(Error::NotAllowed {
                         subject: subject(),
                         reason: "a posted request still uses it".into(),
@@ -955,6 +956,12 @@ impl Backend for PosixBackend {
                     Some(b) if range.local_token != 0 => b as u16,
                     _ => NO_FIXED_BUF,
                 };
+                // Per-region use counts (released with the operation) let deregistration
+                // refuse a region in use without scanning the operation slab.
+                self.files.acquire(file);
+                if fixed_buf != NO_FIXED_BUF {
+                    self.buffers.acquire(u32::from(fixed_buf));
+                }
                 let generation = self.ops.slab.get(slot).generation;
                 *self.ops.slab.get_mut(slot) = IoOp {
                     generation,
@@ -1004,7 +1011,7 @@ impl Backend for PosixBackend {
         for i in 0..self.pending.len() {
             let slot = self.pending[i];
             if self.ops.slab.get(slot).request == request {
-                self.ops.release(slot);
+                self.release_op(slot);
             } else {
                 self.pending[kept] = slot;
                 kept += 1;

@@ -220,13 +220,30 @@ impl FileEntry {
 #[derive(Debug)]
 pub(crate) struct Table<T> {
     entries: Vec<(u32, Option<T>)>,
+    /// Operations (queued or in flight) that use each slot, indexed by slot: what
+    /// deregistration checks instead of scanning the operation slab.
+    uses: Vec<u32>,
 }
 
 impl<T> Table<T> {
     pub fn new(capacity: u32) -> Self {
         Table {
             entries: (0..capacity).map(|_| (0, None)).collect(),
+            uses: vec![0; capacity as usize],
         }
+    }
+    /// One more operation uses `slot`.
+    pub fn acquire(&mut self, slot: u32) {
+        self.uses[slot as usize] += 1;
+    }
+    /// An operation that used `slot` is done.
+    pub fn release(&mut self, slot: u32) {
+        debug_assert!(self.uses[slot as usize] > 0);
+        self.uses[slot as usize] -= 1;
+    }
+    /// Whether an operation uses `slot`.
+    pub fn in_use(&self, slot: u32) -> bool {
+        self.uses[slot as usize] > 0
     }
     pub fn capacity(&self) -> usize {
         self.entries.len()
