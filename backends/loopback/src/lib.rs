@@ -51,11 +51,21 @@ const PARAMS: &[ParamSpec] = &[ParamSpec {
     doc: "notifications an inbox holds before senders get a capacity error",
 }];
 
-/// An inbound notification. Payloads up to 64 bytes are stored inline (no allocation).
+/// An inbound notification. Payloads up to 64 bytes are stored inline; longer ones in a
+/// buffer taken from the target's pool of drained buffers (so steady-state sending
+/// allocates nothing at any length).
 struct Message {
     from: Arc<str>,
-    payload: SmallVec<[u8; 64]>,
+    payload: Payload,
 }
+
+enum Payload {
+    Inline(SmallVec<[u8; 64]>),
+    Pooled(Vec<u8>),
+}
+
+/// Drained payload buffers kept for reuse (at most this many).
+const PAYLOAD_POOL_LEN: usize = 1024;
 
 /// One backend instance's state shared with every peer that loaded it: its mailbox and
 /// its region table.
@@ -63,6 +73,8 @@ struct Shared {
     /// Inbound notifications. Bounded: a sender whose notification does not fit gets a
     /// typed error (see [`Loopback::deliver`]); an accepted one stays until drained.
     queue: ArrayQueue<Message>,
+    /// Buffers of drained long payloads, reused by senders.
+    payload_pool: ArrayQueue<Vec<u8>>,
     /// Set when the owning backend is dropped.
     closed: AtomicBool,
     /// Liveness of the owner's regions, read by every initiator at post.
@@ -339,6 +351,7 @@ impl Loopback {
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         let shared = Arc::new(Shared {
             queue: ArrayQueue::new(capacity),
+            payload_pool: ArrayQueue::new(PAYLOAD_POOL_LEN.min(capacity)),
             closed: AtomicBool::new(false),
             regions: RegionSlots::new(),
         });
@@ -396,13 +409,26 @@ impl Loopback {
     /// Push a notification into `inbox`. A full inbox refuses it with a capacity error
     /// to the sender (never a silent drop); once pushed it stays until drained.
     fn deliver(&self, inbox: &Shared, payload: &[u8]) -> Result<()> {
+        let payload = if payload.len() <= 64 {
+            Payload::Inline(SmallVec::from_slice(payload))
+        } else {
+            let mut buffer = inbox.payload_pool.pop().unwrap_or_default();
+            buffer.clear();
+            buffer.extend_from_slice(payload);
+            Payload::Pooled(buffer)
+        };
         let message = Message {
             from: self.agent.clone(),
-            payload: SmallVec::from_slice(payload),
+            payload,
         };
-        inbox.queue.push(message).map_err(|_| Error::Capacity {
-            what: "loopback notification inbox",
-            limit: inbox.queue.capacity(),
+        inbox.queue.push(message).map_err(|refused| {
+            if let Payload::Pooled(buffer) = refused.payload {
+                let _ = inbox.payload_pool.push(buffer);
+            }
+            Error::Capacity {
+                what: "loopback notification inbox",
+                limit: inbox.queue.capacity(),
+            }
         })
     }
 
@@ -773,7 +799,14 @@ impl Backend for Loopback {
     fn drain_notifications(&mut self, sink: &mut dyn NotifSink) -> usize {
         let mut count = 0;
         while let Some(message) = self.shared.queue.pop() {
-            sink.deliver(&message.from, &message.payload);
+            match message.payload {
+                Payload::Inline(bytes) => sink.deliver(&message.from, &bytes),
+                Payload::Pooled(buffer) => {
+                    sink.deliver(&message.from, &buffer);
+                    // A full pool lets the buffer go (bounded memory).
+                    let _ = self.shared.payload_pool.push(buffer);
+                }
+            }
             count += 1;
         }
         count
