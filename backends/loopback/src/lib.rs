@@ -499,22 +499,7 @@ fn peer_token(regions: &dyn PeerRegions, token: u64) -> Option<u64> {
     Some(u64::from_le_bytes(md.try_into().ok()?))
 }
 
-/// The tokens a batch names on one side, one per range, in order (`None` where the
-/// peer's metadata does not know the region).
-fn batch_tokens<'a>(
-    batch: &'a [Post<'a>],
-    side: Side<'a>,
-) -> impl Iterator<Item = (Option<u64>, &'a Range)> + 'a {
-    batch.iter().flat_map(|p| p.ranges.iter()).map(move |r| {
-        let token = match side {
-            Side::Local => Some(r.local_token),
-            Side::OwnTarget => Some(r.remote_token),
-            Side::Peer(regions) => peer_token(regions, r.remote_token),
-        };
-        (token, r)
-    })
-}
-
+/// Which side of a batch's ranges to pin, and how its tokens name regions.
 #[derive(Clone, Copy)]
 enum Side<'a> {
     /// Local ranges, our own table.
@@ -525,41 +510,62 @@ enum Side<'a> {
     Peer(&'a dyn PeerRegions),
 }
 
-/// Pin every region one side of `batch` names (once per run of equal tokens). On a
-/// region that is not live, undo the pins taken and return the offending range.
+impl Side<'_> {
+    /// The token field of `range` this side reads.
+    fn key(self, range: &Range) -> u64 {
+        match self {
+            Side::Local => range.local_token,
+            Side::OwnTarget | Side::Peer(_) => range.remote_token,
+        }
+    }
+
+    /// The region-table token `key` names (`None` where the peer's metadata does not
+    /// know the region).
+    fn resolve(self, key: u64) -> Option<u64> {
+        match self {
+            Side::Local | Side::OwnTarget => Some(key),
+            Side::Peer(regions) => peer_token(regions, key),
+        }
+    }
+}
+
+/// Pin every region one side of `batch` names, once per run of ranges with the same
+/// token (merged ranges of one region share it, so this is usually once per request
+/// side), resolving a peer's token only when it changes. On a region that is not live,
+/// undo the pins taken and return the offending range.
 fn pin_side<'a>(
     table: &RegionSlots,
     batch: &'a [Post<'a>],
     side: Side<'a>,
 ) -> std::result::Result<(), &'a Range> {
     let mut last = None;
-    let mut pinned = 0usize;
-    for (i, (token, range)) in batch_tokens(batch, side).enumerate() {
-        if token.is_some() && token == last {
+    for (i, range) in batch.iter().flat_map(|p| p.ranges.iter()).enumerate() {
+        let key = side.key(range);
+        if last == Some(key) {
             continue;
         }
-        if !token.is_some_and(|t| table.pin(t)) {
+        if !side.resolve(key).is_some_and(|t| table.pin(t)) {
             unpin_side(table, batch, side, i);
             return Err(range);
         }
-        last = token;
-        pinned += 1;
+        last = Some(key);
     }
-    debug_assert!(pinned <= batch.iter().map(|p| p.ranges.len()).sum());
     Ok(())
 }
 
-/// Undo the pins [`pin_side`] took for the first `ranges` ranges of the batch.
+/// Undo the pins [`pin_side`] took for the first `ranges` ranges of the batch (same
+/// runs, same order).
 fn unpin_side<'a>(table: &RegionSlots, batch: &'a [Post<'a>], side: Side<'a>, ranges: usize) {
     let mut last = None;
-    for (token, _) in batch_tokens(batch, side).take(ranges) {
-        if token.is_some() && token == last {
+    for range in batch.iter().flat_map(|p| p.ranges.iter()).take(ranges) {
+        let key = side.key(range);
+        if last == Some(key) {
             continue;
         }
-        if let Some(t) = token {
-            table.unpin(t);
+        if let Some(token) = side.resolve(key) {
+            table.unpin(token);
         }
-        last = token;
+        last = Some(key);
     }
 }
 
