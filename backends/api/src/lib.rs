@@ -46,8 +46,13 @@
 //! What the caller *cannot* promise is the far side of a peer transfer: the target
 //! agent owns that memory and may deregister it at any time. Each backend guards the
 //! remote side with what its transport offers: LOOPBACK checks the target region's
-//! generation (and pins it for the copy) at post, UCX relies on the remote key, which
-//! the target's `ucp_mem_unmap` invalidates.
+//! generation (and pins it for the copy) at post. UCX cannot do as much: with the
+//! transports UCX 1.13 picks for ordinary memory (put emulated over active messages on
+//! tcp or shared memory, CMA) the target's UCX writes to the address it is given
+//! without checking that the region is still mapped, so a target must make its peers
+//! drop its metadata (a new metadata generation, an invalidation) before the memory is
+//! reused; between the deregistration and the peers' reload there is a window the UCX
+//! backend does not close (see `backends/ucx/README.md`).
 //!
 //! Everything else is safe: a backend must cope with any argument to a safe method
 //! (unknown tokens, peers that went away, bad peer metadata) with a typed error.

@@ -27,6 +27,9 @@
 //!   [`FailureKind::RemoteDisconnect`](ferry_backend_api::FailureKind), later posts to
 //!   it fail with [`Error::RemoteDisconnect`] until its metadata is reloaded with new
 //!   connection info.
+//! - **Unloading** a peer force-closes its endpoint: its in-flight requests are canceled
+//!   by UCX and reported, once each, from their callbacks; the endpoint's callback state
+//!   and rkeys live until UCX confirms the close (see `state/peers.rs`).
 //!
 //! # Which UCX
 //!

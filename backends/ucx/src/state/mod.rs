@@ -11,8 +11,12 @@
 //! ```
 //!
 //! A standalone notification takes a slot in `WaitNotif` directly and completes without
-//! a report (it has no tag). UCX callbacks never touch the core: they push
-//! `(cell, status)` into a bounded lock-free queue that [`Core::pump`] drains.
+//! a report (it has no tag). UCX callbacks never touch the core: they store their status
+//! in the request's cell and queue the cell's index in a bounded lock-free queue that
+//! [`Core::pump`] drains (see `callbacks::CompletionQueue` for why it never loses one).
+//! A slot is freed only from its last callback's report, also when its peer was
+//! unloaded meanwhile (the force close cancels the request and UCX reports it): every
+//! post yields exactly one completion, after UCX is done with its buffers.
 //!
 //! Split by concern: [`callbacks`] (what UCX calls, and the bounded queue it feeds),
 //! [`config`] (UCX configuration and tuning), [`memory`] (registration), [`peers`]
