@@ -174,7 +174,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchResult> {
         })
     }?
     .token;
-    let fixed_buffer = mem_token != 0;
+    let fixed_buffer = mem_token & crate::pool::PLAIN_DRAM == 0;
     // SAFETY: a FILE region by path: the backend opens and owns the file.
     let file_token = unsafe {
         backend.register(&RegionSpec {

@@ -749,3 +749,56 @@ fn bad_parameters_are_refused() {
     assert!(backend.capabilities().supports(MemKind::File));
     assert!(!backend.capabilities().remote);
 }
+
+#[test]
+fn a_deregistered_memory_region_is_refused_at_post_and_moves_no_byte() {
+    for engine in engines() {
+        // Plain memory and (with io_uring) a fixed buffer: both are tracked.
+        for fixed in ["false", "true"] {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("stale.bin");
+            fs::write(&path, vec![0x11u8; 8192]).unwrap();
+            let mut b = backend(engine, &[("register_buffers", fixed)]);
+            let file = register_path(&mut b, &path, rw_create()).unwrap();
+            let src = vec![0xEEu8; 8192];
+            let token = register_dram(&mut b, &src);
+            let ranges = [range(src.as_ptr() as u64, 0, 8192, token, file)];
+            // In use: refused; completed: allowed.
+            let mut done = Completions::with_capacity(2);
+            b.post_t(Endpoint::Local, &[post(1, Op::Write, &ranges)], &mut done)
+                .unwrap();
+            let busy = b.deregister_t(MemKind::Dram, token);
+            if done.is_empty() {
+                assert!(
+                    matches!(busy, Err(Error::NotAllowed { .. })),
+                    "{engine} fixed={fixed}: {busy:?}"
+                );
+                wait_for(&mut b, &mut done, 1);
+                b.deregister_t(MemKind::Dram, token).unwrap();
+            } else {
+                // Finished inside post (possible with the thread pool): deregistered.
+                busy.unwrap();
+            }
+            assert_all_ok(done.as_slice());
+            fs::write(&path, vec![0x11u8; 8192]).unwrap();
+            // Posting with the stale token: refused whole, nothing written.
+            let mut done = Completions::with_capacity(1);
+            let err = b
+                .post_t(Endpoint::Local, &[post(2, Op::Write, &ranges)], &mut done)
+                .unwrap_err();
+            assert!(
+                matches!(err, Error::NotFound { .. }),
+                "{engine} fixed={fixed}: {err}"
+            );
+            assert!(done.is_empty());
+            assert_eq!(
+                fs::read(&path).unwrap(),
+                vec![0x11u8; 8192],
+                "file untouched"
+            );
+            // A second deregistration names the problem too.
+            let again = b.deregister_t(MemKind::Dram, token);
+            assert!(matches!(again, Err(Error::NotFound { .. })), "{again:?}");
+        }
+    }
+}

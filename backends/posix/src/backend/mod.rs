@@ -27,7 +27,7 @@ use ferry_backend_api::{
 
 use crate::pool::{
     BufEntry, DirectAlign, FileEntry, IoOp, OpState, Ops, Request, Requests, Slab, Table,
-    NO_FIXED_BUF,
+    NO_FIXED_BUF, NO_PLAIN, PLAIN_DRAM, PLAIN_DRAM_MAX,
 };
 use crate::threads::ThreadEngine;
 use crate::uring::UringEngine;
@@ -143,6 +143,9 @@ pub struct PosixBackend {
     access_hint: libc::c_int,
     files: Table<FileEntry>,
     buffers: Table<BufEntry>,
+    /// DRAM regions that are not fixed buffers (their tokens carry [`PLAIN_DRAM`]), so a
+    /// request naming one deregistered since is refused at post like any other.
+    plain: Table<BufEntry>,
     requests: Requests,
     ops: Ops,
     /// Operation slots waiting for room in the engine, oldest first. Capacity = the

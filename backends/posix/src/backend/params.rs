@@ -111,6 +111,7 @@ impl PosixBackend {
             access_hint,
             files: Table::new(max_files),
             buffers: Table::new(max_buffers),
+            plain: Table::new(0),
             requests: Slab::new(max_requests, None),
             ops: Ops::new(max_ops),
             pending: VecDeque::with_capacity(max_ops as usize),

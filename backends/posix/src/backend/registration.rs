@@ -164,6 +164,24 @@ impl PosixBackend {
                 }
             }
         }
+        if token == 0 {
+            // Plain memory: tracked all the same, so a post that names it after its
+            // deregistration is refused.
+            let slot = self
+                .plain
+                .vacant_or_grow(PLAIN_DRAM_MAX)
+                .ok_or(Error::Capacity {
+                    what: "POSIX DRAM regions",
+                    limit: PLAIN_DRAM_MAX,
+                })?;
+            token = self.plain.fill(
+                slot,
+                BufEntry {
+                    addr: desc.addr,
+                    len_bytes: desc.len,
+                },
+            ) | PLAIN_DRAM;
+        }
         Ok(Registered {
             token,
             public_md: Vec::new(),
@@ -199,10 +217,21 @@ impl PosixBackend {
                 }
                 Ok(())
             }
-            MemKind::Dram => {
-                if token == 0 {
-                    return Ok(());
+            MemKind::Dram if token & PLAIN_DRAM != 0 => {
+                let slot = self
+                    .plain
+                    .slot(token & !PLAIN_DRAM)
+                    .ok_or_else(|| Error::not_found(subject()))?;
+                if self.plain.in_use(slot) {
+                    return Err(Error::NotAllowed {
+                        subject: subject(),
+                        reason: "a posted request still uses it".into(),
+                    });
                 }
+                self.plain.take(slot);
+                Ok(())
+            }
+            MemKind::Dram => {
                 let slot = self
                     .buffers
                     .slot(token)

@@ -57,15 +57,21 @@ impl PosixBackend {
                     unreachable!("operation capacity checked above");
                 };
                 let file = self.files.slot(range.remote_token).unwrap_or(0);
-                let fixed_buf = match self.buffers.slot(range.local_token) {
-                    Some(b) if range.local_token != 0 => b as u16,
-                    _ => NO_FIXED_BUF,
+                let (fixed_buf, plain) = if range.local_token & PLAIN_DRAM != 0 {
+                    let plain = self.plain.slot(range.local_token & !PLAIN_DRAM);
+                    (NO_FIXED_BUF, plain.unwrap_or(NO_PLAIN))
+                } else {
+                    let fixed = self.buffers.slot(range.local_token);
+                    (fixed.map_or(NO_FIXED_BUF, |b| b as u16), NO_PLAIN)
                 };
                 // Per-region use counts (released with the operation) let deregistration
                 // refuse a region in use without scanning the operation slab.
                 self.files.acquire(file);
                 if fixed_buf != NO_FIXED_BUF {
                     self.buffers.acquire(u32::from(fixed_buf));
+                }
+                if plain != NO_PLAIN {
+                    self.plain.acquire(plain);
                 }
                 let generation = self.ops.slab.get(slot).generation;
                 *self.ops.slab.get_mut(slot) = IoOp {
@@ -80,6 +86,7 @@ impl PosixBackend {
                     len_bytes: range.len,
                     done_bytes: 0,
                     fixed_buf,
+                    plain,
                 };
                 self.pending.push_back(slot);
             }
@@ -161,10 +168,13 @@ impl PosixBackend {
     /// Free op `slot` and its uses of a file and a fixed buffer.
     pub(super) fn release_op(&mut self, slot: u32) {
         let op = self.ops.slab.get(slot);
-        let (file, fixed_buf) = (op.file, op.fixed_buf);
+        let (file, fixed_buf, plain) = (op.file, op.fixed_buf, op.plain);
         self.files.release(file);
         if fixed_buf != NO_FIXED_BUF {
             self.buffers.release(u32::from(fixed_buf));
+        }
+        if plain != NO_PLAIN {
+            self.plain.release(plain);
         }
         self.ops.release(slot);
     }

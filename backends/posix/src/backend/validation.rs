@@ -35,11 +35,16 @@ impl PosixBackend {
                 "memory range wraps the address space",
             ));
         }
-        if range.local_token != 0 {
-            let buf = self
-                .buffers
-                .slot(range.local_token)
-                .and_then(|s| self.buffers.get(s));
+        {
+            let buf = if range.local_token & PLAIN_DRAM != 0 {
+                self.plain
+                    .slot(range.local_token & !PLAIN_DRAM)
+                    .and_then(|s| self.plain.get(s))
+            } else {
+                self.buffers
+                    .slot(range.local_token)
+                    .and_then(|s| self.buffers.get(s))
+            };
             match buf {
                 None => {
                     return Err(Error::not_found(descriptor(
