@@ -736,3 +736,88 @@ fn invalidate_and_reload_a_peer_repeatedly_during_transfers() {
     }
     assert_eq!(p.a.in_flight(), 0);
 }
+
+#[test]
+fn a_full_inbox_refuses_whole_notifications_and_keeps_the_accepted_ones() {
+    if !setup() {
+        return;
+    }
+    for &transports in TRANSPORTS {
+        // `b` holds 4 notifications; `a` sends 10 before `b` drains.
+        let mut p = pair(transports, 4096, &[("notif_queue", "4")]);
+        for i in 0..10u8 {
+            p.a.notify(Endpoint::Peer(p.peer_b), &[i; 80]).unwrap();
+        }
+        let mut done = Completions::with_capacity(4);
+        let deadline = std::time::Instant::now() + TIMEOUT;
+        // Progress until all ten arrived at b (accepted or refused).
+        while p.b.refused_notifications() < 6 || p.a.in_flight() > 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "notifications did not arrive"
+            );
+            p.a.progress(&mut done);
+            p.b.progress(&mut done);
+        }
+        let mut inbox = Inbox::default();
+        assert_eq!(p.b.drain_notifications(&mut inbox), 4);
+        let firsts: Vec<Vec<u8>> = (0..4u8).map(|i| vec![i; 80]).collect();
+        assert_eq!(
+            inbox
+                .0
+                .into_iter()
+                .map(|(_, payload)| payload)
+                .collect::<Vec<_>>(),
+            firsts,
+            "the accepted ones, in order"
+        );
+        assert_eq!(p.b.refused_notifications(), 6);
+        // Drained, the inbox takes notifications again.
+        p.a.notify(Endpoint::Peer(p.peer_b), b"again").unwrap();
+        let mut inbox = Inbox::default();
+        wait_notifs(&mut [&mut p.b, &mut p.a], 0, &mut inbox, 1, TIMEOUT);
+        assert_eq!(inbox.0[0].1, b"again");
+
+        // To oneself the sender hears of it: a capacity error, and a transfer whose
+        // notification does not fit fails with ENOBUFS.
+        for i in 0..4u8 {
+            p.b.notify(Endpoint::Local, &[i]).unwrap();
+        }
+        let full = p.b.notify(Endpoint::Local, b"one too many");
+        assert!(matches!(full, Err(Error::Capacity { .. })), "{full:?}");
+        let local = [Range {
+            local_addr: p.b_buf.addr(),
+            remote_addr: p.b_buf.addr() + 2048,
+            len: 1024,
+            local_dev: 0,
+            remote_dev: 0,
+            local_token: p.b_token,
+            remote_token: p.b_token,
+        }];
+        let mut done = Completions::with_capacity(1);
+        p.b.post_t(
+            Endpoint::Local,
+            &[post(77, Op::Write, &local, Some(b"no room"))],
+            &mut done,
+        )
+        .unwrap();
+        let got = if done.is_empty() {
+            wait_for(&mut [&mut p.b], &[77], TIMEOUT)
+        } else {
+            done.as_slice().to_vec()
+        };
+        let failure = got[0].result.expect_err("the notification did not fit");
+        assert_eq!(failure.errno, libc_enobufs());
+        let mut own = Inbox::default();
+        assert_eq!(
+            p.b.drain_notifications(&mut own),
+            4,
+            "the accepted ones stay"
+        );
+    }
+}
+
+/// `ENOBUFS` on Linux.
+fn libc_enobufs() -> i32 {
+    105
+}
