@@ -140,6 +140,19 @@ pub const PARAMS: &[ParamSpec] = &[
               notif_queue",
     },
     ParamSpec {
+        name: "ep_close",
+        default: "force",
+        doc: "how unload/disconnect close an endpoint: 'force' (UCX cancels outstanding \
+              requests at once) or 'flush' (they finish first; the close may take as long as \
+              the peer needs, in the background)",
+    },
+    ParamSpec {
+        name: "close_progress_rounds",
+        default: "256",
+        doc: "worker progress rounds an endpoint close may take inside unload/disconnect; a \
+              close still pending then finishes in the background (0 = always)",
+    },
+    ParamSpec {
         name: "max_requests",
         default: "8192",
         doc: "requests (and standalone notifications) in flight at once",
@@ -178,6 +191,10 @@ pub struct Config {
     pub notif_entries_max: usize,
     /// Bytes the inbox holds until drained.
     pub notif_bytes_max: usize,
+    /// Progress rounds a close may take before it finishes in the background.
+    pub close_rounds: u32,
+    /// Close endpoints forcibly (`ep_close=force`) rather than after a flush.
+    pub close_force: bool,
     /// Receive FIFO entries of UCX's shared-memory transports to set (`None` = leave
     /// UCX's configuration alone).
     pub shm_fifo_size: Option<u32>,
@@ -286,6 +303,16 @@ impl Config {
             .ok()
             .filter(|n| (1024..=1 << 40).contains(n))
             .ok_or_else(|| bad("notif_queue_bytes", "expected 1024..=2^40"))?;
+        let close_force = match get("ep_close") {
+            "force" => true,
+            "flush" => false,
+            _ => return Err(bad("ep_close", "expected 'force' or 'flush'")),
+        };
+        let close_rounds: u32 = get("close_progress_rounds")
+            .parse()
+            .ok()
+            .filter(|n| *n <= 65536)
+            .ok_or_else(|| bad("close_progress_rounds", "expected 0..=65536"))?;
         let chunk_bytes: u64 = get("chunk_bytes")
             .parse()
             .ok()
@@ -315,6 +342,8 @@ impl Config {
         Ok(Config {
             notif_entries_max,
             notif_bytes_max,
+            close_rounds,
+            close_force,
             shm_fifo_size,
             shm_seg_bytes,
             chunk_bytes,
@@ -630,6 +659,10 @@ mod tests {
             ("shm_fifo_size", "big"),
             ("shm_seg_bytes", "65536"),
             ("shm_seg_bytes", "1"),
+            ("notif_queue", "0"),
+            ("notif_queue_bytes", "10"),
+            ("ep_close", "gently"),
+            ("close_progress_rounds", "-1"),
         ] {
             let mut params = defaults.clone();
             params.insert(key.into(), value.into());

@@ -664,7 +664,29 @@ fn invalidate_and_reload_a_peer_repeatedly_during_transfers() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(1000);
-    let mut p = pair("tcp", 1 << 20, &[]);
+    // Once with closes confirmed inside `unload_remote` (the default) and once with every
+    // pending close left to the graveyard.
+    stress(cycles, "tcp", "force", "256");
+    // UCX 1.13 confirms forced closes at once here; flushing closes with no progress
+    // rounds leave them pending, so the graveyard is exercised too.
+    stress(cycles / 2, "tcp", "flush", "0");
+}
+
+fn stress(cycles: u64, transports: &str, ep_close: &str, close_rounds: &str) {
+    let mut a = backend(
+        "agent-a",
+        transports,
+        &[
+            ("close_progress_rounds", close_rounds),
+            ("ep_close", ep_close),
+        ],
+    );
+    let mut p = pair(transports, 1 << 20, &[]);
+    // `a` with the chosen close behaviour replaces the pair's initiator.
+    let (a_token, _) = register(&mut a, &p.a_buf);
+    std::mem::swap(&mut p.a, &mut a);
+    drop(a);
+    p.a_token = a_token;
     let (b_token, b_md) = (p.b_token, p.b_md.clone());
     let write = [range(&p, 0, 0, 64 << 10)];
     let read = [range(&p, 128 << 10, 128 << 10, 4096)];
@@ -672,6 +694,7 @@ fn invalidate_and_reload_a_peer_repeatedly_during_transfers() {
     let mut seen = std::collections::HashMap::new();
     let mut inbox = Inbox::default();
     let mut tag = 0u64;
+    let mut closing_max = 0;
     for cycle in 0..cycles {
         // A fresh peer handle half of the time (as the engine frees invalidated rows),
         // the same one otherwise.
@@ -708,6 +731,7 @@ fn invalidate_and_reload_a_peer_repeatedly_during_transfers() {
             }
         }
         p.a.unload_remote(peer);
+        closing_max = closing_max.max(p.a.closing_endpoints());
         for c in done.as_slice() {
             let entry = seen.entry(c.tag).or_insert((0u32, false));
             entry.0 += 1;
@@ -724,7 +748,10 @@ fn invalidate_and_reload_a_peer_repeatedly_during_transfers() {
         "a request was reported more than once"
     );
     let failed = seen.values().filter(|s| s.1).count();
-    eprintln!("{cycles} cycles: {tag} requests, {failed} failed (canceled by the unload)");
+    eprintln!(
+        "ep_close={ep_close}, close_progress_rounds={close_rounds}: {cycles} cycles, {tag} requests, {failed} \
+         failed (ended by the unload); at most {closing_max} endpoint closes pending"
+    );
     let deadline = std::time::Instant::now() + TIMEOUT;
     while p.a.closing_endpoints() > 0 {
         assert!(

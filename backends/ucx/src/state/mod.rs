@@ -96,6 +96,10 @@ pub(crate) struct Core {
     self_ep: ucp_ep_h,
     /// Endpoints whose close UCX has not confirmed yet, with what they still own.
     graves: Vec<Grave>,
+    /// Progress rounds a close may take before it finishes in the graveyard.
+    close_rounds: u32,
+    /// Close endpoints with `UCP_EP_CLOSE_FLAG_FORCE` (else flush first).
+    close_force: bool,
     /// Completions produced outside a `post` call (callbacks, progress thread).
     pub(crate) ready: Completions,
     /// Largest single put/get; longer ranges are split.
@@ -251,6 +255,8 @@ impl Core {
             ready: Completions::with_capacity(slot_count),
             chunk_bytes: config.chunk_bytes,
             graves: Vec::new(),
+            close_rounds: config.close_rounds,
+            close_force: config.close_force,
         };
         for index in 0..config.workers {
             core.add_worker(index, config.progress_thread)?;

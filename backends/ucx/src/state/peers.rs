@@ -183,20 +183,26 @@ impl Core {
         Ok(())
     }
 
-    /// Force-close `ep` (UCX cancels its outstanding requests) and progress its worker a
+    /// Close `ep` (forced: UCX cancels its outstanding requests; see `ep_close`) and
+    /// progress its worker a
     /// bounded number of rounds. Returns the close request if UCX has not confirmed the
     /// close yet (the caller keeps the endpoint's state alive until it has).
     pub(super) fn close_ep(&mut self, worker: ucp_worker_h, ep: ucp_ep_h) -> Option<*mut c_void> {
         let api = self.ucp.api();
         let mut param = request_param();
         param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-        param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+        // Force (the default) cancels what is outstanding; flush lets it finish first.
+        param.flags = if self.close_force {
+            UCP_EP_CLOSE_FLAG_FORCE
+        } else {
+            0
+        };
         // SAFETY: ep is live and owned by us; param valid for the call.
         let request = unsafe { api.ucp_ep_close_nbx(ep, &param) };
         if !ucs_ptr_is_ptr(request) {
             return None;
         }
-        for _ in 0..PROGRESS_ROUNDS_MAX {
+        for _ in 0..self.close_rounds {
             // SAFETY: worker is live; request is the close request we own.
             let status = unsafe {
                 api.ucp_worker_progress(worker);
