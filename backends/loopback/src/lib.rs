@@ -15,7 +15,9 @@
 //! region it touches (local and remote) with one compare-and-swap on the region's slot,
 //! which succeeds only while the slot holds the token's generation; a request that names
 //! a region deregistered since fails the post with [`Error::NotFound`] naming the region,
-//! and no byte moves. `deregister` bumps the generation once no copy has the region
+//! and no byte moves. The slot also holds the bounds the owner really registered, and
+//! every range must lie inside them: a peer's metadata (which may come over the network)
+//! cannot make a copy reach past a registration. `deregister` bumps the generation once no copy has the region
 //! pinned (a copy in progress on another thread is waited for; it is a bounded
 //! `memmove`, never a wait on anything else). Cost: O(1) per range, no lock.
 //!
@@ -86,12 +88,37 @@ pub const REGIONS_MAX: usize = SLOTS_PER_CHUNK * CHUNKS;
 const SLOTS_PER_CHUNK: usize = 4096;
 const CHUNKS: usize = 256;
 
-/// The region table: one `AtomicU64` per slot, `generation << 32 | pins`. An odd
-/// generation is a live region, an even one a free slot. Slots are allocated in chunks
-/// of 4,096 as registrations need them (at `register`, never at post), and a chunk once
-/// made is never freed or moved, so a reader needs no lock.
+/// The region table: per slot, `state` = `generation << 32 | pins` plus the region's
+/// address and length. An odd generation is a live region, an even one a free slot.
+/// Slots are allocated in chunks of 4,096 as registrations need them (at `register`,
+/// never at post), and a chunk once made is never freed or moved, so a reader needs no
+/// lock. The bounds are written before the generation that publishes them and do not
+/// change while the region is pinned.
 struct RegionSlots {
-    chunks: Box<[OnceLock<Box<[AtomicU64]>>]>,
+    chunks: Box<[OnceLock<Box<[RegionSlot]>>]>,
+}
+
+#[derive(Default)]
+struct RegionSlot {
+    state: AtomicU64,
+    addr: AtomicU64,
+    len: AtomicU64,
+}
+
+/// A live region's bounds, read while it is pinned.
+#[derive(Clone, Copy)]
+struct Bounds {
+    addr: u64,
+    len: u64,
+}
+
+impl Bounds {
+    fn covers(self, addr: u64, len: u64) -> bool {
+        addr >= self.addr
+            && addr
+                .checked_add(len)
+                .is_some_and(|end| end <= self.addr + self.len)
+    }
 }
 
 fn slot_of(token: u64) -> usize {
@@ -109,22 +136,29 @@ impl RegionSlots {
         }
     }
 
-    fn slot(&self, index: usize) -> Option<&AtomicU64> {
+    fn slot(&self, index: usize) -> Option<&RegionSlot> {
         self.chunks
             .get(index / SLOTS_PER_CHUNK)?
             .get()?
             .get(index % SLOTS_PER_CHUNK)
     }
 
-    /// Make the free slot `index` live; returns its token.
-    fn activate(&self, index: usize) -> u64 {
-        let chunk = self.chunks[index / SLOTS_PER_CHUNK]
-            .get_or_init(|| (0..SLOTS_PER_CHUNK).map(|_| AtomicU64::new(0)).collect());
+    /// Make the free slot `index` live for the region `addr`, `len`; returns its token.
+    fn activate(&self, index: usize, addr: u64, len: u64) -> u64 {
+        let chunk = self.chunks[index / SLOTS_PER_CHUNK].get_or_init(|| {
+            (0..SLOTS_PER_CHUNK)
+                .map(|_| RegionSlot::default())
+                .collect()
+        });
         let slot = &chunk[index % SLOTS_PER_CHUNK];
-        let generation = generation_of(slot.load(Ordering::Acquire)).wrapping_add(1);
+        let generation = generation_of(slot.state.load(Ordering::Acquire)).wrapping_add(1);
         debug_assert!(generation & 1 == 1, "activating a live slot");
-        // Only the owner writes a free slot (readers fail on its even generation).
-        slot.store(u64::from(generation) << 32, Ordering::Release);
+        // Only the owner writes a free slot (readers fail on its even generation); the
+        // bounds are published by the release store of the generation.
+        slot.addr.store(addr, Ordering::Relaxed);
+        slot.len.store(len, Ordering::Relaxed);
+        slot.state
+            .store(u64::from(generation) << 32, Ordering::Release);
         (u64::from(generation) << 32) | index as u64
     }
 
@@ -134,30 +168,34 @@ impl RegionSlots {
         generation & 1 == 1
             && self
                 .slot(slot_of(token))
-                .is_some_and(|slot| generation_of(slot.load(Ordering::Acquire)) == generation)
+                .is_some_and(|slot| generation_of(slot.state.load(Ordering::Acquire)) == generation)
     }
 
-    /// Pin the region named by `token` for a copy; false if it is not live.
-    fn pin(&self, token: u64) -> bool {
+    /// Pin the region named by `token` for a copy; its bounds, or `None` if it is not
+    /// live.
+    fn pin(&self, token: u64) -> Option<Bounds> {
         let generation = generation_of(token);
         if generation & 1 == 0 {
-            return false;
+            return None;
         }
-        let Some(slot) = self.slot(slot_of(token)) else {
-            return false;
-        };
-        let mut current = slot.load(Ordering::Acquire);
+        let slot = self.slot(slot_of(token))?;
+        let mut current = slot.state.load(Ordering::Acquire);
         loop {
             if generation_of(current) != generation || current as u32 == u32::MAX {
-                return false;
+                return None;
             }
-            match slot.compare_exchange_weak(
+            match slot.state.compare_exchange_weak(
                 current,
                 current + 1,
                 Ordering::AcqRel,
                 Ordering::Acquire,
             ) {
-                Ok(_) => return true,
+                Ok(_) => {
+                    return Some(Bounds {
+                        addr: slot.addr.load(Ordering::Relaxed),
+                        len: slot.len.load(Ordering::Relaxed),
+                    })
+                }
                 Err(now) => current = now,
             }
         }
@@ -166,7 +204,7 @@ impl RegionSlots {
     /// Undo one [`RegionSlots::pin`] of `token`.
     fn unpin(&self, token: u64) {
         if let Some(slot) = self.slot(slot_of(token)) {
-            let before = slot.fetch_sub(1, Ordering::Release);
+            let before = slot.state.fetch_sub(1, Ordering::Release);
             debug_assert!(before as u32 != 0, "unpin without pin");
         }
     }
@@ -180,13 +218,14 @@ impl RegionSlots {
         };
         let mut spins = 0u32;
         loop {
-            let current = slot.load(Ordering::Acquire);
+            let current = slot.state.load(Ordering::Acquire);
             if generation & 1 == 0 || generation_of(current) != generation {
                 return false;
             }
             if current as u32 == 0 {
                 let free = u64::from(generation.wrapping_add(1)) << 32;
                 if slot
+                    .state
                     .compare_exchange(current, free, Ordering::AcqRel, Ordering::Acquire)
                     .is_ok()
                 {
@@ -480,15 +519,11 @@ unsafe fn copy_range(op: ferry_backend_api::Op, range: &Range) {
     }
 }
 
-/// The error of a post that names a region deregistered since.
-fn stale_region(owner: &str, side: &str, addr: u64, len: u64) -> Error {
+/// The error of a post that names a region deregistered since, or a range outside it.
+fn refused_range(owner: &str, side: &str, addr: u64, len: u64, why: &str) -> Error {
     Error::NotFound {
         subject: Subject::Named(
-            format!(
-                "{side} region of agent '{owner}' holding {addr:#x} (len {len}): deregistered \
-                 since the request was built (stale region)"
-            )
-            .into(),
+            format!("{side} region of agent '{owner}' holding {addr:#x} (len {len}): {why}").into(),
         ),
     }
 }
@@ -519,6 +554,14 @@ impl Side<'_> {
         }
     }
 
+    /// The bytes of `range` this side touches.
+    fn span(self, range: &Range) -> (u64, u64) {
+        match self {
+            Side::Local => (range.local_addr, range.len),
+            Side::OwnTarget | Side::Peer(_) => (range.remote_addr, range.len),
+        }
+    }
+
     /// The region-table token `key` names (`None` where the peer's metadata does not
     /// know the region).
     fn resolve(self, key: u64) -> Option<u64> {
@@ -531,27 +574,45 @@ impl Side<'_> {
 
 /// Pin every region one side of `batch` names, once per run of ranges with the same
 /// token (merged ranges of one region share it, so this is usually once per request
-/// side), resolving a peer's token only when it changes. On a region that is not live,
-/// undo the pins taken and return the offending range.
+/// side), resolving a peer's token only when it changes, and check that every range lies
+/// inside the bounds its region really has (a peer's metadata cannot widen them). On a
+/// region that is not live or a range outside it, undo the pins taken and return the
+/// offending range with the reason.
 fn pin_side<'a>(
     table: &RegionSlots,
     batch: &'a [Post<'a>],
     side: Side<'a>,
-) -> std::result::Result<(), &'a Range> {
-    let mut last = None;
+) -> std::result::Result<(), (&'a Range, &'static str)> {
+    let mut last: Option<(u64, Bounds)> = None;
     for (i, range) in batch.iter().flat_map(|p| p.ranges.iter()).enumerate() {
         let key = side.key(range);
-        if last == Some(key) {
-            continue;
+        let bounds = match last {
+            Some((k, bounds)) if k == key => bounds,
+            _ => match side.resolve(key).and_then(|t| table.pin(t)) {
+                Some(bounds) => {
+                    last = Some((key, bounds));
+                    bounds
+                }
+                None => {
+                    unpin_side(table, batch, side, i);
+                    return Err((range, STALE));
+                }
+            },
+        };
+        let (addr, len) = side.span(range);
+        if !bounds.covers(addr, len) {
+            // The run this range belongs to is pinned: undo through its end.
+            unpin_side(table, batch, side, i + 1);
+            return Err((range, OUTSIDE));
         }
-        if !side.resolve(key).is_some_and(|t| table.pin(t)) {
-            unpin_side(table, batch, side, i);
-            return Err(range);
-        }
-        last = Some(key);
     }
     Ok(())
 }
+
+/// Why a post was refused: the region is gone.
+const STALE: &str = "deregistered since the request was built (stale region)";
+/// Why a post was refused: the range is not inside the region.
+const OUTSIDE: &str = "the range lies outside the region registered there";
 
 /// Undo the pins [`pin_side`] took for the first `ranges` ranges of the batch (same
 /// runs, same order).
@@ -618,7 +679,10 @@ impl Backend for Loopback {
                 })
             }
         };
-        let token = self.shared.regions.activate(index);
+        let token = self
+            .shared
+            .regions
+            .activate(index, region.desc.addr, region.desc.len);
         Ok(Registered {
             token,
             // Peers check the region's liveness through this token at post.
@@ -723,21 +787,18 @@ impl Backend for Loopback {
         let remote_side = peer_regions.as_deref().map_or(Side::OwnTarget, Side::Peer);
         // Pin every region the batch touches, on both sides, before moving any byte: a
         // region deregistered since the request was built fails the whole post.
-        if let Err(range) = pin_side(&self.shared.regions, batch, Side::Local) {
-            return Err(stale_region(
-                &self.agent,
-                "local",
-                range.local_addr,
-                range.len,
-            ));
+        if let Err((range, why)) = pin_side(&self.shared.regions, batch, Side::Local) {
+            let (addr, len) = (range.local_addr, range.len);
+            return Err(refused_range(&self.agent, "local", addr, len, why));
         }
-        if let Err(range) = pin_side(&target.regions, batch, remote_side) {
+        if let Err((range, why)) = pin_side(&target.regions, batch, remote_side) {
             unpin_side(&self.shared.regions, batch, Side::Local, usize::MAX);
             let owner = match endpoint {
                 Endpoint::Peer(peer) => self.peers[&peer].name.as_str(),
                 Endpoint::Local => &*self.agent,
             };
-            return Err(stale_region(owner, "target", range.remote_addr, range.len));
+            let (addr, len) = (range.remote_addr, range.len);
+            return Err(refused_range(owner, "target", addr, len, why));
         }
         for post in batch {
             if self.faults.take_failure() {

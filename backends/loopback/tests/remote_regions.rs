@@ -291,3 +291,43 @@ fn deregistration_waits_for_a_copy_in_progress_and_later_posts_fail() {
         assert!(refused > 0, "posts after deregistration are refused");
     });
 }
+
+#[test]
+fn a_range_outside_the_region_the_target_registered_is_refused() {
+    // The target registered only the first half of its buffer; metadata that claims
+    // more (forged, or from a buggy peer) cannot make the initiator write past it.
+    let src = vec![0x77u8; 8192];
+    let dst = vec![0u8; 8192];
+    let mut a = backend("lb-bounds-a");
+    let mut b = backend("lb-bounds-b");
+    let (src_token, _) = register(&mut a, &src);
+    let (_, half_md) = register(&mut b, &dst[..4096]);
+    load(&mut a, &b, "lb-bounds-b", &[half_md]);
+    let past_the_end = [range(&src[..4096], src_token, &dst[2048..6144], 100)];
+    let mut done = Completions::with_capacity(1);
+    // SAFETY: the local range is inside `src`, registered and alive.
+    let err = unsafe {
+        a.post(
+            Endpoint::Peer(peer(0)),
+            &[post(Op::Write, &past_the_end)],
+            &mut done,
+        )
+    }
+    .unwrap_err();
+    assert!(err.to_string().contains("outside the region"), "{err}");
+    assert!(dst.iter().all(|&x| x == 0), "no byte moved");
+    // Inside the registered half it works, so the pin was released.
+    let inside = [range(&src[..4096], src_token, &dst[..4096], 100)];
+    // SAFETY: as above.
+    unsafe {
+        a.post(
+            Endpoint::Peer(peer(0)),
+            &[post(Op::Write, &inside)],
+            &mut done,
+        )
+    }
+    .unwrap();
+    assert_eq!(done.as_slice()[0].result, Ok(()));
+    assert!(dst[..4096].iter().all(|&x| x == 0x77));
+    assert!(dst[4096..].iter().all(|&x| x == 0));
+}
