@@ -13,7 +13,9 @@
 //!                          progress call)
 //!          progress(completions)            (never blocks)
 //!          notify / drain_notifications
-//!   drop ──▶ outstanding posts are abandoned; the backend frees everything it owns
+//!   drop ──▶ outstanding posts are abandoned (no completion), but drop returns only
+//!            once the transport can no longer touch their buffers; the backend frees
+//!            everything it owns
 //! ```
 //!
 //! # Safety contract: who guarantees what
@@ -45,8 +47,9 @@
 //!
 //! What the caller *cannot* promise is the far side of a peer transfer: the target
 //! agent owns that memory and may deregister it at any time. Each backend guards the
-//! remote side with what its transport offers: LOOPBACK checks the target region's
-//! generation (and pins it for the copy) at post. UCX cannot do as much: with the
+//! remote side with what its transport offers: LOOPBACK checks at post that the target
+//! region is still registered and really covers each range (and pins it for the copy).
+//! UCX cannot do as much: with the
 //! transports UCX 1.13 picks for ordinary memory (put emulated over active messages on
 //! tcp or shared memory, CMA) the target's UCX writes to the address it is given
 //! without checking that the region is still mapped, so a target must make its peers
@@ -71,7 +74,10 @@
 //! # Errors a caller can expect
 //!
 //! Synchronous calls return [`Error`]: `InvalidParam` for ranges the backend cannot
-//! serve (e.g. O_DIRECT misalignment), `NotFound` for unknown tokens or peers,
+//! serve (e.g. O_DIRECT misalignment), `NotFound` for unknown tokens or peers (also a
+//! token whose region was deregistered since: tokens are generational, so a stale one
+//! never names a newer region), `NotAllowed` where a backend refuses to deregister a
+//! region in use,
 //! `NotSupported` for operations outside its capabilities, `Backend` with an errno for
 //! OS or transport failures. Asynchronous outcomes arrive as [`Completion`]s; a failed
 //! transfer reports a [`Failure`] with the errno and the range index.
