@@ -368,6 +368,8 @@ pub struct Loopback {
     free_slots: Vec<u32>,
     /// Slots used so far (the next never-used slot).
     slots_used: usize,
+    /// Pins of the post in progress (capacity reused: no allocation in steady state).
+    pinned: Vec<(Table, u64)>,
     faults: Arc<Faults>,
     peers: HashMap<PeerId, RemotePeer>,
     held: VecDeque<Held>,
@@ -410,6 +412,7 @@ impl Loopback {
             shared,
             free_slots: Vec::new(),
             slots_used: 0,
+            pinned: Vec::with_capacity(64),
             faults,
             peers: HashMap::new(),
             held: VecDeque::with_capacity(64),
@@ -546,6 +549,14 @@ enum Side<'a> {
 }
 
 impl Side<'_> {
+    /// The same side without the peer's metadata (for error reports).
+    fn erased(self) -> Side<'static> {
+        match self {
+            Side::Local => Side::Local,
+            Side::OwnTarget | Side::Peer(_) => Side::OwnTarget,
+        }
+    }
+
     /// The token field of `range` this side reads.
     fn key(self, range: &Range) -> u64 {
         match self {
@@ -572,63 +583,73 @@ impl Side<'_> {
     }
 }
 
-/// Pin every region one side of `batch` names, once per run of ranges with the same
+/// Which table a pin was taken in.
+#[derive(Clone, Copy)]
+enum Table {
+    /// The initiator's own (local ranges).
+    Own,
+    /// The target's (remote ranges; the own table again for a local transfer).
+    Target,
+}
+
+/// Pin every region `batch` names on both sides, once per run of ranges with the same
 /// token (merged ranges of one region share it, so this is usually once per request
 /// side), resolving a peer's token only when it changes, and check that every range lies
-/// inside the bounds its region really has (a peer's metadata cannot widen them). On a
-/// region that is not live or a range outside it, undo the pins taken and return the
-/// offending range with the reason.
-fn pin_side<'a>(
-    table: &RegionSlots,
+/// inside the bounds its region really has (a peer's metadata cannot widen them). Pins
+/// taken are recorded in `pinned`; on a region that is not live or a range outside it,
+/// the offending range, which side, and the reason are returned (the caller releases
+/// what `pinned` holds). One pass, O(1) per range.
+fn pin_batch<'a>(
+    own: &RegionSlots,
+    target: &RegionSlots,
+    remote_side: Side<'_>,
     batch: &'a [Post<'a>],
-    side: Side<'a>,
-) -> std::result::Result<(), (&'a Range, &'static str)> {
-    let mut last: Option<(u64, Bounds)> = None;
-    for (i, range) in batch.iter().flat_map(|p| p.ranges.iter()).enumerate() {
-        let key = side.key(range);
-        let bounds = match last {
-            Some((k, bounds)) if k == key => bounds,
-            _ => match side.resolve(key).and_then(|t| table.pin(t)) {
-                Some(bounds) => {
-                    last = Some((key, bounds));
+    pinned: &mut Vec<(Table, u64)>,
+) -> std::result::Result<(), (&'a Range, Side<'static>, &'static str)> {
+    let mut local: Option<(u64, Bounds)> = None;
+    let mut remote: Option<(u64, Bounds)> = None;
+    for range in batch.iter().flat_map(|p| p.ranges.iter()) {
+        for (side, table, which, last) in [
+            (Side::Local, own, Table::Own, &mut local),
+            (remote_side, target, Table::Target, &mut remote),
+        ] {
+            let key = side.key(range);
+            let bounds = match *last {
+                Some((k, bounds)) if k == key => bounds,
+                _ => {
+                    let token = side.resolve(key);
+                    let Some((token, bounds)) = token.and_then(|t| table.pin(t).map(|b| (t, b)))
+                    else {
+                        return Err((range, side.erased(), STALE));
+                    };
+                    pinned.push((which, token));
+                    *last = Some((key, bounds));
                     bounds
                 }
-                None => {
-                    unpin_side(table, batch, side, i);
-                    return Err((range, STALE));
-                }
-            },
-        };
-        let (addr, len) = side.span(range);
-        if !bounds.covers(addr, len) {
-            // The run this range belongs to is pinned: undo through its end.
-            unpin_side(table, batch, side, i + 1);
-            return Err((range, OUTSIDE));
+            };
+            let (addr, len) = side.span(range);
+            if !bounds.covers(addr, len) {
+                return Err((range, side.erased(), OUTSIDE));
+            }
         }
     }
     Ok(())
+}
+
+/// Release the pins [`pin_batch`] recorded.
+fn unpin_all(own: &RegionSlots, target: &RegionSlots, pinned: &[(Table, u64)]) {
+    for &(which, token) in pinned {
+        match which {
+            Table::Own => own.unpin(token),
+            Table::Target => target.unpin(token),
+        }
+    }
 }
 
 /// Why a post was refused: the region is gone.
 const STALE: &str = "deregistered since the request was built (stale region)";
 /// Why a post was refused: the range is not inside the region.
 const OUTSIDE: &str = "the range lies outside the region registered there";
-
-/// Undo the pins [`pin_side`] took for the first `ranges` ranges of the batch (same
-/// runs, same order).
-fn unpin_side<'a>(table: &RegionSlots, batch: &'a [Post<'a>], side: Side<'a>, ranges: usize) {
-    let mut last = None;
-    for range in batch.iter().flat_map(|p| p.ranges.iter()).take(ranges) {
-        let key = side.key(range);
-        if last == Some(key) {
-            continue;
-        }
-        if let Some(token) = side.resolve(key) {
-            table.unpin(token);
-        }
-        last = Some(key);
-    }
-}
 
 impl Backend for Loopback {
     fn name(&self) -> &'static str {
@@ -786,19 +807,32 @@ impl Backend for Loopback {
         };
         let remote_side = peer_regions.as_deref().map_or(Side::OwnTarget, Side::Peer);
         // Pin every region the batch touches, on both sides, before moving any byte: a
-        // region deregistered since the request was built fails the whole post.
-        if let Err((range, why)) = pin_side(&self.shared.regions, batch, Side::Local) {
-            let (addr, len) = (range.local_addr, range.len);
-            return Err(refused_range(&self.agent, "local", addr, len, why));
-        }
-        if let Err((range, why)) = pin_side(&target.regions, batch, remote_side) {
-            unpin_side(&self.shared.regions, batch, Side::Local, usize::MAX);
-            let owner = match endpoint {
-                Endpoint::Peer(peer) => self.peers[&peer].name.as_str(),
-                Endpoint::Local => &*self.agent,
-            };
-            let (addr, len) = (range.remote_addr, range.len);
-            return Err(refused_range(owner, "target", addr, len, why));
+        // region deregistered since the request was built (or a range outside its
+        // region) fails the whole post.
+        let mut pinned = std::mem::take(&mut self.pinned);
+        pinned.clear();
+        let checked = pin_batch(
+            &self.shared.regions,
+            &target.regions,
+            remote_side,
+            batch,
+            &mut pinned,
+        );
+        if let Err((range, side, why)) = checked {
+            unpin_all(&self.shared.regions, &target.regions, &pinned);
+            self.pinned = pinned;
+            return Err(match side {
+                Side::Local => {
+                    refused_range(&self.agent, "local", range.local_addr, range.len, why)
+                }
+                _ => {
+                    let owner = match endpoint {
+                        Endpoint::Peer(peer) => self.peers[&peer].name.as_str(),
+                        Endpoint::Local => &*self.agent,
+                    };
+                    refused_range(owner, "target", range.remote_addr, range.len, why)
+                }
+            });
         }
         for post in batch {
             if self.faults.take_failure() {
@@ -830,8 +864,8 @@ impl Backend for Loopback {
             }
             self.finish(post.tag, result, done);
         }
-        unpin_side(&target.regions, batch, remote_side, usize::MAX);
-        unpin_side(&self.shared.regions, batch, Side::Local, usize::MAX);
+        unpin_all(&self.shared.regions, &target.regions, &pinned);
+        self.pinned = pinned;
         Ok(())
     }
 
