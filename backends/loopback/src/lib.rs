@@ -16,7 +16,7 @@
 //! which succeeds only while the slot holds the token's generation; a request that names
 //! a region deregistered since fails the post with [`Error::NotFound`] naming the region,
 //! and no byte moves. The slot also holds the bounds the owner really registered, and
-//! every range must lie inside them: a peer's metadata (which may come over the network)
+//! every target range must lie inside them: a peer's metadata (which may come over the network)
 //! cannot make a copy reach past a registration. `deregister` bumps the generation once no copy has the region
 //! pinned (a copy in progress on another thread is waited for; it is a bounded
 //! `memmove`, never a wait on anything else). Cost: O(1) per range, no lock.
@@ -549,30 +549,6 @@ enum Side<'a> {
 }
 
 impl Side<'_> {
-    /// The same side without the peer's metadata (for error reports).
-    fn erased(self) -> Side<'static> {
-        match self {
-            Side::Local => Side::Local,
-            Side::OwnTarget | Side::Peer(_) => Side::OwnTarget,
-        }
-    }
-
-    /// The token field of `range` this side reads.
-    fn key(self, range: &Range) -> u64 {
-        match self {
-            Side::Local => range.local_token,
-            Side::OwnTarget | Side::Peer(_) => range.remote_token,
-        }
-    }
-
-    /// The bytes of `range` this side touches.
-    fn span(self, range: &Range) -> (u64, u64) {
-        match self {
-            Side::Local => (range.local_addr, range.len),
-            Side::OwnTarget | Side::Peer(_) => (range.remote_addr, range.len),
-        }
-    }
-
     /// The region-table token `key` names (`None` where the peer's metadata does not
     /// know the region).
     fn resolve(self, key: u64) -> Option<u64> {
@@ -594,8 +570,9 @@ enum Table {
 
 /// Pin every region `batch` names on both sides, once per run of ranges with the same
 /// token (merged ranges of one region share it, so this is usually once per request
-/// side), resolving a peer's token only when it changes, and check that every range lies
-/// inside the bounds its region really has (a peer's metadata cannot widen them). Pins
+/// side), resolving a peer's token only when it changes, and check that every remote
+/// range lies inside the bounds its region really has (a peer's metadata cannot widen
+/// them; a local range is checked when its run starts). Pins
 /// taken are recorded in `pinned`; on a region that is not live or a range outside it,
 /// the offending range, which side, and the reason are returned (the caller releases
 /// what `pinned` holds). One pass, O(1) per range.
@@ -606,34 +583,56 @@ fn pin_batch<'a>(
     batch: &'a [Post<'a>],
     pinned: &mut Vec<(Table, u64)>,
 ) -> std::result::Result<(), (&'a Range, Side<'static>, &'static str)> {
-    let mut local: Option<(u64, Bounds)> = None;
+    // The current run on each side: its token (and the remote region's bounds).
+    let mut local: Option<u64> = None;
     let mut remote: Option<(u64, Bounds)> = None;
-    for range in batch.iter().flat_map(|p| p.ranges.iter()) {
-        for (side, table, which, last) in [
-            (Side::Local, own, Table::Own, &mut local),
-            (remote_side, target, Table::Target, &mut remote),
-        ] {
-            let key = side.key(range);
-            let bounds = match *last {
-                Some((k, bounds)) if k == key => bounds,
+    for post in batch {
+        for range in post.ranges {
+            // The local side's bounds are the caller's promise (`post` is unsafe) and the
+            // executor's section index keeps it; checked once per run, when pinned.
+            if local != Some(range.local_token) {
+                let key = range.local_token;
+                let bounds = pin_run(own, Table::Own, Side::Local, key, pinned).ok_or((
+                    range,
+                    Side::Local,
+                    STALE,
+                ))?;
+                local = Some(key);
+                if !bounds.covers(range.local_addr, range.len) {
+                    return Err((range, Side::Local, OUTSIDE));
+                }
+            }
+            let bounds = match remote {
+                Some((key, bounds)) if key == range.remote_token => bounds,
                 _ => {
-                    let token = side.resolve(key);
-                    let Some((token, bounds)) = token.and_then(|t| table.pin(t).map(|b| (t, b)))
-                    else {
-                        return Err((range, side.erased(), STALE));
-                    };
-                    pinned.push((which, token));
-                    *last = Some((key, bounds));
+                    let key = range.remote_token;
+                    let bounds = pin_run(target, Table::Target, remote_side, key, pinned)
+                        .ok_or((range, Side::OwnTarget, STALE))?;
+                    remote = Some((key, bounds));
                     bounds
                 }
             };
-            let (addr, len) = side.span(range);
-            if !bounds.covers(addr, len) {
-                return Err((range, side.erased(), OUTSIDE));
+            if !bounds.covers(range.remote_addr, range.len) {
+                return Err((range, Side::OwnTarget, OUTSIDE));
             }
         }
     }
     Ok(())
+}
+
+/// Start a run: resolve `key` on `side`, pin its region in `table` and record the pin.
+#[inline(never)]
+fn pin_run(
+    table: &RegionSlots,
+    which: Table,
+    side: Side<'_>,
+    key: u64,
+    pinned: &mut Vec<(Table, u64)>,
+) -> Option<Bounds> {
+    let token = side.resolve(key)?;
+    let bounds = table.pin(token)?;
+    pinned.push((which, token));
+    Some(bounds)
 }
 
 /// Release the pins [`pin_batch`] recorded.
