@@ -794,29 +794,24 @@ impl Backend for Loopback {
         done: &mut Completions,
     ) -> Result<()> {
         let target = self.target(endpoint)?;
-        let peer_regions = match endpoint {
-            Endpoint::Local => None,
-            Endpoint::Peer(peer) => Some(
-                self.peers
-                    .get(&peer)
-                    .expect("target() checked the peer")
-                    .regions
-                    .clone(),
-            ),
+        let remote_side = match endpoint {
+            Endpoint::Local => Side::OwnTarget,
+            Endpoint::Peer(peer) => {
+                Side::Peer(&*self.peers.get(&peer).expect("target() checked it").regions)
+            }
         };
-        let remote_side = peer_regions.as_deref().map_or(Side::OwnTarget, Side::Peer);
         // Pin every region the batch touches, on both sides, before moving any byte: a
         // region deregistered since the request was built (or a range outside its
         // region) fails the whole post.
-        let mut pinned = std::mem::take(&mut self.pinned);
-        pinned.clear();
+        self.pinned.clear();
         let checked = pin_batch(
             &self.shared.regions,
             &target.regions,
             remote_side,
             batch,
-            &mut pinned,
+            &mut self.pinned,
         );
+        let pinned = std::mem::take(&mut self.pinned);
         if let Err((range, side, why)) = checked {
             unpin_all(&self.shared.regions, &target.regions, &pinned);
             self.pinned = pinned;
