@@ -11,14 +11,16 @@
 //! The initiator copies straight into (or out of) the target agent's memory, which the
 //! target may deregister at any time. Each backend instance therefore keeps a table of
 //! its regions shared with the peers that loaded it: a region's token is
-//! `generation << 32 | slot`, and its public metadata is that token. A post pins every
-//! region it touches (local and remote) with one compare-and-swap on the region's slot,
-//! which succeeds only while the slot holds the token's generation; a request that names
-//! a region deregistered since fails the post with [`Error::NotFound`] naming the region,
-//! and no byte moves. The slot also holds the bounds the owner really registered, and
-//! every target range must lie inside them: a peer's metadata (which may come over the network)
-//! cannot make a copy reach past a registration. `deregister` bumps the generation once no copy has the region
-//! pinned (a copy in progress on another thread is waited for; it is a bounded
+//! `generation << 32 | slot`, and its public metadata is that token. A post pins each
+//! peer region it touches with one compare-and-swap on the region's slot (once per run of
+//! ranges with the same token), which succeeds only while the slot holds the token's
+//! generation; its own regions it only checks (their `deregister` cannot overlap the
+//! post: both take the backend `&mut`). A request that names a region deregistered since
+//! fails the post with [`Error::NotFound`] naming the region, and no byte moves. The slot
+//! also holds the bounds the owner really registered, and every target range must lie
+//! inside them: a peer's metadata (which may come over the network) cannot make a copy
+//! reach past a registration. `deregister` bumps the generation once no copy has the
+//! region pinned (a copy in progress on another thread is waited for; it is a bounded
 //! `memmove`, never a wait on anything else). Cost: O(1) per range, no lock.
 //!
 //! # Fault injection
@@ -169,6 +171,18 @@ impl RegionSlots {
             && self
                 .slot(slot_of(token))
                 .is_some_and(|slot| generation_of(slot.state.load(Ordering::Acquire)) == generation)
+    }
+
+    /// The bounds of the live region `token`, without pinning it: for the owner's own
+    /// posts, which cannot overlap its `deregister` (both take the backend `&mut`).
+    fn bounds(&self, token: u64) -> Option<Bounds> {
+        let generation = generation_of(token);
+        let slot = self.slot(slot_of(token))?;
+        (generation & 1 == 1 && generation_of(slot.state.load(Ordering::Acquire)) == generation)
+            .then(|| Bounds {
+                addr: slot.addr.load(Ordering::Relaxed),
+                len: slot.len.load(Ordering::Relaxed),
+            })
     }
 
     /// Pin the region named by `token` for a copy; its bounds, or `None` if it is not
@@ -620,7 +634,10 @@ fn pin_batch<'a>(
     Ok(())
 }
 
-/// Start a run: resolve `key` on `side`, pin its region in `table` and record the pin.
+/// Start a run: resolve `key` on `side` and check its region in `table`. A peer's region
+/// is pinned (its owner may deregister it from another thread; the pin is recorded);
+/// this backend's own regions need no pin, since their `deregister` cannot overlap this
+/// post.
 #[inline(never)]
 fn pin_run(
     table: &RegionSlots,
@@ -630,6 +647,9 @@ fn pin_run(
     pinned: &mut Vec<(Table, u64)>,
 ) -> Option<Bounds> {
     let token = side.resolve(key)?;
+    if !matches!(side, Side::Peer(_)) {
+        return table.bounds(token);
+    }
     let bounds = table.pin(token)?;
     pinned.push((which, token));
     Some(bounds)
