@@ -361,6 +361,9 @@ impl BackendFactory for LoopbackFactory {
 /// A peer as seen by this backend.
 struct RemotePeer {
     name: String,
+    /// The last (metadata token, region-table token) resolved through `regions`: a
+    /// request's ranges usually name one region, so most posts skip the lookup.
+    resolved: std::cell::Cell<(u64, u64)>,
     shared: Weak<Shared>,
     regions: Arc<dyn PeerRegions>,
 }
@@ -559,7 +562,7 @@ enum Side<'a> {
     /// Remote ranges of a local transfer: tokens of our own table.
     OwnTarget,
     /// Remote ranges of a peer transfer: tokens through the peer's metadata.
-    Peer(&'a dyn PeerRegions),
+    Peer(&'a RemotePeer),
 }
 
 impl Side<'_> {
@@ -568,7 +571,15 @@ impl Side<'_> {
     fn resolve(self, key: u64) -> Option<u64> {
         match self {
             Side::Local | Side::OwnTarget => Some(key),
-            Side::Peer(regions) => peer_token(regions, key),
+            Side::Peer(peer) => {
+                let (cached_key, token) = peer.resolved.get();
+                if cached_key == key && token != 0 {
+                    return Some(token);
+                }
+                let token = peer_token(&*peer.regions, key)?;
+                peer.resolved.set((key, token));
+                Some(token)
+            }
         }
     }
 }
@@ -794,6 +805,7 @@ impl Backend for Loopback {
                 name: remote.name.to_string(),
                 shared,
                 regions: remote.regions,
+                resolved: std::cell::Cell::new((0, 0)),
             },
         );
         Ok(())
@@ -816,9 +828,7 @@ impl Backend for Loopback {
         let target = self.target(endpoint)?;
         let remote_side = match endpoint {
             Endpoint::Local => Side::OwnTarget,
-            Endpoint::Peer(peer) => {
-                Side::Peer(&*self.peers.get(&peer).expect("target() checked it").regions)
-            }
+            Endpoint::Peer(peer) => Side::Peer(self.peers.get(&peer).expect("target() checked it")),
         };
         // Pin every region the batch touches, on both sides, before moving any byte: a
         // region deregistered since the request was built (or a range outside its
