@@ -115,11 +115,12 @@ struct Bounds {
 }
 
 impl Bounds {
+    #[inline]
     fn covers(self, addr: u64, len: u64) -> bool {
-        addr >= self.addr
-            && addr
-                .checked_add(len)
-                .is_some_and(|end| end <= self.addr + self.len)
+        // Offset into the region (wraps to a huge value below it), then room left: no
+        // overflow anywhere.
+        let offset = addr.wrapping_sub(self.addr);
+        offset <= self.len && len <= self.len - offset
     }
 }
 
@@ -610,7 +611,9 @@ fn pin_batch<'a>(
 ) -> std::result::Result<(), (&'a Range, Side<'static>, &'static str)> {
     // The current run on each side: its token (and the remote region's bounds).
     let mut local: Option<u64> = None;
-    let mut remote: Option<(u64, Bounds)> = None;
+    // The current target run's bounds (set when the run starts).
+    let mut remote_key: Option<u64> = None;
+    let mut remote_bounds = Bounds { addr: 0, len: 0 };
     for post in batch {
         for range in post.ranges {
             // The local side's bounds are the caller's promise (`post` is unsafe) and the
@@ -627,17 +630,13 @@ fn pin_batch<'a>(
                     return Err((range, Side::Local, OUTSIDE));
                 }
             }
-            let bounds = match remote {
-                Some((key, bounds)) if key == range.remote_token => bounds,
-                _ => {
-                    let key = range.remote_token;
-                    let bounds = pin_run(target, Table::Target, remote_side, key, pinned)
-                        .ok_or((range, Side::OwnTarget, STALE))?;
-                    remote = Some((key, bounds));
-                    bounds
-                }
-            };
-            if !bounds.covers(range.remote_addr, range.len) {
+            if remote_key != Some(range.remote_token) {
+                let key = range.remote_token;
+                remote_bounds = pin_run(target, Table::Target, remote_side, key, pinned)
+                    .ok_or((range, Side::OwnTarget, STALE))?;
+                remote_key = Some(key);
+            }
+            if !remote_bounds.covers(range.remote_addr, range.len) {
                 return Err((range, Side::OwnTarget, OUTSIDE));
             }
         }
