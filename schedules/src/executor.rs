@@ -514,6 +514,8 @@ fn endpoint_rank(endpoint: Endpoint) -> u64 {
     }
 }
 
+// Reason: calls the backends' `unsafe fn post` (backend safety contract).
+#[allow(unsafe_code)]
 fn phase_dispatch<'a>(
     world: &mut World,
     arena: &'a bumpalo::Bump,
@@ -577,7 +579,13 @@ fn phase_dispatch<'a>(
         let backend = world.backends.backends[slot]
             .as_mut()
             .expect("request slot is filled");
-        let result = backend.post(endpoint, &batch, &mut world.completions);
+        // SAFETY: every range was resolved by `make` against the section index, so its
+        // local side (and a local transfer's remote side) lies inside a region registered
+        // with this backend under the range's token; the request pins those regions from
+        // `make` until it is released (a draining one until its backend confirmed the
+        // end), and `deregister_region` refuses a pinned region, so they stay registered
+        // (and their memory valid by `register`'s promise) for the whole post.
+        let result = unsafe { backend.post(endpoint, &batch, &mut world.completions) };
         drop(batch);
         let post_duration = t0.map(|t| t.elapsed()).unwrap_or_default();
         for p in group {

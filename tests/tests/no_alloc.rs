@@ -1,22 +1,78 @@
-//! A warmed-up flush allocates nothing: proven with a counting global allocator.
-//! (Its own test binary, because the allocator is global to the binary.)
+//! A warmed-up flush allocates nothing: proven with a counting global allocator, through
+//! the `Agent`, on LOOPBACK, POSIX (both engines where the kernel allows io_uring) and
+//! UCX (when libucp is there; required under `CI=true`), with notifications longer than
+//! 64 bytes (past any inline buffer) and with the metadata exchange running (a P2P
+//! listener on each agent). (Its own test binary, because the allocator is global.)
 
-use ferry::{CommandBuffer, Desc, MemKind, Op, Side, XferStatus};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use ferry::exchange::{ExchangeConfig, P2pConfig};
+use ferry::{
+    Agent, AgentConfig, CommandBuffer, Desc, FileMode, MemKind, Op, Outcome, Params, Side,
+    XferStatus,
+};
 use ferry_tests::counting::{counted, CountingAlloc};
-use ferry_tests::{pair, Buffer, Rng};
+use ferry_tests::{pair, register, unique, Buffer, Rng};
 
 #[global_allocator]
 static GLOBAL: CountingAlloc = CountingAlloc;
 
-// Only one test in this binary: the counter is process-wide.
+/// Turns before counting (pools, arenas and queues reach their high-water marks).
+const WARM_TURNS: usize = 8;
+/// Turns counted.
+const COUNTED_TURNS: usize = 64;
+/// A notification attached to a transfer: over 64 bytes.
+const ATTACHED: &[u8] = &[0xA5; 100];
+/// A standalone notification: over 64 bytes.
+const STANDALONE: &[u8] = &[0x5A; 300];
+
+fn ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true")
+}
+
+/// Start the metadata exchange with a P2P listener on 127.0.0.1.
+fn start_exchange(agent: &Agent) {
+    let mut config = ExchangeConfig::default();
+    config.p2p.listen = Some(P2pConfig::LOOPBACK_EPHEMERAL);
+    agent.start_exchange(config).expect("start the exchange");
+    assert!(agent.exchange_workers_running());
+}
+
+/// Run `turn` warm, then counted, and require zero allocations.
+fn assert_no_allocation(what: &str, mut turn: impl FnMut()) {
+    for _ in 0..WARM_TURNS {
+        turn();
+    }
+    let ((), allocations) = counted(|| {
+        for _ in 0..COUNTED_TURNS {
+            turn();
+        }
+    });
+    assert_eq!(allocations, 0, "{what}: a warmed-up flush allocated");
+}
+
+/// Only one test in this binary: the counter is process-wide.
 #[test]
 fn steady_state_flushes_do_not_allocate() {
+    loopback();
+    posix();
+    ucx();
+    // The counter works: an allocation inside the window is seen.
+    let (v, allocations) = counted(|| vec![1u8; 3]);
+    assert_eq!(allocations, 1);
+    drop(v);
+}
+
+fn loopback() {
     let block = 64;
     let n = 1024;
     let mut rng = Rng::new(41);
     let src = Buffer::random(n * block, &mut rng);
     let dst = Buffer::zeroed(n * block);
     let p = pair(&src, &dst);
+    start_exchange(&p.a);
+    start_exchange(&p.b);
     let local_descs: Vec<Desc> = (0..n).map(|i| src.desc(i * block, block)).collect();
     let mut order: Vec<usize> = (0..n).collect();
     rng.shuffle(&mut order);
@@ -29,11 +85,11 @@ fn steady_state_flushes_do_not_allocate() {
     let mut peer_cmds = CommandBuffer::with_capacity(8);
     // Prepared path: make + post + check + release, with a notification, and the
     // full path: prep + make + post + check + release every turn.
-    let turn = |cmds: &mut CommandBuffer, peer_cmds: &mut CommandBuffer| {
+    assert_no_allocation("LOOPBACK", || {
         cmds.clear();
         let x = cmds
             .make(Op::Write, local, &half, remote, &half)
-            .notify(b"turn")
+            .notify(ATTACHED)
             .ticket();
         let posted = cmds.post(x);
         let checked = cmds.check(x);
@@ -46,28 +102,169 @@ fn steady_state_flushes_do_not_allocate() {
         cmds.release(y);
         cmds.release_prep(l);
         cmds.release_prep(r);
-        cmds.notify(p.b_at_a, b"standalone");
-        p.a.flush(cmds);
+        cmds.notify(p.b_at_a, STANDALONE);
+        p.a.flush(&mut cmds);
         assert_eq!(cmds.status(posted), Ok(XferStatus::Done));
         assert_eq!(cmds.status(checked), Ok(XferStatus::Done));
         assert_eq!(cmds.status(checked_y), Ok(XferStatus::Done));
         assert!(cmds.errors().next().is_none());
         peer_cmds.clear();
         let drained = peer_cmds.drain_notifications();
-        p.b.flush(peer_cmds);
-        assert_eq!(peer_cmds.outcome(drained), &ferry::Outcome::Drained(2));
-    };
-    for _ in 0..8 {
-        turn(&mut cmds, &mut peer_cmds);
+        p.b.flush(&mut peer_cmds);
+        assert_eq!(peer_cmds.outcome(drained), &Outcome::Drained(2));
+    });
+}
+
+/// Removes the scratch file when dropped.
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
     }
-    let ((), allocations) = counted(|| {
-        for _ in 0..64 {
-            turn(&mut cmds, &mut peer_cmds);
+}
+
+fn posix() {
+    for engine in ["threads", "uring"] {
+        let agent = Agent::new(AgentConfig::named(unique("noalloc-posix"))).unwrap();
+        let mut params = Params::new();
+        params.insert("engine".into(), engine.into());
+        if let Err(e) = agent.create_backend("POSIX", &params) {
+            assert!(engine == "uring" && !ci(), "POSIX {engine}: {e}");
+            eprintln!("skipping POSIX with io_uring: {e}");
+            continue;
+        }
+        start_exchange(&agent);
+        let scratch = Scratch(std::env::temp_dir().join(unique("ferry-noalloc")));
+        let mode = FileMode {
+            write: true,
+            create: true,
+            ..FileMode::default()
+        };
+        agent
+            .register_file(&scratch.0, mode, Desc::new(0, 0, 1))
+            .expect("register the scratch file");
+        let block = 4096;
+        let n = 64;
+        let mut rng = Rng::new(43);
+        let src = Buffer::random(n * block, &mut rng);
+        register(&agent, &src);
+        let mem: Vec<Desc> = (0..n).map(|i| src.desc(i * block, block)).collect();
+        let file: Vec<Desc> = (0..n)
+            .map(|i| Desc::new(((n - 1 - i) * block) as u64, block as u64, 1))
+            .collect();
+        let local = agent.prep(Side::Local, MemKind::Dram, &mem).unwrap();
+        let target = agent.prep(Side::Local, MemKind::File, &file).unwrap();
+        let mut cmds = CommandBuffer::with_capacity(16);
+        let all: Vec<u32> = (0..n as u32).collect();
+        let what = format!("POSIX {engine}");
+        assert_no_allocation(&what, || {
+            for op in [Op::Write, Op::Read] {
+                cmds.clear();
+                let x = cmds.make(op, local, &all, target, &all).ticket();
+                let posted = cmds.post(x);
+                agent.flush(&mut cmds);
+                assert!(cmds.errors().next().is_none(), "{what}");
+                let mut status = cmds.status(posted).unwrap();
+                let xfer = cmds.created(x).expect("made");
+                let deadline = Instant::now() + Duration::from_secs(30);
+                while status == XferStatus::InProgress {
+                    assert!(Instant::now() < deadline, "{what}: request did not finish");
+                    cmds.clear();
+                    let checked = cmds.check(xfer);
+                    agent.flush(&mut cmds);
+                    status = cmds.status(checked).unwrap();
+                }
+                assert_eq!(status, XferStatus::Done, "{what}");
+                cmds.clear();
+                cmds.release(xfer);
+                agent.flush(&mut cmds);
+                assert!(cmds.errors().next().is_none(), "{what}");
+            }
+        });
+    }
+}
+
+fn ucx() {
+    std::env::set_var("UCX_NET_DEVICES", "lo");
+    std::env::set_var("UCX_WARN_UNUSED_ENV_VARS", "n");
+    let info = Agent::available_backends();
+    let available = &info
+        .iter()
+        .find(|f| f.name == "UCX")
+        .expect("UCX is compiled in")
+        .available;
+    if let Err(reason) = available {
+        assert!(!ci(), "UCX is required under CI=true: {reason}");
+        eprintln!("skipping the UCX part: UCX unavailable ({reason})");
+        return;
+    }
+    let a = Agent::new(AgentConfig::named(unique("noalloc-ucx-a"))).unwrap();
+    let b = Agent::new(AgentConfig::named(unique("noalloc-ucx-b"))).unwrap();
+    for agent in [&a, &b] {
+        agent
+            .create_backend("UCX", &Params::new())
+            .expect("UCX backend");
+        start_exchange(agent);
+    }
+    let block = 64;
+    let n = 256;
+    let mut rng = Rng::new(47);
+    let src = Buffer::random(n * block, &mut rng);
+    let dst = Buffer::zeroed(n * block);
+    register(&a, &src);
+    register(&b, &dst);
+    let b_at_a = a.load_remote_md(&b.local_md().unwrap()).unwrap();
+    b.load_remote_md(&a.local_md().unwrap()).unwrap();
+    let local_descs: Vec<Desc> = (0..n).map(|i| src.desc(i * block, block)).collect();
+    let remote_descs: Vec<Desc> = (0..n).rev().map(|j| dst.desc(j * block, block)).collect();
+    let local = a.prep(Side::Local, MemKind::Dram, &local_descs).unwrap();
+    let remote = a.prep(b_at_a, MemKind::Dram, &remote_descs).unwrap();
+    let all: Vec<u32> = (0..n as u32).collect();
+    let mut cmds = CommandBuffer::with_capacity(16);
+    let mut peer_cmds = CommandBuffer::with_capacity(4);
+    let mut received = 0u32;
+    assert_no_allocation("UCX", || {
+        cmds.clear();
+        let x = cmds
+            .make(Op::Write, local, &all, remote, &all)
+            .notify(ATTACHED)
+            .ticket();
+        let posted = cmds.post(x);
+        cmds.notify(b_at_a, STANDALONE);
+        a.flush(&mut cmds);
+        assert!(cmds.errors().next().is_none(), "UCX post");
+        let xfer = cmds.created(x).expect("made");
+        let mut status = cmds.status(posted).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while status == XferStatus::InProgress {
+            assert!(Instant::now() < deadline, "UCX request did not finish");
+            b.progress();
+            cmds.clear();
+            let checked = cmds.check(xfer);
+            a.flush(&mut cmds);
+            status = cmds.status(checked).unwrap();
+        }
+        assert_eq!(status, XferStatus::Done);
+        cmds.clear();
+        cmds.release(xfer);
+        a.flush(&mut cmds);
+        // Both notifications of this turn reach b.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        received = 0;
+        while received < 2 {
+            assert!(
+                Instant::now() < deadline,
+                "UCX notifications did not arrive"
+            );
+            a.progress();
+            peer_cmds.clear();
+            let drained = peer_cmds.drain_notifications();
+            b.flush(&mut peer_cmds);
+            if let Outcome::Drained(k) = peer_cmds.outcome(drained) {
+                received += k;
+            }
         }
     });
-    assert_eq!(allocations, 0, "a warmed-up flush must not allocate");
-    // The counter works: an allocation inside the window is seen.
-    let (v, allocations) = counted(|| vec![1u8; 3]);
-    assert_eq!(allocations, 1);
-    drop(v);
+    assert_eq!(received, 2);
 }

@@ -280,3 +280,50 @@ fn invalidated_peer_is_refused_then_reload_works() {
     finish(&p2, y, first);
     assert_eq!(dst.bytes(), src.bytes());
 }
+
+#[test]
+fn invalidate_mid_flight_ends_the_request_with_a_typed_outcome_then_regions_go() {
+    if !ucx_ready() {
+        return;
+    }
+    let mut rng = Rng::new(10);
+    let src = Buffer::random(32 << 20, &mut rng);
+    let dst = Buffer::zeroed(32 << 20);
+    let a = ucx_agent("ucx-inv-a", "tcp");
+    let b = ucx_agent("ucx-inv-b", "tcp");
+    let src_region = register(&a, &src);
+    register(&b, &dst);
+    let b_at_a = a.load_remote_md(&b.local_md().unwrap()).unwrap();
+    let x = a
+        .create(
+            Op::Write,
+            MemKind::Dram,
+            &[src.whole()],
+            b_at_a,
+            MemKind::Dram,
+            &[dst.whole()],
+            Some(b"never mind"),
+        )
+        .unwrap();
+    // 32 MiB over tcp cannot finish without the target progressing: still in flight.
+    assert_eq!(a.post(x).unwrap(), XferStatus::InProgress);
+    a.invalidate_remote_md(b_at_a).unwrap();
+    let deadline = Instant::now() + TIMEOUT;
+    let outcome = loop {
+        match a.check(x) {
+            Ok(XferStatus::InProgress) => {
+                assert!(Instant::now() < deadline, "request never ended");
+                b.progress();
+            }
+            other => break other,
+        }
+    };
+    match outcome {
+        Ok(XferStatus::Done) => {}
+        Err(Error::NotFound { .. } | Error::RemoteDisconnect { .. } | Error::Canceled { .. }) => {}
+        other => panic!("unexpected outcome after invalidation: {other:?}"),
+    }
+    // Once the request has ended, its region can be released and deregistered.
+    a.release(x).unwrap();
+    a.deregister(src_region).unwrap();
+}

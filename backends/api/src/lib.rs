@@ -13,22 +13,71 @@
 //!                          progress call)
 //!          progress(completions)            (never blocks)
 //!          notify / drain_notifications
-//!   drop ──▶ outstanding posts are abandoned; the backend frees everything it owns
+//!   drop ──▶ outstanding posts are abandoned (no completion), but drop returns only
+//!            once the transport can no longer touch their buffers; the backend frees
+//!            everything it owns
 //! ```
 //!
-//! # Buffer lifetime
+//! # Safety contract: who guarantees what
 //!
-//! The bytes named by a posted range (local and remote) must stay valid and registered
-//! until the request's completion has been pushed. The executor guarantees this for
-//! registrations it made: it refuses to deregister a region while a request that uses
-//! it is in flight, and it never hands a backend a range outside a registered region.
+//! A backend makes the kernel, a NIC, UCX or a plain `memmove` read and write raw
+//! addresses that Rust cannot check. The methods through which that happens are
+//! `unsafe fn`s, each with a `# Safety` section (in the manner of wgpu-hal), so safe
+//! code cannot reach them without taking on the promise:
+//!
+//! - [`Backend::register`]: the caller promises that the region's bytes (DRAM) or file
+//!   descriptor (FILE by fd) stay valid until [`Backend::deregister`] of the returned
+//!   token returns. A backend may pin, map or register that memory with the kernel or
+//!   the NIC (`ucp_mem_map`, io_uring fixed buffers) for that whole time.
+//! - [`Backend::post`]: the caller promises that every local range (and, for
+//!   [`Endpoint::Local`], every remote range) lies inside a region registered with this
+//!   backend under the range's token, and that the region stays registered and its bytes
+//!   valid until the request's completion has been pushed — not merely until `post`
+//!   returns. No Rust reference may alias bytes that a request in flight writes.
+//! - [`Backend::deregister`]: the caller promises that no request naming the token is
+//!   in flight (each one's completion has been pushed). Afterwards the backend never
+//!   touches the region's bytes again.
+//!
+//! The executor (`ferry-schedules`) keeps these promises for registrations it made: a
+//! registration comes only from `CommandBuffer::register`, itself an `unsafe fn` whose
+//! caller promises the memory; ranges are resolved against the section index, so they
+//! lie inside registered regions; a region that an in-flight request uses cannot be
+//! deregistered; and a request whose peer went away stays pinned until its backend
+//! reports its one completion.
+//!
+//! What the caller *cannot* promise is the far side of a peer transfer: the target
+//! agent owns that memory and may deregister it at any time. Each backend guards the
+//! remote side with what its transport offers: LOOPBACK checks at post that the target
+//! region is still registered and really covers each range (and pins it for the copy).
+//! UCX cannot do as much: with the
+//! transports UCX 1.13 picks for ordinary memory (put emulated over active messages on
+//! tcp or shared memory, CMA) the target's UCX writes to the address it is given
+//! without checking that the region is still mapped, so a target must make its peers
+//! drop its metadata (a new metadata generation, an invalidation) before the memory is
+//! reused; between the deregistration and the peers' reload there is a window the UCX
+//! backend does not close (see `backends/ucx/README.md`).
+//!
+//! Everything else is safe: a backend must cope with any argument to a safe method
+//! (unknown tokens, peers that went away, bad peer metadata) with a typed error.
 //! Slices passed *into* a call (`Post::ranges`, notification payloads, metadata bytes)
 //! are borrowed only for the duration of that call; a backend copies what it keeps.
+//!
+//! # Every post yields exactly one completion
+//!
+//! Once `post` has returned `Ok`, each of its requests produces exactly one
+//! [`Completion`] (from `post` itself or a later `progress`), also when its peer is
+//! unloaded meanwhile ([`Backend::unload_remote`]): the backend reports the request
+//! only after the transport confirmed that it finished or was canceled and will not
+//! touch its buffers again. Only [`Backend::cancel`] returning `Ok(true)` ends a
+//! request without a completion, and only when nothing of it is in flight any more.
 //!
 //! # Errors a caller can expect
 //!
 //! Synchronous calls return [`Error`]: `InvalidParam` for ranges the backend cannot
-//! serve (e.g. O_DIRECT misalignment), `NotFound` for unknown tokens or peers,
+//! serve (e.g. O_DIRECT misalignment), `NotFound` for unknown tokens or peers (also a
+//! token whose region was deregistered since: tokens are generational, so a stale one
+//! never names a newer region), `NotAllowed` where a backend refuses to deregister a
+//! region in use,
 //! `NotSupported` for operations outside its capabilities, `Backend` with an errno for
 //! OS or transport failures. Asynchronous outcomes arrive as [`Completion`]s; a failed
 //! transfer reports a [`Failure`] with the errno and the range index.
@@ -280,15 +329,6 @@ pub struct QueryResult {
     pub mtime_ns: i64,
 }
 
-/// A backend's estimate for moving a batch.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct CostEstimate {
-    /// Expected duration in microseconds.
-    pub duration_us: f64,
-    /// Margin of error in microseconds.
-    pub margin_us: f64,
-}
-
 /// Everything a backend needs at creation.
 #[derive(Clone, Debug)]
 pub struct BackendInit<'a> {
@@ -341,7 +381,10 @@ pub fn effective_params(
         .collect())
 }
 
-/// A transport. See the crate docs for the state machine and buffer-lifetime rules.
+/// A transport. See the crate docs for the state machine and the safety contract.
+// Reason: the methods through which a backend touches raw addresses are `unsafe fn`s,
+// so that their callers take on the promise (see "Safety contract" in the crate docs).
+#[allow(unsafe_code)]
 pub trait Backend: Send {
     /// The type name (matches its factory).
     fn name(&self) -> &'static str;
@@ -353,12 +396,26 @@ pub trait Backend: Send {
     fn params(&self) -> &Params;
 
     /// Register a region; returns a private token and public metadata.
-    fn register(&mut self, region: &RegionSpec<'_>) -> Result<Registered>;
-
-    /// Release a region registered with `token`.
     ///
-    /// The executor calls this only when no in-flight request uses the region.
-    fn deregister(&mut self, kind: MemKind, token: u64) -> Result<()>;
+    /// # Safety
+    ///
+    /// For DRAM, `region.desc` names memory the caller owns that stays allocated and
+    /// valid (not freed, unmapped or reused) until [`Backend::deregister`] of the
+    /// returned token has returned; the backend may pin or map it and, during posts,
+    /// have the kernel, the NIC or a copy read and write it. For FILE by descriptor,
+    /// `desc.dev` stays an open descriptor of the same file for as long. Nothing is
+    /// promised about a path (the backend opens and owns the file itself).
+    unsafe fn register(&mut self, region: &RegionSpec<'_>) -> Result<Registered>;
+
+    /// Release a region registered with `token`. An unknown or already released token
+    /// is a `NotFound` error.
+    ///
+    /// # Safety
+    ///
+    /// No request that names `token` (as its local token, or as a remote token of an
+    /// [`Endpoint::Local`] request) is in flight: every post that used it has had its
+    /// completion pushed. After this returns the backend never touches the region.
+    unsafe fn deregister(&mut self, kind: MemKind, token: u64) -> Result<()>;
 
     /// Connection info peers need to reach this backend (empty for local-only ones).
     fn conn_info(&self) -> Vec<u8>;
@@ -367,7 +424,10 @@ pub trait Backend: Send {
     fn load_remote(&mut self, peer: PeerId, remote: RemoteAgent<'_>) -> Result<()>;
 
     /// Forget a peer: drop cached remote keys and endpoints. Requests still in flight
-    /// to it complete with a failure.
+    /// to it are canceled; each still produces its one completion (usually a failure),
+    /// but only once the transport confirmed it will not touch their buffers any more —
+    /// possibly in a later [`Backend::progress`] call. Until then the caller keeps their
+    /// regions registered (see the crate docs).
     fn unload_remote(&mut self, peer: PeerId);
 
     /// Establish the endpoint to `peer` now instead of on first use.
@@ -400,8 +460,18 @@ pub trait Backend: Send {
 
     /// Start a batch of requests to one endpoint. Every post must later produce
     /// exactly one completion with its tag (pushed here or in [`Backend::progress`]).
-    /// An `Err` means none of the batch was started and no completion will come.
-    fn post(
+    /// An `Err` means none of the batch was started, no byte moved and no completion
+    /// will come.
+    ///
+    /// # Safety
+    ///
+    /// Every range's local bytes (and, for [`Endpoint::Local`], its remote bytes) lie
+    /// inside a region registered with this backend under the range's token, and that
+    /// region stays registered and its bytes valid until this request's completion has
+    /// been pushed. No Rust reference aliases bytes the request writes until then. The
+    /// remote side of a peer transfer is not the caller's to promise: the backend checks
+    /// it as far as its transport allows (see the crate docs).
+    unsafe fn post(
         &mut self,
         endpoint: Endpoint,
         batch: &[Post<'_>],
@@ -412,7 +482,8 @@ pub trait Backend: Send {
     fn progress(&mut self, done: &mut Completions);
 
     /// Cancel an in-flight request. Returns `Ok(true)` if it was canceled (no
-    /// completion will follow), `Ok(false)` if it cannot be canceled now.
+    /// completion will follow, and the backend no longer touches its buffers),
+    /// `Ok(false)` if it cannot be canceled now (its completion will still come).
     fn cancel(&mut self, tag: u64) -> Result<bool> {
         let _ = tag;
         Ok(false)
@@ -444,15 +515,6 @@ pub trait Backend: Send {
         Err(Error::NotSupported {
             backend: self.name().into(),
             what: "query".into(),
-        })
-    }
-
-    /// Estimate the cost of a batch.
-    fn estimate(&self, endpoint: Endpoint, batch: &[Post<'_>]) -> Result<CostEstimate> {
-        let _ = (endpoint, batch);
-        Err(Error::NotSupported {
-            backend: self.name().into(),
-            what: "cost estimate".into(),
         })
     }
 }

@@ -3,8 +3,25 @@
 //! after the copy, and is the embedded default and the test vehicle of the engine.
 //!
 //! Connection info is the process id plus a process-unique backend id; loading a peer
-//! resolves the peer's inbox once, so a post does no lookup. A peer from another
-//! process is refused at load time.
+//! resolves the peer's shared state (inbox and region table) once, so a post does no
+//! lookup. A peer from another process is refused at load time.
+//!
+//! # Remote regions are checked at post
+//!
+//! The initiator copies straight into (or out of) the target agent's memory, which the
+//! target may deregister at any time. Each backend instance therefore keeps a table of
+//! its regions shared with the peers that loaded it: a region's token is
+//! `generation << 32 | slot`, and its public metadata is that token. A post pins each
+//! peer region it touches with one compare-and-swap on the region's slot (once per run of
+//! ranges with the same token), which succeeds only while the slot holds the token's
+//! generation; its own regions it only checks (their `deregister` cannot overlap the
+//! post: both take the backend `&mut`). A request that names a region deregistered since
+//! fails the post with [`Error::NotFound`] naming the region, and no byte moves. The slot
+//! also holds the bounds the owner really registered, and every target range must lie
+//! inside them: a peer's metadata (which may come over the network) cannot make a copy
+//! reach past a registration. `deregister` bumps the generation once no copy has the
+//! region pinned (a copy in progress on another thread is waited for; it is a bounded
+//! `memmove`, never a wait on anything else). Cost: O(1) per range, no lock.
 //!
 //! # Fault injection
 //!
@@ -22,8 +39,8 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use crossbeam_queue::ArrayQueue;
 use ferry_backend_api::{
     effective_params, Backend, BackendFactory, BackendInit, Capabilities, Completions, Endpoint,
-    Error, Failure, FailureKind, MemKind, NotifSink, ParamSpec, Params, PeerId, Post, Range,
-    RegionSpec, Registered, RemoteAgent, Result, Subject,
+    Error, Failure, FailureKind, MemKind, NotifSink, ParamSpec, Params, PeerId, PeerRegions, Post,
+    Range, RegionSpec, Registered, RemoteAgent, Result, Subject,
 };
 use smallvec::SmallVec;
 
@@ -38,17 +55,208 @@ const PARAMS: &[ParamSpec] = &[ParamSpec {
     doc: "notifications an inbox holds before senders get a capacity error",
 }];
 
-/// An inbound notification. Payloads up to 64 bytes are stored inline (no allocation).
+/// An inbound notification. Payloads up to 64 bytes are stored inline; longer ones in a
+/// buffer taken from the target's pool of drained buffers (so steady-state sending
+/// allocates nothing at any length).
 struct Message {
     from: Arc<str>,
-    payload: SmallVec<[u8; 64]>,
+    payload: Payload,
 }
 
-/// One backend instance's mailbox, shared with every peer that loaded it.
-struct Inbox {
+enum Payload {
+    Inline(SmallVec<[u8; 64]>),
+    Pooled(Vec<u8>),
+}
+
+/// Drained payload buffers kept for reuse (at most this many).
+const PAYLOAD_POOL_LEN: usize = 1024;
+
+/// One backend instance's state shared with every peer that loaded it: its mailbox and
+/// its region table.
+struct Shared {
+    /// Inbound notifications. Bounded: a sender whose notification does not fit gets a
+    /// typed error (see [`Loopback::deliver`]); an accepted one stays until drained.
     queue: ArrayQueue<Message>,
+    /// Buffers of drained long payloads, reused by senders.
+    payload_pool: ArrayQueue<Vec<u8>>,
     /// Set when the owning backend is dropped.
     closed: AtomicBool,
+    /// Liveness of the owner's regions, read by every initiator at post.
+    regions: RegionSlots,
+}
+
+/// Regions one backend can hold at once.
+pub const REGIONS_MAX: usize = SLOTS_PER_CHUNK * CHUNKS;
+const SLOTS_PER_CHUNK: usize = 4096;
+const CHUNKS: usize = 256;
+
+/// The region table: per slot, `state` = `generation << 32 | pins` plus the region's
+/// address and length. An odd generation is a live region, an even one a free slot.
+/// Slots are allocated in chunks of 4,096 as registrations need them (at `register`,
+/// never at post), and a chunk once made is never freed or moved, so a reader needs no
+/// lock. The bounds are written before the generation that publishes them and do not
+/// change while the region is pinned.
+struct RegionSlots {
+    chunks: Box<[OnceLock<Box<[RegionSlot]>>]>,
+}
+
+#[derive(Default)]
+struct RegionSlot {
+    state: AtomicU64,
+    addr: AtomicU64,
+    len: AtomicU64,
+}
+
+/// A live region's bounds, read while it is pinned.
+#[derive(Clone, Copy)]
+struct Bounds {
+    addr: u64,
+    len: u64,
+}
+
+impl Bounds {
+    #[inline]
+    fn covers(self, addr: u64, len: u64) -> bool {
+        // Offset into the region (wraps to a huge value below it), then room left: no
+        // overflow anywhere.
+        let offset = addr.wrapping_sub(self.addr);
+        offset <= self.len && len <= self.len - offset
+    }
+}
+
+fn slot_of(token: u64) -> usize {
+    (token & u64::from(u32::MAX)) as usize
+}
+
+fn generation_of(token: u64) -> u32 {
+    (token >> 32) as u32
+}
+
+impl RegionSlots {
+    fn new() -> RegionSlots {
+        RegionSlots {
+            chunks: (0..CHUNKS).map(|_| OnceLock::new()).collect(),
+        }
+    }
+
+    fn slot(&self, index: usize) -> Option<&RegionSlot> {
+        self.chunks
+            .get(index / SLOTS_PER_CHUNK)?
+            .get()?
+            .get(index % SLOTS_PER_CHUNK)
+    }
+
+    /// Make the free slot `index` live for the region `addr`, `len`; returns its token.
+    fn activate(&self, index: usize, addr: u64, len: u64) -> u64 {
+        let chunk = self.chunks[index / SLOTS_PER_CHUNK].get_or_init(|| {
+            (0..SLOTS_PER_CHUNK)
+                .map(|_| RegionSlot::default())
+                .collect()
+        });
+        let slot = &chunk[index % SLOTS_PER_CHUNK];
+        let generation = generation_of(slot.state.load(Ordering::Acquire)).wrapping_add(1);
+        debug_assert!(generation & 1 == 1, "activating a live slot");
+        // Only the owner writes a free slot (readers fail on its even generation); the
+        // bounds are published by the release store of the generation.
+        slot.addr.store(addr, Ordering::Relaxed);
+        slot.len.store(len, Ordering::Relaxed);
+        slot.state
+            .store(u64::from(generation) << 32, Ordering::Release);
+        (u64::from(generation) << 32) | index as u64
+    }
+
+    /// Whether `token` names a live region.
+    fn is_live(&self, token: u64) -> bool {
+        let generation = generation_of(token);
+        generation & 1 == 1
+            && self
+                .slot(slot_of(token))
+                .is_some_and(|slot| generation_of(slot.state.load(Ordering::Acquire)) == generation)
+    }
+
+    /// The bounds of the live region `token`, without pinning it: for the owner's own
+    /// posts, which cannot overlap its `deregister` (both take the backend `&mut`).
+    fn bounds(&self, token: u64) -> Option<Bounds> {
+        let generation = generation_of(token);
+        let slot = self.slot(slot_of(token))?;
+        (generation & 1 == 1 && generation_of(slot.state.load(Ordering::Acquire)) == generation)
+            .then(|| Bounds {
+                addr: slot.addr.load(Ordering::Relaxed),
+                len: slot.len.load(Ordering::Relaxed),
+            })
+    }
+
+    /// Pin the region named by `token` for a copy; its bounds, or `None` if it is not
+    /// live.
+    fn pin(&self, token: u64) -> Option<Bounds> {
+        let generation = generation_of(token);
+        if generation & 1 == 0 {
+            return None;
+        }
+        let slot = self.slot(slot_of(token))?;
+        let mut current = slot.state.load(Ordering::Acquire);
+        loop {
+            if generation_of(current) != generation || current as u32 == u32::MAX {
+                return None;
+            }
+            match slot.state.compare_exchange_weak(
+                current,
+                current + 1,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => {
+                    return Some(Bounds {
+                        addr: slot.addr.load(Ordering::Relaxed),
+                        len: slot.len.load(Ordering::Relaxed),
+                    })
+                }
+                Err(now) => current = now,
+            }
+        }
+    }
+
+    /// Undo one [`RegionSlots::pin`] of `token`.
+    fn unpin(&self, token: u64) {
+        if let Some(slot) = self.slot(slot_of(token)) {
+            let before = slot.state.fetch_sub(1, Ordering::Release);
+            debug_assert!(before as u32 != 0, "unpin without pin");
+        }
+    }
+
+    /// Retire the live region `token` (its slot becomes free) once no copy pins it.
+    /// False if `token` is not live.
+    fn retire(&self, token: u64) -> bool {
+        let generation = generation_of(token);
+        let Some(slot) = self.slot(slot_of(token)) else {
+            return false;
+        };
+        let mut spins = 0u32;
+        loop {
+            let current = slot.state.load(Ordering::Acquire);
+            if generation & 1 == 0 || generation_of(current) != generation {
+                return false;
+            }
+            if current as u32 == 0 {
+                let free = u64::from(generation.wrapping_add(1)) << 32;
+                if slot
+                    .state
+                    .compare_exchange(current, free, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+                {
+                    return true;
+                }
+                continue;
+            }
+            // A peer's copy out of or into this region runs on another thread right now.
+            spins += 1;
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
 }
 
 /// Fault-injection controls of one backend instance (all default off).
@@ -123,7 +331,7 @@ impl Faults {
 }
 
 struct Directory {
-    inboxes: HashMap<u64, Weak<Inbox>>,
+    inboxes: HashMap<u64, Weak<Shared>>,
     faults: HashMap<String, Weak<Faults>>,
 }
 
@@ -167,7 +375,11 @@ impl BackendFactory for LoopbackFactory {
 /// A peer as seen by this backend.
 struct RemotePeer {
     name: String,
-    inbox: Weak<Inbox>,
+    /// The last (metadata token, region-table token) resolved through `regions`: a
+    /// request's ranges usually name one region, so most posts skip the lookup.
+    resolved: std::cell::Cell<(u64, u64)>,
+    shared: Weak<Shared>,
+    regions: Arc<dyn PeerRegions>,
 }
 
 /// A completion waiting for its "late" delay to pass.
@@ -182,7 +394,13 @@ pub struct Loopback {
     params: Params,
     id: u64,
     agent: Arc<str>,
-    inbox: Arc<Inbox>,
+    shared: Arc<Shared>,
+    /// Region slots free for reuse (their generation is even).
+    free_slots: Vec<u32>,
+    /// Slots used so far (the next never-used slot).
+    slots_used: usize,
+    /// Pins of the post in progress (capacity reused: no allocation in steady state).
+    pinned: Vec<(Table, u64)>,
     faults: Arc<Faults>,
     peers: HashMap<PeerId, RemotePeer>,
     held: VecDeque<Held>,
@@ -203,16 +421,18 @@ impl Loopback {
                 )
             })?;
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-        let inbox = Arc::new(Inbox {
+        let shared = Arc::new(Shared {
             queue: ArrayQueue::new(capacity),
+            payload_pool: ArrayQueue::new(PAYLOAD_POOL_LEN.min(capacity)),
             closed: AtomicBool::new(false),
+            regions: RegionSlots::new(),
         });
         let faults = Arc::new(Faults::default());
         {
             let mut dir = directory().lock().unwrap_or_else(|e| e.into_inner());
             dir.inboxes.retain(|_, w| w.strong_count() > 0);
             dir.faults.retain(|_, w| w.strong_count() > 0);
-            dir.inboxes.insert(id, Arc::downgrade(&inbox));
+            dir.inboxes.insert(id, Arc::downgrade(&shared));
             dir.faults
                 .insert(init.agent_name.to_string(), Arc::downgrade(&faults));
         }
@@ -220,7 +440,10 @@ impl Loopback {
             params,
             id,
             agent: Arc::from(init.agent_name),
-            inbox,
+            shared,
+            free_slots: Vec::new(),
+            slots_used: 0,
+            pinned: Vec::with_capacity(64),
             faults,
             peers: HashMap::new(),
             held: VecDeque::with_capacity(64),
@@ -232,9 +455,10 @@ impl Loopback {
         self.faults.clone()
     }
 
-    fn target_inbox(&self, endpoint: Endpoint) -> std::result::Result<Arc<Inbox>, Error> {
+    /// The shared state of the target of `endpoint` (ours for `Local`).
+    fn target(&self, endpoint: Endpoint) -> std::result::Result<Arc<Shared>, Error> {
         match endpoint {
-            Endpoint::Local => Ok(self.inbox.clone()),
+            Endpoint::Local => Ok(self.shared.clone()),
             Endpoint::Peer(peer) => {
                 let remote = self
                     .peers
@@ -245,8 +469,8 @@ impl Loopback {
                         subject: Subject::PeerName(remote.name.clone()),
                     });
                 }
-                match remote.inbox.upgrade() {
-                    Some(inbox) if !inbox.closed.load(Ordering::Acquire) => Ok(inbox),
+                match remote.shared.upgrade() {
+                    Some(shared) if !shared.closed.load(Ordering::Acquire) => Ok(shared),
                     _ => Err(Error::RemoteDisconnect {
                         subject: Subject::PeerName(remote.name.clone()),
                     }),
@@ -255,14 +479,29 @@ impl Loopback {
         }
     }
 
-    fn deliver(&self, inbox: &Inbox, payload: &[u8]) -> Result<()> {
+    /// Push a notification into `inbox`. A full inbox refuses it with a capacity error
+    /// to the sender (never a silent drop); once pushed it stays until drained.
+    fn deliver(&self, inbox: &Shared, payload: &[u8]) -> Result<()> {
+        let payload = if payload.len() <= 64 {
+            Payload::Inline(SmallVec::from_slice(payload))
+        } else {
+            let mut buffer = inbox.payload_pool.pop().unwrap_or_default();
+            buffer.clear();
+            buffer.extend_from_slice(payload);
+            Payload::Pooled(buffer)
+        };
         let message = Message {
             from: self.agent.clone(),
-            payload: SmallVec::from_slice(payload),
+            payload,
         };
-        inbox.queue.push(message).map_err(|_| Error::Capacity {
-            what: "loopback notification inbox",
-            limit: inbox.queue.capacity(),
+        inbox.queue.push(message).map_err(|refused| {
+            if let Payload::Pooled(buffer) = refused.payload {
+                let _ = inbox.payload_pool.push(buffer);
+            }
+            Error::Capacity {
+                what: "loopback notification inbox",
+                limit: inbox.queue.capacity(),
+            }
         })
     }
 
@@ -287,28 +526,172 @@ impl Loopback {
 
 impl Drop for Loopback {
     fn drop(&mut self) {
-        self.inbox.closed.store(true, Ordering::Release);
+        self.shared.closed.store(true, Ordering::Release);
         let mut dir = directory().lock().unwrap_or_else(|e| e.into_inner());
         dir.inboxes.remove(&self.id);
     }
 }
 
-/// Copy one range. Returns the range index on an address overflow.
-fn copy_range(op: ferry_backend_api::Op, range: &Range) {
+/// Copy one range.
+///
+/// # Safety
+///
+/// Both sides of `range` lie inside live regions registered in this process (pinned by
+/// the caller for the duration of the copy), whose registrants promised (`register` is
+/// unsafe) that the bytes stay valid while registered and that no Rust reference aliases
+/// them during a transfer.
+unsafe fn copy_range(op: ferry_backend_api::Op, range: &Range) {
     let (src, dst) = match op {
         ferry_backend_api::Op::Write => (range.local_addr, range.remote_addr),
         ferry_backend_api::Op::Read => (range.remote_addr, range.local_addr),
     };
-    // SAFETY: the executor hands us only ranges that lie inside regions registered on
-    // both sides (it resolved every descriptor against the section indexes), and the
-    // registrants promised (`register` is unsafe) that those bytes stay valid and
-    // writable while registered and that no Rust reference aliases them during a
-    // transfer. Both agents live in this process (checked at `load_remote`), so the
-    // addresses are ours. `copy` tolerates overlap between source and destination.
+    // SAFETY: per this function's contract both ranges are valid, registered and pinned
+    // (so neither side can be deregistered during the copy); both agents live in this
+    // process (checked at `load_remote`). `copy` tolerates overlap.
     unsafe {
         std::ptr::copy(src as *const u8, dst as *mut u8, range.len as usize);
     }
 }
+
+/// The error of a post that names a region deregistered since, or a range outside it.
+fn refused_range(owner: &str, side: &str, addr: u64, len: u64, why: &str) -> Error {
+    Error::NotFound {
+        subject: Subject::Named(
+            format!("{side} region of agent '{owner}' holding {addr:#x} (len {len}): {why}").into(),
+        ),
+    }
+}
+
+/// The target agent's token of a peer region, from its public metadata.
+fn peer_token(regions: &dyn PeerRegions, token: u64) -> Option<u64> {
+    let md = regions.public_md(token)?;
+    Some(u64::from_le_bytes(md.try_into().ok()?))
+}
+
+/// Which side of a batch's ranges to pin, and how its tokens name regions.
+#[derive(Clone, Copy)]
+enum Side<'a> {
+    /// Local ranges, our own table.
+    Local,
+    /// Remote ranges of a local transfer: tokens of our own table.
+    OwnTarget,
+    /// Remote ranges of a peer transfer: tokens through the peer's metadata.
+    Peer(&'a RemotePeer),
+}
+
+impl Side<'_> {
+    /// The region-table token `key` names (`None` where the peer's metadata does not
+    /// know the region).
+    fn resolve(self, key: u64) -> Option<u64> {
+        match self {
+            Side::Local | Side::OwnTarget => Some(key),
+            Side::Peer(peer) => {
+                let (cached_key, token) = peer.resolved.get();
+                if cached_key == key && token != 0 {
+                    return Some(token);
+                }
+                let token = peer_token(&*peer.regions, key)?;
+                peer.resolved.set((key, token));
+                Some(token)
+            }
+        }
+    }
+}
+
+/// Which table a pin was taken in.
+#[derive(Clone, Copy)]
+enum Table {
+    /// The initiator's own (local ranges).
+    Own,
+    /// The target's (remote ranges; the own table again for a local transfer).
+    Target,
+}
+
+/// Pin every region `batch` names on both sides, once per run of ranges with the same
+/// token (merged ranges of one region share it, so this is usually once per request
+/// side), resolving a peer's token only when it changes, and check that every remote
+/// range lies inside the bounds its region really has (a peer's metadata cannot widen
+/// them; a local range is checked when its run starts). Pins
+/// taken are recorded in `pinned`; on a region that is not live or a range outside it,
+/// the offending range, which side, and the reason are returned (the caller releases
+/// what `pinned` holds). One pass, O(1) per range.
+fn pin_batch<'a>(
+    own: &RegionSlots,
+    target: &RegionSlots,
+    remote_side: Side<'_>,
+    batch: &'a [Post<'a>],
+    pinned: &mut Vec<(Table, u64)>,
+) -> std::result::Result<(), (&'a Range, Side<'static>, &'static str)> {
+    // The current run on each side: its token (and the remote region's bounds).
+    let mut local: Option<u64> = None;
+    // The current target run's bounds (set when the run starts).
+    let mut remote_key: Option<u64> = None;
+    let mut remote_bounds = Bounds { addr: 0, len: 0 };
+    for post in batch {
+        for range in post.ranges {
+            // The local side's bounds are the caller's promise (`post` is unsafe) and the
+            // executor's section index keeps it; checked once per run, when pinned.
+            if local != Some(range.local_token) {
+                let key = range.local_token;
+                let bounds = pin_run(own, Table::Own, Side::Local, key, pinned).ok_or((
+                    range,
+                    Side::Local,
+                    STALE,
+                ))?;
+                local = Some(key);
+                if !bounds.covers(range.local_addr, range.len) {
+                    return Err((range, Side::Local, OUTSIDE));
+                }
+            }
+            if remote_key != Some(range.remote_token) {
+                let key = range.remote_token;
+                remote_bounds = pin_run(target, Table::Target, remote_side, key, pinned)
+                    .ok_or((range, Side::OwnTarget, STALE))?;
+                remote_key = Some(key);
+            }
+            if !remote_bounds.covers(range.remote_addr, range.len) {
+                return Err((range, Side::OwnTarget, OUTSIDE));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Start a run: resolve `key` on `side` and check its region in `table`. A peer's region
+/// is pinned (its owner may deregister it from another thread; the pin is recorded);
+/// this backend's own regions need no pin, since their `deregister` cannot overlap this
+/// post.
+#[inline(never)]
+fn pin_run(
+    table: &RegionSlots,
+    which: Table,
+    side: Side<'_>,
+    key: u64,
+    pinned: &mut Vec<(Table, u64)>,
+) -> Option<Bounds> {
+    let token = side.resolve(key)?;
+    if !matches!(side, Side::Peer(_)) {
+        return table.bounds(token);
+    }
+    let bounds = table.pin(token)?;
+    pinned.push((which, token));
+    Some(bounds)
+}
+
+/// Release the pins [`pin_batch`] recorded.
+fn unpin_all(own: &RegionSlots, target: &RegionSlots, pinned: &[(Table, u64)]) {
+    for &(which, token) in pinned {
+        match which {
+            Table::Own => own.unpin(token),
+            Table::Target => target.unpin(token),
+        }
+    }
+}
+
+/// Why a post was refused: the region is gone.
+const STALE: &str = "deregistered since the request was built (stale region)";
+/// Why a post was refused: the range is not inside the region.
+const OUTSIDE: &str = "the range lies outside the region registered there";
 
 impl Backend for Loopback {
     fn name(&self) -> &'static str {
@@ -328,7 +711,7 @@ impl Backend for Loopback {
         &self.params
     }
 
-    fn register(&mut self, region: &RegionSpec<'_>) -> Result<Registered> {
+    unsafe fn register(&mut self, region: &RegionSpec<'_>) -> Result<Registered> {
         if region.kind != MemKind::Dram {
             return Err(Error::NotSupported {
                 backend: NAME.into(),
@@ -346,13 +729,40 @@ impl Backend for Loopback {
                 "not a valid host address range",
             ));
         }
+        let index = match self.free_slots.pop() {
+            Some(index) => index as usize,
+            None if self.slots_used < REGIONS_MAX => {
+                self.slots_used += 1;
+                self.slots_used - 1
+            }
+            None => {
+                return Err(Error::Capacity {
+                    what: "loopback regions",
+                    limit: REGIONS_MAX,
+                })
+            }
+        };
+        let token = self
+            .shared
+            .regions
+            .activate(index, region.desc.addr, region.desc.len);
         Ok(Registered {
-            token: 0,
-            public_md: Vec::new(),
+            token,
+            // Peers check the region's liveness through this token at post.
+            public_md: token.to_le_bytes().to_vec(),
         })
     }
 
-    fn deregister(&mut self, _kind: MemKind, _token: u64) -> Result<()> {
+    unsafe fn deregister(&mut self, kind: MemKind, token: u64) -> Result<()> {
+        if kind != MemKind::Dram || !self.shared.regions.is_live(token) {
+            return Err(Error::not_found(Subject::Named(
+                format!("loopback {kind} region token {token:#x}").into(),
+            )));
+        }
+        // Waits only for a peer's copy that has the region pinned right now.
+        let retired = self.shared.regions.retire(token);
+        debug_assert!(retired, "only the owner retires its regions");
+        self.free_slots.push(slot_of(token) as u32);
         Ok(())
     }
 
@@ -393,7 +803,7 @@ impl Backend for Loopback {
                 .into(),
             });
         }
-        let inbox = {
+        let shared = {
             let dir = directory().lock().unwrap_or_else(|e| e.into_inner());
             dir.inboxes.get(&id).cloned()
         }
@@ -405,7 +815,9 @@ impl Backend for Loopback {
             peer,
             RemotePeer {
                 name: remote.name.to_string(),
-                inbox,
+                shared,
+                regions: remote.regions,
+                resolved: std::cell::Cell::new((0, 0)),
             },
         );
         Ok(())
@@ -416,10 +828,10 @@ impl Backend for Loopback {
     }
 
     fn connect(&mut self, peer: PeerId) -> Result<()> {
-        self.target_inbox(Endpoint::Peer(peer)).map(|_| ())
+        self.target(Endpoint::Peer(peer)).map(|_| ())
     }
 
-    fn post(
+    unsafe fn post(
         &mut self,
         endpoint: Endpoint,
         batch: &[Post<'_>],
@@ -428,7 +840,39 @@ impl Backend for Loopback {
         if self.faults.panic_next_post.swap(false, Ordering::SeqCst) {
             panic!("loopback fault injection: panic inside post");
         }
-        let inbox = self.target_inbox(endpoint)?;
+        let target = self.target(endpoint)?;
+        let remote_side = match endpoint {
+            Endpoint::Local => Side::OwnTarget,
+            Endpoint::Peer(peer) => Side::Peer(self.peers.get(&peer).expect("target() checked it")),
+        };
+        // Pin every region the batch touches, on both sides, before moving any byte: a
+        // region deregistered since the request was built (or a range outside its
+        // region) fails the whole post.
+        self.pinned.clear();
+        let checked = pin_batch(
+            &self.shared.regions,
+            &target.regions,
+            remote_side,
+            batch,
+            &mut self.pinned,
+        );
+        let pinned = std::mem::take(&mut self.pinned);
+        if let Err((range, side, why)) = checked {
+            unpin_all(&self.shared.regions, &target.regions, &pinned);
+            self.pinned = pinned;
+            return Err(match side {
+                Side::Local => {
+                    refused_range(&self.agent, "local", range.local_addr, range.len, why)
+                }
+                _ => {
+                    let owner = match endpoint {
+                        Endpoint::Peer(peer) => self.peers[&peer].name.as_str(),
+                        Endpoint::Local => &*self.agent,
+                    };
+                    refused_range(owner, "target", range.remote_addr, range.len, why)
+                }
+            });
+        }
         for post in batch {
             if self.faults.take_failure() {
                 let failure = Failure {
@@ -440,11 +884,16 @@ impl Backend for Loopback {
                 continue;
             }
             for range in post.ranges {
-                copy_range(post.op, range);
+                // SAFETY: the caller promised (`post` is unsafe) that the local ranges
+                // (and a local transfer's remote ranges) lie inside registered regions
+                // that stay valid until completion; a peer's ranges come from its
+                // published metadata and lie inside its regions. Every region on both
+                // sides is pinned above, so no side can be deregistered during the copy.
+                unsafe { copy_range(post.op, range) };
             }
             let mut result = Ok(());
             if let Some(payload) = post.notif {
-                if self.deliver(&inbox, payload).is_err() {
+                if self.deliver(&target, payload).is_err() {
                     result = Err(Failure {
                         kind: FailureKind::Backend,
                         errno: 105, // ENOBUFS
@@ -454,6 +903,8 @@ impl Backend for Loopback {
             }
             self.finish(post.tag, result, done);
         }
+        unpin_all(&self.shared.regions, &target.regions, &pinned);
+        self.pinned = pinned;
         Ok(())
     }
 
@@ -484,14 +935,21 @@ impl Backend for Loopback {
     }
 
     fn notify(&mut self, endpoint: Endpoint, payload: &[u8]) -> Result<()> {
-        let inbox = self.target_inbox(endpoint)?;
-        self.deliver(&inbox, payload)
+        let target = self.target(endpoint)?;
+        self.deliver(&target, payload)
     }
 
     fn drain_notifications(&mut self, sink: &mut dyn NotifSink) -> usize {
         let mut count = 0;
-        while let Some(message) = self.inbox.queue.pop() {
-            sink.deliver(&message.from, &message.payload);
+        while let Some(message) = self.shared.queue.pop() {
+            match message.payload {
+                Payload::Inline(bytes) => sink.deliver(&message.from, &bytes),
+                Payload::Pooled(buffer) => {
+                    sink.deliver(&message.from, &buffer);
+                    // A full pool lets the buffer go (bounded memory).
+                    let _ = self.shared.payload_pool.push(buffer);
+                }
+            }
             count += 1;
         }
         count

@@ -164,16 +164,20 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchResult> {
     given.insert("access_hint".into(), "sequential".into());
     let mut backend = PosixBackend::new(effective_params(NAME, PARAMS, &given)?)?;
 
-    let mem_token = backend
-        .register(&RegionSpec {
+    // SAFETY: `mem` is declared before `backend`, so it outlives every registration
+    // (the backend is dropped first); it is deregistered below after the last request.
+    let mem_token = unsafe {
+        backend.register(&RegionSpec {
             kind: MemKind::Dram,
             desc: Desc::new(mem.ptr as u64, cfg.total_bytes, 0),
             path: None,
-        })?
-        .token;
-    let fixed_buffer = mem_token != 0;
-    let file_token = backend
-        .register(&RegionSpec {
+        })
+    }?
+    .token;
+    let fixed_buffer = mem_token & crate::pool::PLAIN_DRAM == 0;
+    // SAFETY: a FILE region by path: the backend opens and owns the file.
+    let file_token = unsafe {
+        backend.register(&RegionSpec {
             kind: MemKind::File,
             desc: Desc::new(0, 0, 0),
             path: Some((
@@ -184,8 +188,9 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchResult> {
                     ..FileMode::default()
                 },
             )),
-        })?
-        .token;
+        })
+    }?
+    .token;
 
     let ranges: Vec<Range> = (0..blocks)
         .map(|i| Range {
@@ -217,7 +222,10 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchResult> {
         invalidate(&cfg.path)?;
         done.clear();
         let start = Instant::now();
-        backend.post(Endpoint::Local, &posts, &mut done)?;
+        // SAFETY: every range lies inside `mem` and the file region, both registered
+        // above; the loop below waits for every completion before the next round, and
+        // nothing else reads or writes `mem` meanwhile.
+        unsafe { backend.post(Endpoint::Local, &posts, &mut done) }?;
         while done.len() < posts.len() {
             backend.wait(&mut done, Duration::from_millis(100))?;
         }
@@ -230,8 +238,11 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchResult> {
         }
         gbps.push(cfg.total_bytes as f64 / secs / 1e9);
     }
-    backend.deregister(MemKind::File, file_token)?;
-    backend.deregister(MemKind::Dram, mem_token)?;
+    // SAFETY: every request completed (waited for above).
+    unsafe {
+        backend.deregister(MemKind::File, file_token)?;
+        backend.deregister(MemKind::Dram, mem_token)?;
+    }
     drop(backend);
 
     let mut sorted = gbps.clone();

@@ -10,6 +10,16 @@ use ferry_backend_api::{Failure, Op};
 /// Sentinel for "no fixed buffer".
 pub(crate) const NO_FIXED_BUF: u16 = u16::MAX;
 
+/// "No plain DRAM region" in [`IoOp::plain`].
+pub(crate) const NO_PLAIN: u32 = u32::MAX;
+
+/// Marks a DRAM token of the plain (not fixed-buffer) region table. Table tokens keep
+/// their slot (+1) in the low 31 bits, so the bit never collides.
+pub(crate) const PLAIN_DRAM: u64 = 1 << 31;
+
+/// Most plain DRAM regions at once.
+pub(crate) const PLAIN_DRAM_MAX: usize = 1 << 20;
+
 /// One posted request, alive from `post` until its completion is pushed.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Request {
@@ -59,6 +69,8 @@ pub(crate) struct IoOp {
     pub done_bytes: u64,
     /// Fixed buffer index, or [`NO_FIXED_BUF`].
     pub fixed_buf: u16,
+    /// Plain DRAM table slot of the memory side, or [`NO_PLAIN`].
+    pub plain: u32,
 }
 
 impl IoOp {
@@ -74,6 +86,7 @@ impl IoOp {
         len_bytes: 0,
         done_bytes: 0,
         fixed_buf: NO_FIXED_BUF,
+        plain: NO_PLAIN,
     };
 }
 
@@ -220,26 +233,63 @@ impl FileEntry {
 #[derive(Debug)]
 pub(crate) struct Table<T> {
     entries: Vec<(u32, Option<T>)>,
+    /// Operations (queued or in flight) that use each slot, indexed by slot: what
+    /// deregistration checks instead of scanning the operation slab.
+    uses: Vec<u32>,
+    /// Empty slots (the next one handed out last): finding a vacant slot is O(1).
+    free: Vec<u32>,
 }
 
 impl<T> Table<T> {
     pub fn new(capacity: u32) -> Self {
         Table {
             entries: (0..capacity).map(|_| (0, None)).collect(),
+            uses: vec![0; capacity as usize],
+            free: (0..capacity).rev().collect(),
         }
+    }
+    /// One more operation uses `slot`.
+    pub fn acquire(&mut self, slot: u32) {
+        self.uses[slot as usize] += 1;
+    }
+    /// An operation that used `slot` is done.
+    pub fn release(&mut self, slot: u32) {
+        debug_assert!(self.uses[slot as usize] > 0);
+        self.uses[slot as usize] -= 1;
+    }
+    /// Whether an operation uses `slot`.
+    pub fn in_use(&self, slot: u32) -> bool {
+        self.uses[slot as usize] > 0
     }
     pub fn capacity(&self) -> usize {
         self.entries.len()
     }
+    /// A free slot, growing the table by one (up to `max` slots) when none is free.
+    pub fn vacant_or_grow(&mut self, max: usize) -> Option<u32> {
+        if let Some(slot) = self.vacant() {
+            return Some(slot);
+        }
+        if self.entries.len() >= max {
+            return None;
+        }
+        self.entries.push((0, None));
+        self.uses.push(0);
+        let slot = self.entries.len() as u32 - 1;
+        self.free.push(slot);
+        Some(slot)
+    }
     /// A free slot, if any.
     pub fn vacant(&self) -> Option<u32> {
-        self.entries
-            .iter()
-            .position(|(_, e)| e.is_none())
-            .map(|i| i as u32)
+        self.free.last().copied()
     }
     /// Fill `slot`; returns its token.
     pub fn fill(&mut self, slot: u32, value: T) -> u64 {
+        if self.free.last() == Some(&slot) {
+            self.free.pop();
+        } else if let Some(i) = self.free.iter().position(|&s| s == slot) {
+            // Only when a caller fills a slot other than `vacant()`'s.
+            self.free.swap_remove(i);
+        }
         let entry = &mut self.entries[slot as usize];
         debug_assert!(entry.1.is_none());
         entry.1 = Some(value);
@@ -261,17 +311,25 @@ impl<T> Table<T> {
         let value = entry.1.take();
         if value.is_some() {
             entry.0 = entry.0.wrapping_add(1);
+            self.free.push(slot);
         }
         value
     }
     pub fn len(&self) -> usize {
-        self.entries.iter().filter(|(_, e)| e.is_some()).count()
+        self.entries.len() - self.free.len()
     }
+    /// Empty every slot (bumping generations), handing the values out.
     pub fn drain(&mut self) -> impl Iterator<Item = (u32, T)> + '_ {
+        let free = &mut self.free;
         self.entries
             .iter_mut()
             .enumerate()
-            .filter_map(|(i, (_, e))| e.take().map(|v| (i as u32, v)))
+            .filter_map(move |(i, (generation, e))| {
+                let value = e.take()?;
+                *generation = generation.wrapping_add(1);
+                free.push(i as u32);
+                Some((i as u32, value))
+            })
     }
 }
 

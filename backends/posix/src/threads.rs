@@ -173,10 +173,17 @@ fn worker(shared: &Shared) {
             }
         };
         let result = run(&cmd);
-        // Cannot be full: at most `depth` operations are in flight and the queue holds
-        // `depth`.
-        let pushed = shared.done.push((cmd.user_data, result));
-        debug_assert!(pushed.is_ok());
+        // Cannot be full: an operation counts as in flight from `push` until `reap` has
+        // popped its result, `push` admits at most `depth` in flight, and the queue holds
+        // `depth`; so every result waiting here belongs to a distinct in-flight
+        // operation. Should that ever not hold, the worker waits for room (back-pressure)
+        // instead of dropping a completion.
+        let mut entry = (cmd.user_data, result);
+        while let Err(back) = shared.done.push(entry) {
+            debug_assert!(false, "completion queue full: more than `depth` in flight");
+            entry = back;
+            std::thread::yield_now();
+        }
         let _guard = lock(&shared.done_lock);
         shared.done_signal.notify_one();
     }

@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use ferry_backend_api::{Backend, Completions, Endpoint, Op};
+use ferry_backend_api::{Completions, Endpoint, Op};
 use ferry_testkit::alloc::{self as counting, CountingAlloc};
 
 #[global_allocator]
@@ -38,7 +38,7 @@ fn long_loop_allocates_nothing_and_leaks_nothing() {
                 Op::Read
             };
             let batch = [post(i, op, &ranges), post(i + (1 << 40), op, &ranges[..1])];
-            b.post(Endpoint::Local, &batch, &mut done).unwrap();
+            b.post_t(Endpoint::Local, &batch, &mut done).unwrap();
             while done.len() < 2 {
                 b.wait(&mut done, Duration::from_millis(100)).unwrap();
             }

@@ -1,5 +1,8 @@
 //! DRAM ↔ FILE transfers through the `Backend` trait, against both engines.
 
+// Reason: the tests call the backend's unsafe methods (through `common::TestCalls`).
+#![allow(unsafe_code)]
+
 mod common;
 
 use std::fs;
@@ -256,7 +259,7 @@ fn many_files_in_one_request() {
         assert_all_ok(&run(&mut b, &[post(2, Op::Read, &reads)]).unwrap());
         assert_eq!(dst, src);
         for t in tokens {
-            b.deregister(MemKind::File, t).unwrap();
+            b.deregister_t(MemKind::File, t).unwrap();
         }
         assert_eq!(b.stats().files_registered, 0);
     }
@@ -269,7 +272,7 @@ fn file_registered_by_descriptor_stays_open_after_deregistration() {
         tmp.write_all(&[1u8; 8192]).unwrap();
         let mut b = backend(engine, &[]);
         let file = b
-            .register(&RegionSpec {
+            .register_t(&RegionSpec {
                 kind: MemKind::File,
                 desc: Desc::new(4096, 4096, tmp.as_raw_fd() as u64),
                 path: None,
@@ -293,7 +296,7 @@ fn file_registered_by_descriptor_stays_open_after_deregistration() {
             ),
             "{err}"
         );
-        b.deregister(MemKind::File, file).unwrap();
+        b.deregister_t(MemKind::File, file).unwrap();
         // The caller's fd is still open and holds what was written.
         let meta = tmp.metadata().unwrap();
         assert_eq!(meta.len(), 8192);
@@ -305,7 +308,7 @@ fn file_registered_by_descriptor_stays_open_after_deregistration() {
         assert_eq!(&all[4096..], &[9u8; 4096][..]);
         // A bogus descriptor is refused at registration.
         let err = b
-            .register(&RegionSpec {
+            .register_t(&RegionSpec {
                 kind: MemKind::File,
                 desc: Desc::new(0, 0, 1_000_000),
                 path: None,
@@ -483,7 +486,7 @@ fn a_request_mixing_valid_and_invalid_descriptors_fails_cleanly() {
         let mut b = backend(engine, &[]);
         let file = register_path(&mut b, &path, FileMode::default()).unwrap();
         let stale = register_path(&mut b, &path, FileMode::default()).unwrap();
-        b.deregister(MemKind::File, stale).unwrap();
+        b.deregister_t(MemKind::File, stale).unwrap();
         let mut dst = vec![0u8; 8192];
         let token = register_dram(&mut b, &dst);
         let base = dst.as_mut_ptr() as u64;
@@ -495,7 +498,7 @@ fn a_request_mixing_valid_and_invalid_descriptors_fails_cleanly() {
         let mut done = Completions::with_capacity(4);
         // The whole batch is refused before anything starts; the error names range #1.
         let err = b
-            .post(
+            .post_t(
                 Endpoint::Local,
                 &[post(1, Op::Read, &good), post(2, Op::Read, &mixed)],
                 &mut done,
@@ -580,7 +583,7 @@ fn misaligned_direct_ranges_are_refused_naming_descriptor_and_alignment() {
             }
             let mut done = Completions::with_capacity(1);
             assert_eq!(
-                b.post(Endpoint::Local, &[post(1, Op::Write, &ranges)], &mut done),
+                b.post_t(Endpoint::Local, &[post(1, Op::Write, &ranges)], &mut done),
                 Err(err)
             );
             assert!(done.is_empty());
@@ -600,7 +603,7 @@ fn queued_requests_can_be_canceled_in_flight_ones_cannot() {
         let r1 = [range(src.as_ptr() as u64, 0, 4096, token, file)];
         let r2 = [range(src.as_ptr() as u64, 4096, 4096, token, file)];
         let mut done = Completions::with_capacity(2);
-        b.post(
+        b.post_t(
             Endpoint::Local,
             &[post(1, Op::Write, &r1), post(2, Op::Write, &r2)],
             &mut done,
@@ -637,17 +640,17 @@ fn deregistering_a_region_in_use_is_refused() {
             .map(|i| range(src.as_ptr() as u64 + i * 4096, i * 4096, 4096, token, file))
             .collect();
         let mut done = Completions::with_capacity(1);
-        b.post(Endpoint::Local, &[post(1, Op::Write, &rs)], &mut done)
+        b.post_t(Endpoint::Local, &[post(1, Op::Write, &rs)], &mut done)
             .unwrap();
         assert!(matches!(
-            b.deregister(MemKind::File, file),
+            b.deregister_t(MemKind::File, file),
             Err(Error::NotAllowed { .. })
         ));
         wait_for(&mut b, &mut done, 1);
-        b.deregister(MemKind::File, file).unwrap();
-        b.deregister(MemKind::Dram, token).unwrap();
+        b.deregister_t(MemKind::File, file).unwrap();
+        b.deregister_t(MemKind::Dram, token).unwrap();
         assert!(matches!(
-            b.deregister(MemKind::File, file),
+            b.deregister_t(MemKind::File, file),
             Err(Error::NotFound { .. })
         ));
     }
@@ -658,7 +661,7 @@ fn empty_requests_complete_at_once() {
     for engine in engines() {
         let mut b = backend(engine, &[]);
         let mut done = Completions::with_capacity(1);
-        b.post(Endpoint::Local, &[post(42, Op::Read, &[])], &mut done)
+        b.post_t(Endpoint::Local, &[post(42, Op::Read, &[])], &mut done)
             .unwrap();
         assert_eq!(done.as_slice().len(), 1);
         assert_eq!(done.as_slice()[0].tag, 42);
@@ -745,4 +748,57 @@ fn bad_parameters_are_refused() {
     );
     assert!(backend.capabilities().supports(MemKind::File));
     assert!(!backend.capabilities().remote);
+}
+
+#[test]
+fn a_deregistered_memory_region_is_refused_at_post_and_moves_no_byte() {
+    for engine in engines() {
+        // Plain memory and (with io_uring) a fixed buffer: both are tracked.
+        for fixed in ["false", "true"] {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("stale.bin");
+            fs::write(&path, vec![0x11u8; 8192]).unwrap();
+            let mut b = backend(engine, &[("register_buffers", fixed)]);
+            let file = register_path(&mut b, &path, rw_create()).unwrap();
+            let src = vec![0xEEu8; 8192];
+            let token = register_dram(&mut b, &src);
+            let ranges = [range(src.as_ptr() as u64, 0, 8192, token, file)];
+            // In use: refused; completed: allowed.
+            let mut done = Completions::with_capacity(2);
+            b.post_t(Endpoint::Local, &[post(1, Op::Write, &ranges)], &mut done)
+                .unwrap();
+            let busy = b.deregister_t(MemKind::Dram, token);
+            if done.is_empty() {
+                assert!(
+                    matches!(busy, Err(Error::NotAllowed { .. })),
+                    "{engine} fixed={fixed}: {busy:?}"
+                );
+                wait_for(&mut b, &mut done, 1);
+                b.deregister_t(MemKind::Dram, token).unwrap();
+            } else {
+                // Finished inside post (possible with the thread pool): deregistered.
+                busy.unwrap();
+            }
+            assert_all_ok(done.as_slice());
+            fs::write(&path, vec![0x11u8; 8192]).unwrap();
+            // Posting with the stale token: refused whole, nothing written.
+            let mut done = Completions::with_capacity(1);
+            let err = b
+                .post_t(Endpoint::Local, &[post(2, Op::Write, &ranges)], &mut done)
+                .unwrap_err();
+            assert!(
+                matches!(err, Error::NotFound { .. }),
+                "{engine} fixed={fixed}: {err}"
+            );
+            assert!(done.is_empty());
+            assert_eq!(
+                fs::read(&path).unwrap(),
+                vec![0x11u8; 8192],
+                "file untouched"
+            );
+            // A second deregistration names the problem too.
+            let again = b.deregister_t(MemKind::Dram, token);
+            assert!(matches!(again, Err(Error::NotFound { .. })), "{again:?}");
+        }
+    }
 }

@@ -27,6 +27,9 @@
 //!   [`FailureKind::RemoteDisconnect`](ferry_backend_api::FailureKind), later posts to
 //!   it fail with [`Error::RemoteDisconnect`] until its metadata is reloaded with new
 //!   connection info.
+//! - **Unloading** a peer force-closes its endpoint: its in-flight requests are canceled
+//!   by UCX and reported, once each, from their callbacks; the endpoint's callback state
+//!   and rkeys live until UCX confirms the close (see `state/peers.rs`).
 //!
 //! # Which UCX
 //!
@@ -125,6 +128,31 @@ pub const PARAMS: &[ParamSpec] = &[
               set; 'ucx' = UCX's own default (8256)",
     },
     ParamSpec {
+        name: "notif_queue",
+        default: "65536",
+        doc: "inbound notifications the inbox holds until drained; past it a local sender gets a \
+              capacity error and a peer's notification is refused and counted",
+    },
+    ParamSpec {
+        name: "notif_queue_bytes",
+        default: "67108864",
+        doc: "bytes (payloads and sender names) the inbox holds until drained; past it as for \
+              notif_queue",
+    },
+    ParamSpec {
+        name: "ep_close",
+        default: "force",
+        doc: "how unload/disconnect close an endpoint: 'force' (UCX cancels outstanding \
+              requests at once) or 'flush' (they finish first; the close may take as long as \
+              the peer needs, in the background)",
+    },
+    ParamSpec {
+        name: "close_progress_rounds",
+        default: "256",
+        doc: "worker progress rounds an endpoint close may take inside unload/disconnect; a \
+              close still pending then finishes in the background (0 = always)",
+    },
+    ParamSpec {
         name: "max_requests",
         default: "8192",
         doc: "requests (and standalone notifications) in flight at once",
@@ -159,6 +187,14 @@ pub struct Config {
     pub max_requests: usize,
     /// Largest single put/get in bytes.
     pub chunk_bytes: u64,
+    /// Notifications the inbox holds until drained.
+    pub notif_entries_max: usize,
+    /// Bytes the inbox holds until drained.
+    pub notif_bytes_max: usize,
+    /// Progress rounds a close may take before it finishes in the background.
+    pub close_rounds: u32,
+    /// Close endpoints forcibly (`ep_close=force`) rather than after a flush.
+    pub close_force: bool,
     /// Receive FIFO entries of UCX's shared-memory transports to set (`None` = leave
     /// UCX's configuration alone).
     pub shm_fifo_size: Option<u32>,
@@ -257,6 +293,26 @@ impl Config {
             .ok()
             .filter(|n| (1..=1 << 20).contains(n))
             .ok_or_else(|| bad("max_requests", "expected 1..=1048576"))?;
+        let notif_entries_max: usize = get("notif_queue")
+            .parse()
+            .ok()
+            .filter(|n| (1..=1 << 24).contains(n))
+            .ok_or_else(|| bad("notif_queue", "expected 1..=16777216"))?;
+        let notif_bytes_max: usize = get("notif_queue_bytes")
+            .parse()
+            .ok()
+            .filter(|n| (1024..=1 << 40).contains(n))
+            .ok_or_else(|| bad("notif_queue_bytes", "expected 1024..=2^40"))?;
+        let close_force = match get("ep_close") {
+            "force" => true,
+            "flush" => false,
+            _ => return Err(bad("ep_close", "expected 'force' or 'flush'")),
+        };
+        let close_rounds: u32 = get("close_progress_rounds")
+            .parse()
+            .ok()
+            .filter(|n| *n <= 65536)
+            .ok_or_else(|| bad("close_progress_rounds", "expected 0..=65536"))?;
         let chunk_bytes: u64 = get("chunk_bytes")
             .parse()
             .ok()
@@ -284,6 +340,10 @@ impl Config {
         )
         .map_err(|()| bad("shm_seg_bytes", "expected 'auto', 'ucx' or 4096..=32768"))?;
         Ok(Config {
+            notif_entries_max,
+            notif_bytes_max,
+            close_rounds,
+            close_force,
             shm_fifo_size,
             shm_seg_bytes,
             chunk_bytes,
@@ -353,6 +413,8 @@ pub struct UcxBackend {
     core: Arc<Mutex<Core>>,
     params: Params,
     version: UcxVersion,
+    /// Refused notifications already logged.
+    refused_reported: u64,
     // Declared last: dropped (thread stopped and joined) before `core` is released.
     thread: Option<ProgressThread>,
 }
@@ -386,6 +448,7 @@ impl UcxBackend {
             core,
             params,
             version,
+            refused_reported: 0,
             thread,
         })
     }
@@ -432,6 +495,21 @@ impl UcxBackend {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Peers' notifications refused because the inbox was full (see the `notif_queue`
+    /// and `notif_queue_bytes` parameters). Local senders get an error instead.
+    pub fn refused_notifications(&self) -> u64 {
+        self.core()
+            .events
+            .refused_notifs
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Endpoints whose close UCX has not confirmed yet (their error-handler state and
+    /// rkeys are kept until it has; see `state/peers.rs`).
+    pub fn closing_endpoints(&self) -> usize {
+        self.core().closing_endpoints()
+    }
+
     /// Whether a progress thread runs.
     pub fn has_progress_thread(&self) -> bool {
         self.thread.is_some()
@@ -456,7 +534,7 @@ impl Backend for UcxBackend {
         &self.params
     }
 
-    fn register(&mut self, region: &RegionSpec<'_>) -> Result<Registered> {
+    unsafe fn register(&mut self, region: &RegionSpec<'_>) -> Result<Registered> {
         if region.kind != MemKind::Dram {
             return Err(Error::NotSupported {
                 backend: BACKEND.into(),
@@ -479,7 +557,7 @@ impl Backend for UcxBackend {
         Ok(Registered { token, public_md })
     }
 
-    fn deregister(&mut self, kind: MemKind, token: u64) -> Result<()> {
+    unsafe fn deregister(&mut self, kind: MemKind, token: u64) -> Result<()> {
         if kind != MemKind::Dram {
             return Err(Error::NotSupported {
                 backend: BACKEND.into(),
@@ -515,7 +593,7 @@ impl Backend for UcxBackend {
         self.core().disconnect(peer)
     }
 
-    fn post(
+    unsafe fn post(
         &mut self,
         endpoint: Endpoint,
         batch: &[Post<'_>],
@@ -538,7 +616,19 @@ impl Backend for UcxBackend {
     }
 
     fn drain_notifications(&mut self, sink: &mut dyn NotifSink) -> usize {
-        let core = self.core();
+        let core = self.core.lock().unwrap_or_else(|e| e.into_inner());
+        let refused = core
+            .events
+            .refused_notifs
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if refused != self.refused_reported {
+            log::warn!(
+                "UCX: {} notification(s) from peers refused: inbox full (notif_queue, \
+                 notif_queue_bytes)",
+                refused - self.refused_reported
+            );
+            self.refused_reported = refused;
+        }
         let mut inbox = core.events.inbox.lock().unwrap_or_else(|e| e.into_inner());
         inbox.drain(|from, payload| sink.deliver(from, payload))
     }
@@ -569,6 +659,10 @@ mod tests {
             ("shm_fifo_size", "big"),
             ("shm_seg_bytes", "65536"),
             ("shm_seg_bytes", "1"),
+            ("notif_queue", "0"),
+            ("notif_queue_bytes", "10"),
+            ("ep_close", "gently"),
+            ("close_progress_rounds", "-1"),
         ] {
             let mut params = defaults.clone();
             params.insert(key.into(), value.into());

@@ -8,6 +8,9 @@
 //!
 //! `harness = false`: `main` runs the scenarios (or the child role) itself.
 
+// Reason: the tests call the backend's unsafe methods (through `common::TestCalls`).
+#![allow(unsafe_code)]
+
 mod common;
 
 use std::io::{Read, Write};
@@ -101,6 +104,8 @@ struct Target {
     stream: TcpStream,
     token: u64,
     addr: u64,
+    conn_info: Vec<u8>,
+    md: Vec<u8>,
 }
 
 fn spawn_target(transports: &str, ucx: &mut UcxBackend, peer: PeerId) -> Target {
@@ -117,12 +122,14 @@ fn spawn_target(transports: &str, ucx: &mut UcxBackend, peer: PeerId) -> Target 
     let token = u64::from_le_bytes(recv_frame(&mut stream).try_into().unwrap());
     let md = recv_frame(&mut stream);
     let addr = u64::from_le_bytes(recv_frame(&mut stream).try_into().unwrap());
-    load(ucx, peer, "target", &conn_info, &[(token, md)]);
+    load(ucx, peer, "target", &conn_info, &[(token, md.clone())]);
     Target {
         child,
         stream,
         token,
         addr,
+        conn_info,
+        md,
     }
 }
 
@@ -139,7 +146,7 @@ fn post<'a>(tag: u64, op: Op, ranges: &'a [Range], notif: Option<&'a [u8]>) -> P
 
 fn transfer(ucx: &mut UcxBackend, peer: PeerId, posts: &[Post<'_>]) {
     let mut done = Completions::with_capacity(posts.len());
-    ucx.post(Endpoint::Peer(peer), posts, &mut done)
+    ucx.post_t(Endpoint::Peer(peer), posts, &mut done)
         .expect("post");
     let tags: Vec<u64> = posts
         .iter()
@@ -285,7 +292,7 @@ fn scenario(transports: &str, error_handling: &str) {
     let mut done = Completions::with_capacity(64);
     let mut outstanding: Vec<u64> = Vec::new();
     for tag in 1000..1008u64 {
-        ucx.post(
+        ucx.post_t(
             Endpoint::Peer(peer),
             &[post(tag, Op::Write, &big, None)],
             &mut done,
@@ -313,7 +320,7 @@ fn scenario(transports: &str, error_handling: &str) {
             break;
         }
         if outstanding.len() < 64 {
-            match ucx.post(
+            match ucx.post_t(
                 Endpoint::Peer(peer),
                 &[post(tag, Op::Write, &big, None)],
                 &mut done,
@@ -354,7 +361,7 @@ fn scenario(transports: &str, error_handling: &str) {
         "[{label}] target killed: detected after {detected_after:?}, {failures} of {} requests failed with remote-disconnect",
         outstanding.len()
     );
-    let e = ucx.post(
+    let e = ucx.post_t(
         Endpoint::Peer(peer),
         &[post(9999, Op::Write, &big, None)],
         &mut done,
@@ -381,6 +388,74 @@ fn scenario(transports: &str, error_handling: &str) {
         "[{label}] write after restart differs"
     );
     transfer(&mut ucx, peer, &[post(3001, Op::Read, &ranges, None)]);
+
+    // The engine invalidates the (live) peer while a 64 MiB write and a read to it are
+    // in flight: each request is reported exactly once, only through UCX's callbacks,
+    // and the endpoint's close is confirmed; then a reload works again.
+    let whole_range = [range(0, 0, TARGET_LEN, t.token, t.addr)];
+    let mut done = Completions::with_capacity(4);
+    ucx.post_t(
+        Endpoint::Peer(peer),
+        &[
+            post(4000, Op::Write, &whole_range, None),
+            post(4001, Op::Read, &ranges, None),
+        ],
+        &mut done,
+    )
+    .expect("post before invalidation");
+    ucx.unload_remote(peer);
+    let deadline = Instant::now() + TIMEOUT;
+    let mut reported: Vec<ferry_backend_api::Completion> = Vec::new();
+    while (reported.len() < 2 || ucx.closing_endpoints() > 0) && Instant::now() < deadline {
+        reported.extend_from_slice(done.as_slice());
+        done.clear();
+        ucx.progress(&mut done);
+    }
+    reported.extend_from_slice(done.as_slice());
+    done.clear();
+    for tag in [4000, 4001] {
+        let mine: Vec<_> = reported.iter().filter(|c| c.tag == tag).collect();
+        assert_eq!(
+            mine.len(),
+            1,
+            "[{label}] request {tag} reported {} times",
+            mine.len()
+        );
+        if let Err(f) = mine[0].result {
+            assert!(
+                matches!(
+                    f.kind,
+                    FailureKind::RemoteDisconnect | FailureKind::Canceled
+                ),
+                "[{label}] request {tag}: {f:?}"
+            );
+        }
+    }
+    assert_eq!(
+        ucx.in_flight(),
+        0,
+        "[{label}] slots left after invalidation"
+    );
+    assert_eq!(
+        ucx.closing_endpoints(),
+        0,
+        "[{label}] endpoint close never confirmed"
+    );
+    eprintln!(
+        "[{label}] invalidated mid-flight: {:?}",
+        reported
+            .iter()
+            .map(|c| c.result.map_err(|f| f.kind))
+            .collect::<Vec<_>>()
+    );
+    load(
+        &mut ucx,
+        peer,
+        "target",
+        &t.conn_info,
+        &[(t.token, t.md.clone())],
+    );
+    transfer(&mut ucx, peer, &[post(4002, Op::Read, &ranges, None)]);
     ucx.notify(Endpoint::Peer(peer), b"Q").unwrap();
     let deadline = Instant::now() + TIMEOUT;
     let mut done = Completions::with_capacity(4);
@@ -392,7 +467,7 @@ fn scenario(transports: &str, error_handling: &str) {
     assert!(recv_frame(&mut t.stream).starts_with(b"bye"));
     let status = t.child.wait().unwrap();
     assert!(status.success(), "[{label}] target exited with {status}");
-    ucx.deregister(MemKind::Dram, ltok).unwrap();
+    ucx.deregister_t(MemKind::Dram, ltok).unwrap();
 }
 
 fn main() {

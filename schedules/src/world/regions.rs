@@ -19,6 +19,8 @@ use super::World;
 impl World {
     /// Register one region with every backend in `hint` that supports `kind`; succeeds
     /// if at least one accepts. Overlap with a region of the same section is refused.
+    // Reason: calls the backends' `unsafe fn register` (backend safety contract).
+    #[allow(unsafe_code)]
     pub(crate) fn register_region(
         &mut self,
         kind: MemKind,
@@ -80,7 +82,10 @@ impl World {
             let backend = self.backends.backends[slot]
                 .as_mut()
                 .expect("candidate slot is filled");
-            match backend.register(&spec) {
+            // SAFETY: the region comes from `CommandBuffer::register` (an `unsafe fn`),
+            // whose caller promised that the memory (or fd) stays valid until it is
+            // deregistered through this world, which calls `Backend::deregister` first.
+            match unsafe { backend.register(&spec) } {
                 Ok(reg) => {
                     tokens[slot] = reg.token;
                     public.push((slot as u8, reg.public_md.into_boxed_slice()));
@@ -112,6 +117,8 @@ impl World {
 
     /// Deregister a region from every backend that holds it. Refused while a live
     /// request (made, posted, done or draining, until released) names it.
+    // Reason: calls the backends' `unsafe fn deregister` (backend safety contract).
+    #[allow(unsafe_code)]
     pub(crate) fn deregister_region(&mut self, id: RegionId) -> Result<(), Error> {
         let row = self
             .regions
@@ -139,7 +146,10 @@ impl World {
         let mut first_error = None;
         for slot in backends.iter() {
             if let Some(backend) = self.backends.backends[slot].as_mut() {
-                if let Err(e) = backend.deregister(kind, tokens[slot]) {
+                // SAFETY: the pin count is zero, so no live request (made and not
+                // released, draining ones included) names the region: no post using
+                // its token is outstanding in this backend.
+                if let Err(e) = unsafe { backend.deregister(kind, tokens[slot]) } {
                     first_error.get_or_insert(e);
                 }
             }

@@ -66,7 +66,7 @@ pub use ferry_testkit::Rng;
 
 /// Register a DRAM region covering `buf`.
 pub fn register_dram(b: &mut PosixBackend, buf: &[u8]) -> u64 {
-    b.register(&RegionSpec {
+    b.register_t(&RegionSpec {
         kind: MemKind::Dram,
         desc: Desc::of_slice(buf),
         path: None,
@@ -77,7 +77,7 @@ pub fn register_dram(b: &mut PosixBackend, buf: &[u8]) -> u64 {
 
 /// Register a whole file by path.
 pub fn register_path(b: &mut PosixBackend, path: &Path, mode: FileMode) -> Result<u64> {
-    b.register(&RegionSpec {
+    b.register_t(&RegionSpec {
         kind: MemKind::File,
         desc: Desc::new(0, 0, 0),
         path: Some((path, mode)),
@@ -123,7 +123,7 @@ pub fn post(tag: u64, op: Op, ranges: &[Range]) -> Post<'_> {
 /// completions sorted by tag.
 pub fn run(b: &mut PosixBackend, batch: &[Post<'_>]) -> Result<Vec<Completion>> {
     let mut done = Completions::with_capacity(batch.len());
-    b.post(Endpoint::Local, batch, &mut done)?;
+    b.post_t(Endpoint::Local, batch, &mut done)?;
     wait_for(b, &mut done, batch.len());
     let mut out = done.as_slice().to_vec();
     out.sort_by_key(|c| c.tag);
@@ -144,4 +144,47 @@ pub fn wait_for(b: &mut PosixBackend, done: &mut Completions, want: usize) {
     // Exactly one completion per request: nothing more may trickle in.
     b.progress(done);
     assert_eq!(done.len(), want, "extra completions");
+}
+
+/// The backend's unsafe calls for tests. Every test here keeps the buffers it registers
+/// alive until the backend is dropped or the region deregistered, and waits for every
+/// completion before it reads or drops a buffer that a request uses; so the promises of
+/// `register`, `post` and `deregister` hold. (Deregistering a region in use is refused
+/// by this backend, which some tests check.)
+pub trait TestCalls {
+    /// `Backend::register`.
+    fn register_t(&mut self, region: &RegionSpec<'_>) -> Result<ferry_backend_api::Registered>;
+    /// `Backend::post`.
+    fn post_t(
+        &mut self,
+        endpoint: Endpoint,
+        batch: &[Post<'_>],
+        done: &mut Completions,
+    ) -> Result<()>;
+    /// `Backend::deregister`.
+    fn deregister_t(&mut self, kind: MemKind, token: u64) -> Result<()>;
+}
+
+// Reason: the one place these tests call the backend's `unsafe fn`s.
+#[allow(unsafe_code)]
+impl TestCalls for PosixBackend {
+    fn register_t(&mut self, region: &RegionSpec<'_>) -> Result<ferry_backend_api::Registered> {
+        // SAFETY: see the trait docs: the tests keep registered buffers alive.
+        unsafe { self.register(region) }
+    }
+    fn post_t(
+        &mut self,
+        endpoint: Endpoint,
+        batch: &[Post<'_>],
+        done: &mut Completions,
+    ) -> Result<()> {
+        // SAFETY: see the trait docs: ranges lie in registered, live buffers that the
+        // tests do not touch until the completions arrived.
+        unsafe { self.post(endpoint, batch, done) }
+    }
+    fn deregister_t(&mut self, kind: MemKind, token: u64) -> Result<()> {
+        // SAFETY: see the trait docs; deregistration of a region in use is refused by
+        // this backend.
+        unsafe { self.deregister(kind, token) }
+    }
 }

@@ -1,0 +1,231 @@
+//! What UCX calls back into: completion of requests, endpoint errors, inbound
+//! notifications. Callbacks never touch the core; they write into [`Events`].
+
+use super::notifications::Inbox;
+use super::*;
+
+// ---------------------------------------------------------------------------------------
+// State shared with UCX callbacks (and the progress thread).
+
+/// A cell's status while no completion waits in it.
+const NO_STATUS: i32 = i32::MAX;
+
+/// Completions reported by UCX callbacks, waiting for `Core::pump`.
+///
+/// # Why it never loses a completion
+///
+/// A callback stores its status in its request's [`OpCell`] and queues the cell's
+/// index. The queue holds one entry per request slot, and a slot never has more than one
+/// callback-bearing UCX request outstanding: a batch's slots share one endpoint flush
+/// (reported on the head slot's even cell) and each slot's notification is sent only
+/// after that flush was handled (reported on its odd cell); put/get requests carry no
+/// callback. A slot is freed only after its last report was taken. So at most one index
+/// per slot is queued at any time and the queue cannot be full. Should that reasoning
+/// ever fail, nothing is lost either: a report that does not fit sets `overflow`, and the
+/// consumer then takes every cell's stored status in one scan (each status is taken
+/// exactly once, by whoever swaps it out of its cell first).
+pub(super) struct CompletionQueue {
+    ready: ArrayQueue<u32>,
+    overflow: AtomicBool,
+}
+
+impl CompletionQueue {
+    /// A queue for `cells` callback cells serving `slots` request slots.
+    pub(super) fn new(slots: usize) -> CompletionQueue {
+        CompletionQueue {
+            ready: ArrayQueue::new(slots.max(1)),
+            overflow: AtomicBool::new(false),
+        }
+    }
+
+    /// The next reported completion: (cell index, status).
+    pub(super) fn pop(&self, cells: &[OpCell]) -> Option<(u32, ucs_status_t)> {
+        while let Some(index) = self.ready.pop() {
+            if let Some(status) = cells[index as usize].take() {
+                return Some((index, status));
+            }
+        }
+        None
+    }
+
+    /// Whether a report did not fit since the last call (the caller then scans every
+    /// cell with [`OpCell::take`]).
+    pub(super) fn overflowed(&self) -> bool {
+        self.overflow.swap(false, Ordering::AcqRel)
+    }
+}
+
+/// What callbacks may touch. Lives in an `Arc` so its address is stable and it outlives
+/// every worker (workers are destroyed in `Core::drop`, which still holds the `Arc`).
+pub(crate) struct Events {
+    pub(super) completions: CompletionQueue,
+    pub(super) ep_error: AtomicBool,
+    pub(crate) inbox: Mutex<Inbox>,
+    /// Notifications dropped because they arrived in a form we cannot take (rendezvous).
+    pub(crate) dropped_notifs: AtomicU64,
+    /// Peers' notifications refused because the inbox was full.
+    pub(crate) refused_notifs: AtomicU64,
+    pub(super) request_free: unsafe extern "C" fn(*mut c_void),
+}
+
+/// `user_data` of a UCX request: where to report its completion.
+pub(super) struct OpCell {
+    pub(super) events: *const Events,
+    pub(super) index: u32,
+    /// The reported status (`ucs_status_t` widened), [`NO_STATUS`] while none waits.
+    status: AtomicI32,
+}
+
+impl OpCell {
+    pub(super) fn new(events: *const Events, index: u32) -> OpCell {
+        OpCell {
+            events,
+            index,
+            status: AtomicI32::new(NO_STATUS),
+        }
+    }
+
+    /// Record the completion `status` of this cell's request and queue the cell.
+    pub(super) fn report(&self, queue: &CompletionQueue, status: ucs_status_t) {
+        let previous = self.status.swap(i32::from(status.0), Ordering::AcqRel);
+        debug_assert_eq!(previous, NO_STATUS, "one outstanding request per cell");
+        if queue.ready.push(self.index).is_err() {
+            queue.overflow.store(true, Ordering::Release);
+        }
+    }
+
+    /// Take the reported status, if one waits.
+    pub(super) fn take(&self) -> Option<ucs_status_t> {
+        let status = self.status.swap(NO_STATUS, Ordering::AcqRel);
+        (status != NO_STATUS).then_some(ucs_status_t(status as i8))
+    }
+}
+
+/// `arg` of an endpoint's error handler.
+pub(super) struct PeerLink {
+    pub(super) events: *const Events,
+    /// The failure status UCX reported for the endpoint, 0 while healthy.
+    pub(super) status: AtomicI8,
+}
+
+pub(super) unsafe extern "C" fn on_op_done(
+    request: *mut c_void,
+    status: ucs_status_t,
+    user_data: *mut c_void,
+) {
+    // SAFETY: user_data is a pointer into `Core::cells`, which lives (unmoved, immutable)
+    // until after every worker is destroyed; `events` points into the core's Arc<Events>.
+    let cell = unsafe { &*(user_data as *const OpCell) };
+    // SAFETY: see above.
+    let events = unsafe { &*cell.events };
+    cell.report(&events.completions, status);
+    // SAFETY: `request` is the UCX request this callback completes; freeing it from its
+    // own callback is allowed by the UCP API.
+    unsafe { (events.request_free)(request) };
+}
+
+pub(super) unsafe extern "C" fn on_ep_error(arg: *mut c_void, _ep: ucp_ep_h, status: ucs_status_t) {
+    // SAFETY: arg is the endpoint's Box<PeerLink>, kept (in the peer state, then in the
+    // graveyard) until UCX has confirmed the endpoint's close or the worker is destroyed.
+    let link = unsafe { &*(arg as *const PeerLink) };
+    link.status.store(status.0.min(-1), Ordering::Release);
+    // SAFETY: `events` points into the core's Arc<Events>, alive while any ep exists.
+    unsafe { &*link.events }
+        .ep_error
+        .store(true, Ordering::Release);
+}
+
+pub(super) unsafe extern "C" fn on_notif(
+    arg: *mut c_void,
+    header: *const c_void,
+    header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const ucp_am_recv_param_t,
+) -> ucs_status_t {
+    // SAFETY: arg is the core's Arc<Events>, registered per worker and alive until the
+    // worker is destroyed.
+    let events = unsafe { &*(arg as *const Events) };
+    // SAFETY: UCX passes a valid param for the duration of the callback.
+    let recv_attr = unsafe { (*param).recv_attr };
+    if recv_attr & u64::from(UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 {
+        // Senders force eager; a rendezvous message is not one of ours.
+        events.dropped_notifs.fetch_add(1, Ordering::Relaxed);
+        return ucs_status_t::UCS_OK;
+    }
+    let from: &[u8] = if header_length == 0 {
+        &[]
+    } else {
+        // SAFETY: UCX guarantees header/header_length describe readable memory during the
+        // callback.
+        unsafe { std::slice::from_raw_parts(header as *const u8, header_length) }
+    };
+    let payload: &[u8] = if length == 0 {
+        &[]
+    } else {
+        // SAFETY: as for the header; eager data is readable during the callback.
+        unsafe { std::slice::from_raw_parts(data as *const u8, length) }
+    };
+    let accepted = events
+        .inbox
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(from, payload);
+    if !accepted {
+        // A peer's notification that does not fit: refused whole and counted (an active
+        // message cannot be answered); what was accepted before stays.
+        events.refused_notifs.fetch_add(1, Ordering::Relaxed);
+    }
+    ucs_status_t::UCS_OK
+}
+
+// SAFETY: Events is only read through shared references: the queue and atomics are
+// Sync, the inbox is a Mutex, and `request_free` is a plain function pointer.
+unsafe impl Send for Events {}
+// SAFETY: see above.
+unsafe impl Sync for Events {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_queue_loses_no_completion_and_reports_each_once() {
+        // A queue far smaller than the cells reporting into it (which the slot
+        // discipline rules out; this checks the fallback).
+        let queue = CompletionQueue::new(2);
+        let cells: Vec<OpCell> = (0..16).map(|i| OpCell::new(ptr::null(), i)).collect();
+        for (i, cell) in cells.iter().enumerate() {
+            cell.report(&queue, ucs_status_t(-(i as i8)));
+        }
+        let mut seen = Vec::new();
+        while let Some((cell, status)) = queue.pop(&cells) {
+            seen.push((cell, status));
+        }
+        assert_eq!(seen.len(), 2, "the queue held two");
+        assert!(queue.overflowed(), "the rest is flagged");
+        for cell in &cells {
+            if let Some(status) = cell.take() {
+                seen.push((cell.index, status));
+            }
+        }
+        seen.sort_by_key(|&(cell, _)| cell);
+        let expected: Vec<(u32, ucs_status_t)> =
+            (0..16).map(|i| (i, ucs_status_t(-(i as i8)))).collect();
+        assert_eq!(seen, expected, "every report exactly once");
+        assert!(!queue.overflowed());
+        // A cell reused after its report was taken reports again.
+        cells[3].report(&queue, ucs_status_t::UCS_OK);
+        assert_eq!(queue.pop(&cells), Some((3, ucs_status_t::UCS_OK)));
+        assert_eq!(queue.pop(&cells), None);
+    }
+
+    #[test]
+    fn a_report_taken_by_the_scan_is_not_delivered_again_from_the_queue() {
+        let queue = CompletionQueue::new(4);
+        let cells: Vec<OpCell> = (0..4).map(|i| OpCell::new(ptr::null(), i)).collect();
+        cells[1].report(&queue, ucs_status_t::UCS_OK);
+        assert_eq!(cells[1].take(), Some(ucs_status_t::UCS_OK));
+        assert_eq!(queue.pop(&cells), None);
+    }
+}

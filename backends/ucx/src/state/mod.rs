@@ -1,0 +1,421 @@
+//! Everything that touches UCX: context, workers, registered memory, peers with their
+//! endpoints and unpacked rkeys, the pool of request slots, and the completion state
+//! machine driven by UCX callbacks.
+//!
+//! # Request state machine (one slot per posted request)
+//!
+//! ```text
+//!  post ─▶ put/get per merged range ─▶ WaitFlush ──flush done──▶ (notif?) ──▶ WaitNotif ──am sent──▶ done
+//!                                        │ (one ep flush per batch,            │
+//!                                        │  slots of a batch linked by `next`) └──────────no notif─────▶ done
+//! ```
+//!
+//! A standalone notification takes a slot in `WaitNotif` directly and completes without
+//! a report (it has no tag). UCX callbacks never touch the core: they store their status
+//! in the request's cell and queue the cell's index in a bounded lock-free queue that
+//! [`Core::pump`] drains (see `callbacks::CompletionQueue` for why it never loses one).
+//! A slot is freed only from its last callback's report, also when its peer was
+//! unloaded meanwhile (the force close cancels the request and UCX reports it): every
+//! post yields exactly one completion, after UCX is done with its buffers.
+//!
+//! Split by concern: [`callbacks`] (what UCX calls, and the bounded queue it feeds),
+//! [`config`] (UCX configuration and tuning), [`memory`] (registration), [`peers`]
+//! (endpoints, rkeys, closing), [`requests`] (posting, completion, progress),
+//! [`notifications`] (the inbox, sending), [`diagnostics`] (transport summaries, counts).
+
+mod callbacks;
+mod config;
+mod diagnostics;
+mod memory;
+mod notifications;
+mod peers;
+mod requests;
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::ptr;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI8, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crossbeam_queue::ArrayQueue;
+use ferry_backend_api::{
+    Completion, Completions, Endpoint, Error, Failure, FailureKind, MemKind, PeerId, PeerRegions,
+    Post, Result, Subject,
+};
+use ferry_ucx_sys::*;
+
+use crate::{Config, ErrorMode, BACKEND};
+
+pub(crate) use callbacks::Events;
+use callbacks::{on_ep_error, on_notif, on_op_done, CompletionQueue, OpCell, PeerLink};
+use config::{may_use_shared_memory, zcopy_thresh_override};
+pub(crate) use diagnostics::errno_of;
+#[cfg(test)]
+pub(crate) use diagnostics::summarize_lanes;
+use diagnostics::ucx_error;
+use memory::MemEntry;
+use notifications::Inbox;
+use peers::{Grave, PeerState};
+use requests::{Slot, SlotState};
+
+/// Active-message id of Ferry notifications.
+const NOTIF_AM_ID: u32 = 0x4652;
+/// Largest notification payload (sent eagerly, so the receiver gets it in one piece).
+pub(crate) const NOTIF_LEN_MAX: usize = 64 * 1024;
+/// Bound on `ucp_worker_progress` rounds per pump, so a pump never spins for long.
+const PROGRESS_ROUNDS_MAX: u32 = 256;
+/// How long closing an endpoint may take before it is abandoned.
+const EP_CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Slot link terminator.
+const NONE: u32 = u32::MAX;
+
+struct Worker {
+    handle: ucp_worker_h,
+    address: Vec<u8>,
+    efd: i32,
+}
+
+/// The UCX state of one backend instance. Accessed by one thread at a time (the backend
+/// wraps it in a mutex); workers use `UCS_THREAD_MODE_SERIALIZED` accordingly.
+pub(crate) struct Core {
+    ucp: Arc<Ucp>,
+    context: ucp_context_h,
+    workers: Vec<Worker>,
+    agent_name: Box<[u8]>,
+    err_mode: ErrorMode,
+    pub(crate) events: Arc<Events>,
+    cells: Box<[OpCell]>,
+    slots: Vec<Slot>,
+    free_slots: Vec<u32>,
+    mems: Vec<Option<MemEntry>>,
+    mem_generations: Vec<u32>,
+    free_mems: Vec<u32>,
+    peers: HashMap<PeerId, PeerState>,
+    next_worker: usize,
+    self_ep: ucp_ep_h,
+    /// Endpoints whose close UCX has not confirmed yet, with what they still own.
+    graves: Vec<Grave>,
+    /// Progress rounds a close may take before it finishes in the graveyard.
+    close_rounds: u32,
+    /// Close endpoints with `UCP_EP_CLOSE_FLAG_FORCE` (else flush first).
+    close_force: bool,
+    /// Completions produced outside a `post` call (callbacks, progress thread).
+    pub(crate) ready: Completions,
+    /// Largest single put/get; longer ranges are split.
+    chunk_bytes: u64,
+}
+
+// SAFETY: the raw UCX handles in Core are only used by whichever thread holds the core
+// (the backend keeps it behind a mutex), and the workers are created in
+// UCS_THREAD_MODE_SERIALIZED, which permits use from different threads one at a time.
+unsafe impl Send for Core {}
+
+fn failure_of(status: ucs_status_t, peer_gone: bool, range: Option<u32>) -> Failure {
+    let kind = if peer_gone || status.is_disconnect() {
+        FailureKind::RemoteDisconnect
+    } else if status == ucs_status_t::UCS_ERR_CANCELED {
+        FailureKind::Canceled
+    } else {
+        FailureKind::Backend
+    };
+    Failure {
+        kind,
+        errno: errno_of(status),
+        range,
+    }
+}
+
+fn token_subject(token: u64) -> Subject {
+    Subject::Named(format!("UCX region token {token:#x}").into())
+}
+
+/// A zeroed request parameter block (no fields set).
+fn request_param() -> ucp_request_param_t {
+    // SAFETY: ucp_request_param_t is plain C data; all-zero is its documented "no
+    // fields" state (callbacks are Options, so zero is None).
+    unsafe { std::mem::zeroed() }
+}
+
+impl Core {
+    /// Create the context and workers.
+    pub(crate) fn new(ucp: Arc<Ucp>, agent_name: &str, config: &Config) -> Result<Core> {
+        let api = ucp.api();
+        // Read UCX's environment (UCX_TLS, UCX_NET_DEVICES …), then apply our overrides.
+        let mut ucp_config: *mut ucp_config_t = ptr::null_mut();
+        // SAFETY: NULL prefix/file mean "UCX_ environment only"; out-pointer is valid.
+        let status = unsafe { api.ucp_config_read(ptr::null(), ptr::null(), &mut ucp_config) };
+        if !status.is_ok() {
+            return Err(ucx_error(&ucp, "ucp_config_read", status));
+        }
+        // Shared-memory settings only where a shared-memory transport may be used (UCX
+        // warns about settings no transport takes, e.g. with `UCX_TLS=tcp`).
+        let tls = config
+            .transports
+            .clone()
+            .or_else(|| std::env::var("UCX_TLS").ok());
+        let shm = tls.as_deref().is_none_or(may_use_shared_memory);
+        let fifo_size = config.shm_fifo_size.filter(|_| shm).map(|n| n.to_string());
+        let seg_size = config.shm_seg_bytes.filter(|_| shm).map(|n| n.to_string());
+        let zcopy_thresh = zcopy_thresh_override(ucp.version());
+        let overrides = [
+            (c"NET_DEVICES", &config.devices),
+            (c"TLS", &config.transports),
+            // A transport setting: UCX keeps it and applies it to the mm transports.
+            (c"MM_FIFO_SIZE", &fifo_size),
+            (c"MM_SEG_SIZE", &seg_size),
+            (c"ZCOPY_THRESH", &zcopy_thresh),
+        ];
+        for (name, value) in overrides {
+            let Some(value) = value else { continue };
+            let value = std::ffi::CString::new(value.as_str()).map_err(|_| {
+                Error::invalid(
+                    Subject::BackendName(BACKEND.into()),
+                    "parameter contains NUL",
+                )
+            });
+            // SAFETY: config is valid, both strings are NUL-terminated.
+            let status = value.as_ref().map(|value| unsafe {
+                api.ucp_config_modify(ucp_config, name.as_ptr(), value.as_ptr())
+            });
+            match status {
+                Ok(status) if status.is_ok() => {}
+                other => {
+                    // SAFETY: releasing the config we read; not used afterwards.
+                    unsafe { api.ucp_config_release(ucp_config) };
+                    return Err(match other {
+                        Ok(status) => ucx_error(
+                            &ucp,
+                            &format!("ucp_config_modify({})", name.to_string_lossy()),
+                            status,
+                        ),
+                        Err(e) => e.clone(),
+                    });
+                }
+            }
+        }
+        let mut features = u64::from(UCP_FEATURE_RMA | UCP_FEATURE_AM);
+        if config.progress_thread {
+            features |= u64::from(UCP_FEATURE_WAKEUP);
+        }
+        // SAFETY: plain C struct, zero = no fields.
+        let mut params: ucp_params_t = unsafe { std::mem::zeroed() };
+        params.field_mask = u64::from(UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED);
+        params.features = features;
+        params.mt_workers_shared = 0;
+        let mut context: ucp_context_h = ptr::null_mut();
+        // SAFETY: params/config valid for the call; context is an out-pointer.
+        let status = unsafe { ucp.init(&params, ucp_config, &mut context) };
+        // SAFETY: the config is no longer needed after init.
+        unsafe { api.ucp_config_release(ucp_config) };
+        if !status.is_ok() {
+            return Err(ucx_error(&ucp, "ucp_init", status));
+        }
+
+        let slot_count = config.max_requests;
+        let events = Arc::new(Events {
+            completions: CompletionQueue::new(slot_count),
+            ep_error: AtomicBool::new(false),
+            inbox: Mutex::new(Inbox::new(config.notif_entries_max, config.notif_bytes_max)),
+            refused_notifs: AtomicU64::new(0),
+            dropped_notifs: AtomicU64::new(0),
+            request_free: api.ucp_request_free,
+        });
+        let events_ptr = Arc::as_ptr(&events);
+        let cells: Box<[OpCell]> = (0..slot_count as u32 * 2)
+            .map(|index| OpCell::new(events_ptr, index))
+            .collect();
+        let slots = (0..slot_count)
+            .map(|_| Slot {
+                state: SlotState::Free,
+                tag: None,
+                peer: None,
+                failure: None,
+                notif: Vec::new(),
+                has_notif: false,
+                next: NONE,
+            })
+            .collect();
+        let mut core = Core {
+            ucp: ucp.clone(),
+            context,
+            workers: Vec::with_capacity(config.workers),
+            agent_name: agent_name.as_bytes().into(),
+            err_mode: config.error_mode,
+            events,
+            cells,
+            slots,
+            free_slots: (0..slot_count as u32).rev().collect(),
+            mems: Vec::new(),
+            mem_generations: Vec::new(),
+            free_mems: Vec::new(),
+            peers: HashMap::new(),
+            next_worker: 0,
+            self_ep: ptr::null_mut(),
+            ready: Completions::with_capacity(slot_count),
+            chunk_bytes: config.chunk_bytes,
+            graves: Vec::new(),
+            close_rounds: config.close_rounds,
+            close_force: config.close_force,
+        };
+        for index in 0..config.workers {
+            core.add_worker(index, config.progress_thread)?;
+        }
+        Ok(core)
+    }
+
+    fn add_worker(&mut self, index: usize, wakeup: bool) -> Result<()> {
+        let api = self.ucp.api();
+        // SAFETY: plain C struct, zero = no fields.
+        let mut params: ucp_worker_params_t = unsafe { std::mem::zeroed() };
+        params.field_mask = u64::from(UCP_WORKER_PARAM_FIELD_THREAD_MODE);
+        params.thread_mode = UCS_THREAD_MODE_SERIALIZED;
+        let mut handle: ucp_worker_h = ptr::null_mut();
+        // SAFETY: context is live; params valid; handle is an out-pointer.
+        let status = unsafe { api.ucp_worker_create(self.context, &params, &mut handle) };
+        if !status.is_ok() {
+            return Err(ucx_error(&self.ucp, "ucp_worker_create", status));
+        }
+        // Push first so Drop destroys it whatever fails next.
+        self.workers.push(Worker {
+            handle,
+            address: Vec::new(),
+            efd: -1,
+        });
+        let mut address: *mut ucp_address_t = ptr::null_mut();
+        let mut address_len: usize = 0;
+        // SAFETY: worker is live; out-pointers valid.
+        let status = unsafe { api.ucp_worker_get_address(handle, &mut address, &mut address_len) };
+        if !status.is_ok() {
+            return Err(ucx_error(&self.ucp, "ucp_worker_get_address", status));
+        }
+        // SAFETY: UCX returned `address_len` readable bytes at `address`; we copy them and
+        // release the buffer with the matching call.
+        let bytes = unsafe {
+            let bytes = std::slice::from_raw_parts(address as *const u8, address_len).to_vec();
+            api.ucp_worker_release_address(handle, address);
+            bytes
+        };
+        self.workers[index].address = bytes;
+
+        // SAFETY: plain C struct, zero = no fields.
+        let mut am: ucp_am_handler_param_t = unsafe { std::mem::zeroed() };
+        am.field_mask = u64::from(
+            UCP_AM_HANDLER_PARAM_FIELD_ID
+                | UCP_AM_HANDLER_PARAM_FIELD_CB
+                | UCP_AM_HANDLER_PARAM_FIELD_ARG
+                | UCP_AM_HANDLER_PARAM_FIELD_FLAGS,
+        );
+        am.id = NOTIF_AM_ID;
+        am.flags = UCP_AM_FLAG_WHOLE_MSG;
+        am.cb = Some(on_notif);
+        am.arg = Arc::as_ptr(&self.events) as *mut c_void;
+        // SAFETY: worker live; the arg outlives the worker (see Events).
+        let status = unsafe { api.ucp_worker_set_am_recv_handler(handle, &am) };
+        if !status.is_ok() {
+            return Err(ucx_error(
+                &self.ucp,
+                "ucp_worker_set_am_recv_handler",
+                status,
+            ));
+        }
+        if wakeup {
+            let mut efd = -1;
+            // SAFETY: worker created with the WAKEUP feature; out-pointer valid.
+            let status = unsafe { api.ucp_worker_get_efd(handle, &mut efd) };
+            if !status.is_ok() {
+                return Err(ucx_error(&self.ucp, "ucp_worker_get_efd", status));
+            }
+            self.workers[index].efd = efd;
+        }
+        Ok(())
+    }
+
+    /// The loaded library.
+    pub(crate) fn ucp(&self) -> &Arc<Ucp> {
+        &self.ucp
+    }
+
+    /// Worker addresses, in worker order.
+    pub(crate) fn worker_addresses(&self) -> Vec<Vec<u8>> {
+        self.workers.iter().map(|w| w.address.clone()).collect()
+    }
+
+    /// Event fds of the workers (progress-thread mode only).
+    pub(crate) fn event_fds(&self) -> Vec<i32> {
+        self.workers.iter().map(|w| w.efd).collect()
+    }
+}
+
+impl Drop for Core {
+    fn drop(&mut self) {
+        let peers: Vec<PeerId> = self.peers.keys().copied().collect();
+        for peer in peers {
+            self.teardown_peer(peer);
+        }
+        self.peers.clear();
+        if !self.self_ep.is_null() {
+            let ep = std::mem::replace(&mut self.self_ep, ptr::null_mut());
+            let worker = self.workers[0].handle;
+            if let Some(request) = self.close_ep(worker, ep) {
+                self.graves.push(Grave {
+                    worker,
+                    request,
+                    link: None,
+                    rkeys: Vec::new(),
+                });
+            }
+        }
+        // Give pending closes a bounded time to finish, so their state is released in
+        // UCX's order (rkeys before the worker goes).
+        let deadline = Instant::now() + EP_CLOSE_TIMEOUT;
+        while !self.graves.is_empty() && Instant::now() < deadline {
+            for grave in &self.graves {
+                // SAFETY: the worker is live (destroyed below).
+                unsafe { self.ucp.api().ucp_worker_progress(grave.worker) };
+            }
+            self.reap_graves();
+        }
+        let mut unconfirmed = std::mem::take(&mut self.graves);
+        if !unconfirmed.is_empty() {
+            log::warn!(
+                "UCX: {} endpoint close(s) not confirmed within {EP_CLOSE_TIMEOUT:?}; their \
+                 state is released after the workers are destroyed",
+                unconfirmed.len()
+            );
+        }
+        let api = self.ucp.api();
+        for grave in &mut unconfirmed {
+            // SAFETY: our pending close request; UCX allows freeing a request before it
+            // completes (it is then released when done, or with the worker).
+            unsafe { api.ucp_request_free(grave.request) };
+            grave.request = ptr::null_mut();
+        }
+        // Dropping the backend frees everything, including what was not deregistered.
+        for entry in self.mems.iter_mut().filter_map(Option::take) {
+            // SAFETY: our own rkey and mapping; no endpoint is left to use them.
+            unsafe {
+                if !entry.self_rkey.is_null() {
+                    api.ucp_rkey_destroy(entry.self_rkey);
+                }
+                api.ucp_mem_unmap(self.context, entry.memh);
+            }
+        }
+        for worker in self.workers.drain(..) {
+            // SAFETY: all eps of this worker are closed; callbacks during destroy only
+            // touch `events`/`cells`, which are still alive (fields of self).
+            unsafe { api.ucp_worker_destroy(worker.handle) };
+        }
+        for grave in unconfirmed {
+            for rkey in grave.rkeys {
+                // SAFETY: the workers (and with them every endpoint and operation that
+                // could use the rkey) are gone; the context still is not.
+                unsafe { api.ucp_rkey_destroy(rkey) };
+            }
+            // The links are released only now: no endpoint is left to report on them.
+            drop(grave.link);
+        }
+        // SAFETY: every worker of the context is destroyed.
+        unsafe { api.ucp_cleanup(self.context) };
+    }
+}

@@ -1,0 +1,372 @@
+//! Peers: endpoints (created lazily, closed on unload), remote keys, and the graveyard
+//! of endpoints whose close UCX has not confirmed yet.
+//!
+//! # Who owns an endpoint's callback state
+//!
+//! Each endpoint gets its own [`PeerLink`] (the argument of its error handler), boxed so
+//! its address is stable. UCX may call the error handler until the endpoint's close has
+//! completed, so the link lives until then: closing is `ucp_ep_close_nbx(FORCE)`, which
+//! cancels the endpoint's outstanding requests (their callbacks report them, see
+//! `requests`); if UCX confirms the close within a few progress rounds, the link and the
+//! rkeys unpacked on the endpoint are released at once; otherwise they move, with the
+//! close request, into [`Grave`]s, checked at every `pump` and released when UCX
+//! confirms — or, at the latest, after the worker is destroyed (`Core::drop`). No close
+//! blocks the caller: unloading a peer never waits on the network.
+
+use super::*;
+
+/// What an endpoint whose close is still pending leaves behind (see the module docs).
+pub(super) struct Grave {
+    /// The endpoint's worker (progressed to finish the close).
+    pub(super) worker: ucp_worker_h,
+    /// The close request (null once freed or when there was none).
+    pub(super) request: *mut c_void,
+    /// The error-handler argument UCX may still call.
+    pub(super) link: Option<Box<PeerLink>>,
+    /// Rkeys unpacked on the endpoint.
+    pub(super) rkeys: Vec<ucp_rkey_h>,
+}
+
+pub(super) struct PeerState {
+    pub(super) name: String,
+    pub(super) worker: usize,
+    pub(super) remote_address: Vec<u8>,
+    pub(super) ep: ucp_ep_h,
+    /// The error-handler argument of `ep` (None while there is no endpoint).
+    pub(super) link: Option<Box<PeerLink>>,
+    pub(super) regions: Arc<dyn PeerRegions>,
+    pub(super) rkeys: HashMap<u64, ucp_rkey_h>,
+    /// Set once UCX reported the endpoint dead; cleared by a reload with new info.
+    pub(super) down: Option<ucs_status_t>,
+    pub(super) transports: String,
+}
+
+impl Core {
+    pub(crate) fn load_remote(
+        &mut self,
+        peer: PeerId,
+        name: &str,
+        addresses: Option<Vec<Vec<u8>>>,
+        regions: Arc<dyn PeerRegions>,
+    ) -> Result<()> {
+        if let Some(state) = self.peers.get_mut(&peer) {
+            state.regions = regions;
+            state.name.clear();
+            state.name.push_str(name);
+            if let Some(addresses) = addresses {
+                let remote = addresses[state.worker % addresses.len()].clone();
+                if remote != state.remote_address {
+                    // The peer restarted (or moved): forget its endpoint and rkeys.
+                    self.teardown_peer(peer);
+                    let state = self.peers.get_mut(&peer).expect("present");
+                    state.remote_address = remote;
+                    state.down = None;
+                }
+            }
+            return Ok(());
+        }
+        let addresses = addresses.ok_or_else(|| Error::InvalidMetadata {
+            reason: format!("UCX: first metadata of peer '{name}' has no connection info").into(),
+        })?;
+        let worker = self.next_worker % self.workers.len();
+        self.next_worker += 1;
+        let remote_address = addresses[worker % addresses.len()].clone();
+        self.peers.insert(
+            peer,
+            PeerState {
+                name: name.to_string(),
+                worker,
+                remote_address,
+                ep: ptr::null_mut(),
+                link: None,
+                regions,
+                rkeys: HashMap::new(),
+                down: None,
+                transports: String::new(),
+            },
+        );
+        Ok(())
+    }
+
+    /// Close the peer's endpoint (UCX cancels its in-flight requests, whose callbacks
+    /// then report them) and release its rkeys and error-handler argument once UCX
+    /// confirmed the close (at once, or later from the graveyard).
+    pub(super) fn teardown_peer(&mut self, peer: PeerId) {
+        let Some(state) = self.peers.get_mut(&peer) else {
+            return;
+        };
+        let ep = std::mem::replace(&mut state.ep, ptr::null_mut());
+        let link = state.link.take();
+        let worker = self.workers[state.worker].handle;
+        let rkeys: Vec<ucp_rkey_h> = state.rkeys.drain().map(|(_, r)| r).collect();
+        let pending = if ep.is_null() {
+            None
+        } else {
+            self.close_ep(worker, ep)
+        };
+        let grave = Grave {
+            worker,
+            request: pending.unwrap_or(ptr::null_mut()),
+            link,
+            rkeys,
+        };
+        if pending.is_some() {
+            log::debug!("UCX: endpoint close pending; its state waits in the graveyard");
+            self.graves.push(grave);
+        } else {
+            self.bury(grave);
+        }
+    }
+
+    /// Release what a closed endpoint left: its rkeys, its link, its close request.
+    pub(super) fn bury(&mut self, grave: Grave) {
+        let api = self.ucp.api();
+        for rkey in grave.rkeys {
+            // SAFETY: unpacked on the endpoint whose close UCX has confirmed: every
+            // operation that used the rkey has completed or been canceled. (UCX asks for
+            // rkeys to be destroyed before the endpoint is; its force close cancels the
+            // operations only as part of the close, and releasing an rkey does not touch
+            // the endpoint, so this is the earliest point that is safe for both.)
+            unsafe { api.ucp_rkey_destroy(rkey) };
+        }
+        if !grave.request.is_null() {
+            // SAFETY: our close request, completed; freed once.
+            unsafe { api.ucp_request_free(grave.request) };
+        }
+        drop(grave.link);
+    }
+
+    /// Release the graves whose close UCX has confirmed meanwhile. Returns how many.
+    pub(super) fn reap_graves(&mut self) -> usize {
+        let mut reaped = 0;
+        let mut i = 0;
+        while i < self.graves.len() {
+            // SAFETY: the close request is ours and not freed yet; its worker is live.
+            let status = unsafe {
+                self.ucp
+                    .api()
+                    .ucp_request_check_status(self.graves[i].request)
+            };
+            if status == ucs_status_t::UCS_INPROGRESS {
+                i += 1;
+                continue;
+            }
+            let grave = self.graves.swap_remove(i);
+            self.bury(grave);
+            reaped += 1;
+        }
+        reaped
+    }
+
+    /// Endpoints whose close UCX has not confirmed yet (diagnostics and tests).
+    pub(crate) fn closing_endpoints(&self) -> usize {
+        self.graves.len()
+    }
+
+    pub(crate) fn unload_remote(&mut self, peer: PeerId) {
+        if !self.peers.contains_key(&peer) {
+            return;
+        }
+        self.teardown_peer(peer);
+        self.peers.remove(&peer);
+        // Callbacks of the canceled requests have been queued; turn them into
+        // completions now (they map to RemoteDisconnect: the peer is gone).
+        self.handle_events();
+    }
+
+    pub(crate) fn disconnect(&mut self, peer: PeerId) -> Result<()> {
+        if !self.peers.contains_key(&peer) {
+            return Err(Error::not_found(Subject::Peer(peer)));
+        }
+        self.teardown_peer(peer);
+        self.handle_events();
+        Ok(())
+    }
+
+    /// Close `ep` (forced: UCX cancels its outstanding requests; see `ep_close`) and
+    /// progress its worker a
+    /// bounded number of rounds. Returns the close request if UCX has not confirmed the
+    /// close yet (the caller keeps the endpoint's state alive until it has).
+    pub(super) fn close_ep(&mut self, worker: ucp_worker_h, ep: ucp_ep_h) -> Option<*mut c_void> {
+        let api = self.ucp.api();
+        let mut param = request_param();
+        param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+        // Force (the default) cancels what is outstanding; flush lets it finish first.
+        param.flags = if self.close_force {
+            UCP_EP_CLOSE_FLAG_FORCE
+        } else {
+            0
+        };
+        // SAFETY: ep is live and owned by us; param valid for the call.
+        let request = unsafe { api.ucp_ep_close_nbx(ep, &param) };
+        if !ucs_ptr_is_ptr(request) {
+            return None;
+        }
+        for _ in 0..self.close_rounds {
+            // SAFETY: worker is live; request is the close request we own.
+            let status = unsafe {
+                api.ucp_worker_progress(worker);
+                api.ucp_request_check_status(request)
+            };
+            if status != ucs_status_t::UCS_INPROGRESS {
+                // SAFETY: our close request, completed; freed once.
+                unsafe { api.ucp_request_free(request) };
+                return None;
+            }
+        }
+        Some(request)
+    }
+
+    pub(super) fn create_ep(
+        &self,
+        worker: usize,
+        address: &[u8],
+        link: Option<&PeerLink>,
+    ) -> Result<ucp_ep_h> {
+        let api = self.ucp.api();
+        // SAFETY: plain C struct, zero = no fields.
+        let mut params: ucp_ep_params_t = unsafe { std::mem::zeroed() };
+        params.field_mask = u64::from(UCP_EP_PARAM_FIELD_REMOTE_ADDRESS);
+        params.address = address.as_ptr() as *const ucp_address_t;
+        if let (Some(link), ErrorMode::Peer) = (link, self.err_mode) {
+            params.field_mask |=
+                u64::from(UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER);
+            params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+            params.err_handler = ucp_err_handler_t {
+                cb: Some(on_ep_error),
+                arg: link as *const PeerLink as *mut c_void,
+            };
+        }
+        let mut ep: ucp_ep_h = ptr::null_mut();
+        // SAFETY: worker live; the address bytes are valid for the call (UCX copies what
+        // it needs); the error handler arg is boxed and outlives the ep: it stays in the
+        // peer state, then in the graveyard, until UCX confirmed the ep's close.
+        let status = unsafe { api.ucp_ep_create(self.workers[worker].handle, &params, &mut ep) };
+        if !status.is_ok() {
+            return Err(ucx_error(&self.ucp, "ucp_ep_create", status));
+        }
+        Ok(ep)
+    }
+
+    /// The endpoint to `peer`, created on first use.
+    pub(super) fn peer_ep(&mut self, peer: PeerId) -> Result<(ucp_ep_h, usize)> {
+        let state = self
+            .peers
+            .get(&peer)
+            .ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
+        if state.down.is_some() {
+            return Err(Error::RemoteDisconnect {
+                subject: Subject::PeerName(state.name.clone()),
+            });
+        }
+        if !state.ep.is_null() {
+            return Ok((state.ep, state.worker));
+        }
+        let worker = state.worker;
+        // A fresh link per endpoint: the link of an earlier endpoint may still be in the
+        // graveyard, where UCX can still report on it.
+        let link = Box::new(PeerLink {
+            events: Arc::as_ptr(&self.events),
+            status: AtomicI8::new(0),
+        });
+        let ep = self.create_ep(worker, &state.remote_address, Some(&link))?;
+        let transports = self.ep_transports(ep);
+        let state = self.peers.get_mut(&peer).expect("present");
+        state.link = Some(link);
+        log::info!(
+            "UCX {}: endpoint to '{}' on worker {worker} uses {transports}",
+            self.ucp.version(),
+            state.name
+        );
+        state.ep = ep;
+        state.transports = transports;
+        Ok((ep, worker))
+    }
+
+    pub(super) fn local_ep(&mut self) -> Result<ucp_ep_h> {
+        if self.self_ep.is_null() {
+            let address = self.workers[0].address.clone();
+            self.self_ep = self.create_ep(0, &address, None)?;
+            log::info!(
+                "UCX {}: local endpoint uses {}",
+                self.ucp.version(),
+                self.ep_transports(self.self_ep)
+            );
+        }
+        Ok(self.self_ep)
+    }
+
+    pub(crate) fn connect(&mut self, peer: PeerId) -> Result<()> {
+        self.peer_ep(peer).map(|_| ())
+    }
+
+    pub(super) fn rkey_for(
+        &mut self,
+        endpoint: Endpoint,
+        ep: ucp_ep_h,
+        token: u64,
+    ) -> Result<ucp_rkey_h> {
+        let api = self.ucp.api();
+        match endpoint {
+            Endpoint::Local => {
+                let index = self
+                    .mem_index(token)
+                    .ok_or_else(|| Error::not_found(token_subject(token)))?;
+                let entry = self.mems[index].as_mut().expect("checked");
+                if entry.self_rkey.is_null() {
+                    let mut rkey: ucp_rkey_h = ptr::null_mut();
+                    // SAFETY: ep live; packed bytes from our own ucp_rkey_pack.
+                    let status = unsafe {
+                        api.ucp_ep_rkey_unpack(
+                            ep,
+                            entry.packed_rkey.as_ptr() as *const c_void,
+                            &mut rkey,
+                        )
+                    };
+                    if !status.is_ok() {
+                        return Err(ucx_error(&self.ucp, "ucp_ep_rkey_unpack (local)", status));
+                    }
+                    entry.self_rkey = rkey;
+                }
+                Ok(entry.self_rkey)
+            }
+            Endpoint::Peer(peer) => {
+                let state = self.peers.get_mut(&peer).expect("peer_ep checked");
+                if let Some(&rkey) = state.rkeys.get(&token) {
+                    return Ok(rkey);
+                }
+                let packed = state.regions.public_md(token).ok_or_else(|| {
+                    Error::not_found(Subject::Named(
+                        format!("region token {token:#x} of peer '{}'", state.name).into(),
+                    ))
+                })?;
+                let packed =
+                    crate::wire::unframe_rkey(packed).map_err(|why| Error::InvalidMetadata {
+                        reason: format!(
+                            "UCX rkey of region token {token:#x} of peer '{}': {why}",
+                            state.name
+                        )
+                        .into(),
+                    })?;
+                let mut rkey: ucp_rkey_h = ptr::null_mut();
+                // SAFETY: ep live; UCX parses the packed rkey (peer bytes) and reports
+                // malformed input as an error status.
+                let status = unsafe {
+                    api.ucp_ep_rkey_unpack(ep, packed.as_ptr() as *const c_void, &mut rkey)
+                };
+                if !status.is_ok() {
+                    return Err(Error::InvalidMetadata {
+                        reason: format!(
+                            "UCX rkey of region token {token:#x} of peer '{}': {}",
+                            state.name,
+                            self.ucp.status_string(status)
+                        )
+                        .into(),
+                    });
+                }
+                state.rkeys.insert(token, rkey);
+                Ok(rkey)
+            }
+        }
+    }
+}

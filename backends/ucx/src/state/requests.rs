@@ -1,0 +1,356 @@
+//! Posting requests, their completion state machine, and progress.
+
+use super::*;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum SlotState {
+    Free,
+    WaitFlush,
+    WaitNotif,
+}
+
+/// One in-flight request. Columns would buy nothing here: a slot is touched as a whole.
+pub(super) struct Slot {
+    pub(super) state: SlotState,
+    /// Tag to report; `None` for a standalone notification.
+    pub(super) tag: Option<u64>,
+    /// Where the request goes (None = local).
+    pub(super) peer: Option<PeerId>,
+    /// First failure seen while posting.
+    pub(super) failure: Option<Failure>,
+    /// Notification to send after the flush (payload copied here; capacity reused).
+    pub(super) notif: Vec<u8>,
+    pub(super) has_notif: bool,
+    /// Next slot of the same flushed batch.
+    pub(super) next: u32,
+}
+
+impl Core {
+    /// Validate a batch completely (so an error means nothing started), resolving rkeys.
+    pub(super) fn validate(
+        &mut self,
+        endpoint: Endpoint,
+        ep: ucp_ep_h,
+        batch: &[Post<'_>],
+    ) -> Result<()> {
+        let mut last_remote: Option<u64> = None;
+        for post in batch {
+            for kind in [post.local_kind, post.remote_kind] {
+                if kind != MemKind::Dram {
+                    return Err(Error::NotSupported {
+                        backend: BACKEND.into(),
+                        what: format!("{kind} memory").into(),
+                    });
+                }
+            }
+            if let Some(notif) = post.notif {
+                if notif.len() > NOTIF_LEN_MAX {
+                    return Err(Error::invalid(
+                        Subject::Named("notification".into()),
+                        format!(
+                            "{} bytes exceed the UCX limit of {NOTIF_LEN_MAX}",
+                            notif.len()
+                        ),
+                    ));
+                }
+            }
+            for (index, range) in post.ranges.iter().enumerate() {
+                let desc = || Subject::Descriptor {
+                    index: index as u32,
+                    addr: range.local_addr,
+                    len: range.len,
+                    dev: range.local_dev,
+                };
+                let mem = self
+                    .mem_index(range.local_token)
+                    .and_then(|i| self.mems[i].as_ref())
+                    .ok_or_else(|| Error::not_found(token_subject(range.local_token)))?;
+                let end = range.local_addr.checked_add(range.len);
+                if range.local_addr < mem.addr || end.is_none_or(|e| e > mem.addr + mem.len) {
+                    return Err(Error::invalid(desc(), "outside its registered UCX region"));
+                }
+                if last_remote != Some(range.remote_token) {
+                    self.rkey_for(endpoint, ep, range.remote_token)?;
+                    last_remote = Some(range.remote_token);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn post(&mut self, endpoint: Endpoint, batch: &[Post<'_>]) -> Result<()> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let (ep, peer) = match endpoint {
+            Endpoint::Local => (self.local_ep()?, None),
+            Endpoint::Peer(p) => (self.peer_ep(p)?.0, Some(p)),
+        };
+        if self.free_slots.len() < batch.len() {
+            return Err(Error::Capacity {
+                what: "UCX requests in flight (parameter max_requests)",
+                limit: self.slots.len(),
+            });
+        }
+        self.validate(endpoint, ep, batch)?;
+
+        let ucp = self.ucp.clone();
+        let api = ucp.api();
+        let mut head = NONE;
+        let mut tail = NONE;
+        let mut rkey_cache: (u64, ucp_rkey_h) = (u64::MAX, ptr::null_mut());
+        for post in batch {
+            let slot_index = self.free_slots.pop().expect("checked capacity");
+            let mut failure = None;
+            for (index, range) in post.ranges.iter().enumerate() {
+                if range.len == 0 {
+                    continue;
+                }
+                let rkey = if rkey_cache.0 == range.remote_token && !rkey_cache.1.is_null() {
+                    rkey_cache.1
+                } else {
+                    let rkey = self
+                        .rkey_for(endpoint, ep, range.remote_token)
+                        .expect("validated");
+                    rkey_cache = (range.remote_token, rkey);
+                    rkey
+                };
+                // The registered memh: UCX then skips its registration-cache lookup
+                // for protocols that need the local buffer registered (zero-copy).
+                let mut param = request_param();
+                if let Some(mem) = self
+                    .mem_index(range.local_token)
+                    .and_then(|i| self.mems[i].as_ref())
+                {
+                    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+                    param.memh = mem.memh;
+                }
+                // Large ranges are issued in chunks: UCX pipelines several operations
+                // better than one huge one (measured with UCX 1.13 over shm and tcp).
+                let mut offset = 0u64;
+                while offset < range.len {
+                    let len = (range.len - offset).min(self.chunk_bytes);
+                    // SAFETY: ep and rkey are live; the local range lies inside a
+                    // registered region (validated) and, per the backend contract, stays
+                    // valid until this request completes; the remote range was published
+                    // by the peer.
+                    let status = unsafe {
+                        match post.op {
+                            ferry_backend_api::Op::Write => api.ucp_put_nbx(
+                                ep,
+                                (range.local_addr + offset) as *const c_void,
+                                len as usize,
+                                range.remote_addr + offset,
+                                rkey,
+                                &param,
+                            ),
+                            ferry_backend_api::Op::Read => api.ucp_get_nbx(
+                                ep,
+                                (range.local_addr + offset) as *mut c_void,
+                                len as usize,
+                                range.remote_addr + offset,
+                                rkey,
+                                &param,
+                            ),
+                        }
+                    };
+                    if ucs_ptr_is_ptr(status) {
+                        // Completion is observed through the flush; release the request.
+                        // SAFETY: we own this request and never touch it again.
+                        unsafe { api.ucp_request_free(status) };
+                    } else if ucs_ptr_is_err(status) {
+                        failure = Some(failure_of(
+                            ucs_ptr_status(status),
+                            false,
+                            Some(index as u32),
+                        ));
+                        break;
+                    }
+                    offset += len;
+                }
+                if failure.is_some() {
+                    break;
+                }
+            }
+            let slot = &mut self.slots[slot_index as usize];
+            slot.state = SlotState::WaitFlush;
+            slot.tag = Some(post.tag);
+            slot.peer = peer;
+            slot.failure = failure;
+            slot.has_notif = post.notif.is_some();
+            slot.notif.clear();
+            if let Some(notif) = post.notif {
+                slot.notif.extend_from_slice(notif);
+            }
+            slot.next = NONE;
+            if head == NONE {
+                head = slot_index;
+            } else {
+                self.slots[tail as usize].next = slot_index;
+            }
+            tail = slot_index;
+        }
+
+        // One flush for the whole batch: when it completes, every put/get above has.
+        let mut param = request_param();
+        param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+        param.cb.send = Some(on_op_done);
+        param.user_data = &self.cells[head as usize * 2] as *const OpCell as *mut c_void;
+        // SAFETY: ep live; the user_data cell outlives the request (see Events).
+        let request = unsafe { api.ucp_ep_flush_nbx(ep, &param) };
+        if !ucs_ptr_is_ptr(request) {
+            self.batch_flushed(head, ucs_ptr_status(request));
+        }
+        Ok(())
+    }
+
+    /// The flush of the batch starting at `head` finished with `status`.
+    pub(super) fn batch_flushed(&mut self, head: u32, status: ucs_status_t) {
+        let mut index = head;
+        while index != NONE {
+            let next = self.slots[index as usize].next;
+            let peer = self.slots[index as usize].peer;
+            let peer_gone = self.peer_gone(peer);
+            let slot = &mut self.slots[index as usize];
+            if slot.failure.is_none() && (status.is_err() || peer_gone) {
+                slot.failure = Some(failure_of(
+                    if status.is_err() {
+                        status
+                    } else {
+                        ucs_status_t::UCS_ERR_CONNECTION_RESET
+                    },
+                    peer_gone,
+                    None,
+                ));
+            }
+            if slot.failure.is_none() && slot.has_notif {
+                self.send_notif(index);
+            } else {
+                self.finish(index);
+            }
+            index = next;
+        }
+    }
+
+    pub(super) fn peer_gone(&self, peer: Option<PeerId>) -> bool {
+        match peer {
+            None => false,
+            Some(p) => self
+                .peers
+                .get(&p)
+                .is_none_or(|s| s.down.is_some() || s.ep.is_null()),
+        }
+    }
+
+    /// Report the slot's outcome (if it has a tag) and free it.
+    pub(super) fn finish(&mut self, index: u32) {
+        let slot = &mut self.slots[index as usize];
+        debug_assert!(slot.state != SlotState::Free);
+        if let Some(tag) = slot.tag {
+            self.ready.push(Completion {
+                tag,
+                result: slot.failure.map_or(Ok(()), Err),
+            });
+        }
+        slot.state = SlotState::Free;
+        slot.tag = None;
+        slot.failure = None;
+        slot.has_notif = false;
+        slot.next = NONE;
+        self.free_slots.push(index);
+    }
+
+    /// Progress every worker (bounded) and turn callback events into completions.
+    /// Returns whether anything happened.
+    pub(crate) fn pump(&mut self) -> bool {
+        let api = self.ucp.api();
+        let mut progressed = false;
+        for worker in &self.workers {
+            for _ in 0..PROGRESS_ROUNDS_MAX {
+                // SAFETY: worker live; callbacks only push into `events`.
+                if unsafe { api.ucp_worker_progress(worker.handle) } == 0 {
+                    break;
+                }
+                progressed = true;
+            }
+        }
+        let buried = !self.graves.is_empty() && self.reap_graves() > 0;
+        progressed | self.handle_events() | buried
+    }
+
+    pub(super) fn handle_events(&mut self) -> bool {
+        let mut any = false;
+        if self.events.ep_error.swap(false, Ordering::AcqRel) {
+            any = true;
+            let failed: Vec<(PeerId, i8)> = self
+                .peers
+                .iter()
+                .filter(|(_, s)| s.down.is_none())
+                .filter_map(|(&p, s)| {
+                    let status = s
+                        .link
+                        .as_ref()
+                        .map_or(0, |l| l.status.load(Ordering::Acquire));
+                    (status != 0).then_some((p, status))
+                })
+                .collect();
+            for (peer, status) in failed {
+                let status = ucs_status_t(status);
+                if let Some(state) = self.peers.get_mut(&peer) {
+                    log::warn!(
+                        "UCX: peer '{}' disconnected: {}",
+                        state.name,
+                        self.ucp.status_string(status)
+                    );
+                    state.down = Some(status);
+                }
+                self.teardown_peer(peer);
+            }
+        }
+        while let Some((cell, status)) = self.events.completions.pop(&self.cells) {
+            any = true;
+            self.cell_done(cell, status);
+        }
+        if self.events.completions.overflowed() {
+            for cell in 0..self.cells.len() as u32 {
+                if let Some(status) = self.cells[cell as usize].take() {
+                    any = true;
+                    self.cell_done(cell, status);
+                }
+            }
+        }
+        any
+    }
+
+    /// The request of callback cell `cell` finished with `status`.
+    fn cell_done(&mut self, cell: u32, status: ucs_status_t) {
+        let slot = cell / 2;
+        if cell & 1 == 0 {
+            self.batch_flushed(slot, status);
+        } else {
+            self.notif_sent(slot, status);
+        }
+    }
+
+    /// Arm every worker for sleeping on its event fd. False if some worker has events
+    /// pending (progress again instead of sleeping).
+    pub(crate) fn arm(&mut self) -> bool {
+        let api = self.ucp.api();
+        for worker in &self.workers {
+            // SAFETY: worker live and created with WAKEUP.
+            let status = unsafe { api.ucp_worker_arm(worker.handle) };
+            if status == ucs_status_t::UCS_ERR_BUSY {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Move finished completions into `done`.
+    pub(crate) fn drain_ready(&mut self, done: &mut Completions) {
+        for completion in self.ready.as_slice() {
+            done.push(*completion);
+        }
+        self.ready.clear();
+    }
+}
