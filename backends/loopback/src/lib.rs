@@ -33,6 +33,8 @@
 #![allow(unsafe_code)]
 
 use std::collections::{HashMap, VecDeque};
+
+use slotmap::SecondaryMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
@@ -402,7 +404,8 @@ pub struct Loopback {
     /// Pins of the post in progress (capacity reused: no allocation in steady state).
     pinned: Vec<(Table, u64)>,
     faults: Arc<Faults>,
-    peers: HashMap<PeerId, RemotePeer>,
+    /// Loaded peers, by handle (a secondary map: no hashing on the post path).
+    peers: SecondaryMap<PeerId, RemotePeer>,
     held: VecDeque<Held>,
 }
 
@@ -445,7 +448,7 @@ impl Loopback {
             slots_used: 0,
             pinned: Vec::with_capacity(64),
             faults,
-            peers: HashMap::new(),
+            peers: SecondaryMap::new(),
             held: VecDeque::with_capacity(64),
         })
     }
@@ -457,12 +460,20 @@ impl Loopback {
 
     /// The shared state of the target of `endpoint` (ours for `Local`).
     fn target(&self, endpoint: Endpoint) -> std::result::Result<Arc<Shared>, Error> {
+        self.target_and_peer(endpoint).map(|(shared, _)| shared)
+    }
+
+    /// The target's shared state, and for a peer its entry (one lookup).
+    fn target_and_peer(
+        &self,
+        endpoint: Endpoint,
+    ) -> std::result::Result<(Arc<Shared>, Option<&RemotePeer>), Error> {
         match endpoint {
-            Endpoint::Local => Ok(self.shared.clone()),
+            Endpoint::Local => Ok((self.shared.clone(), None)),
             Endpoint::Peer(peer) => {
                 let remote = self
                     .peers
-                    .get(&peer)
+                    .get(peer)
                     .ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
                 if self.faults.is_dropped(&remote.name) {
                     return Err(Error::RemoteDisconnect {
@@ -470,7 +481,9 @@ impl Loopback {
                     });
                 }
                 match remote.shared.upgrade() {
-                    Some(shared) if !shared.closed.load(Ordering::Acquire) => Ok(shared),
+                    Some(shared) if !shared.closed.load(Ordering::Acquire) => {
+                        Ok((shared, Some(remote)))
+                    }
                     _ => Err(Error::RemoteDisconnect {
                         subject: Subject::PeerName(remote.name.clone()),
                     }),
@@ -776,7 +789,7 @@ impl Backend for Loopback {
     fn load_remote(&mut self, peer: PeerId, remote: RemoteAgent<'_>) -> Result<()> {
         if remote.conn_info.is_empty() {
             // Partial metadata without connection info: keep what we have.
-            return if self.peers.contains_key(&peer) {
+            return if self.peers.contains_key(peer) {
                 Ok(())
             } else {
                 Err(Error::not_found(Subject::PeerName(format!(
@@ -824,7 +837,7 @@ impl Backend for Loopback {
     }
 
     fn unload_remote(&mut self, peer: PeerId) {
-        self.peers.remove(&peer);
+        self.peers.remove(peer);
     }
 
     fn connect(&mut self, peer: PeerId) -> Result<()> {
@@ -840,38 +853,40 @@ impl Backend for Loopback {
         if self.faults.panic_next_post.swap(false, Ordering::SeqCst) {
             panic!("loopback fault injection: panic inside post");
         }
-        let target = self.target(endpoint)?;
-        let remote_side = match endpoint {
-            Endpoint::Local => Side::OwnTarget,
-            Endpoint::Peer(peer) => Side::Peer(self.peers.get(&peer).expect("target() checked it")),
+        // The reused pin list is taken out of `self` while the peer entry is borrowed.
+        let mut pinned = std::mem::take(&mut self.pinned);
+        pinned.clear();
+        let (target, remote) = match self.target_and_peer(endpoint) {
+            Ok(found) => found,
+            Err(e) => {
+                self.pinned = pinned;
+                return Err(e);
+            }
         };
+        let remote_side = remote.map_or(Side::OwnTarget, Side::Peer);
         // Pin every region the batch touches, on both sides, before moving any byte: a
         // region deregistered since the request was built (or a range outside its
         // region) fails the whole post.
-        self.pinned.clear();
         let checked = pin_batch(
             &self.shared.regions,
             &target.regions,
             remote_side,
             batch,
-            &mut self.pinned,
+            &mut pinned,
         );
-        let pinned = std::mem::take(&mut self.pinned);
         if let Err((range, side, why)) = checked {
             unpin_all(&self.shared.regions, &target.regions, &pinned);
-            self.pinned = pinned;
-            return Err(match side {
+            let error = match side {
                 Side::Local => {
                     refused_range(&self.agent, "local", range.local_addr, range.len, why)
                 }
                 _ => {
-                    let owner = match endpoint {
-                        Endpoint::Peer(peer) => self.peers[&peer].name.as_str(),
-                        Endpoint::Local => &*self.agent,
-                    };
+                    let owner = remote.map_or(&*self.agent, |r| r.name.as_str());
                     refused_range(owner, "target", range.remote_addr, range.len, why)
                 }
-            });
+            };
+            self.pinned = pinned;
+            return Err(error);
         }
         for post in batch {
             if self.faults.take_failure() {
