@@ -17,7 +17,9 @@
 //!   `park_timeout`.
 //!
 //! At the connection limit, a new connection takes the slot of the connection that has
-//! been handshaking, idle or parked the longest (it is shut down at once); when every
+//! been handshaking, idle or parked the longest, preferring connections that were never
+//! served a request (so a flood of idle connections cannot push out a working client;
+//! the victim is shut down at once); when every
 //! connection is busy, the new one is closed at once. Neither blocks the accept thread:
 //! a shutdown is one system call, and the evicted connection's thread cleans up after
 //! itself.
@@ -85,6 +87,9 @@ pub struct ConnCtx {
     state: AtomicU8,
     /// When the current state began (ms on `clock`): the oldest is evicted first.
     since_ms: AtomicU64,
+    /// Whether the connection was ever served a request (beyond its handshake): such
+    /// connections are evicted only once none that never did is left.
+    served: AtomicBool,
     deadline_ms: AtomicU64,
     stop: Arc<AtomicBool>,
 }
@@ -176,6 +181,14 @@ impl ConnCtx {
         if matches!(self.state.load(Ordering::Acquire), BUSY | HANDSHAKE) {
             self.idle();
         }
+    }
+
+    /// A request (not the handshake) was answered: at the connection limit, this
+    /// connection is evicted only after every connection that never got that far. A
+    /// flood of idle connections then cannot push out a client that is working, however
+    /// long its pause between requests.
+    pub fn served(&self) {
+        self.served.store(true, Ordering::Relaxed);
     }
 
     /// Whether the connection is parked.
@@ -360,6 +373,7 @@ fn admit(core: &Arc<Core>, stream: TcpStream, id: u64) {
         limits: core.limits.clone(),
         state: AtomicU8::new(HANDSHAKE),
         since_ms: AtomicU64::new(0),
+        served: AtomicBool::new(false),
         deadline_ms: AtomicU64::new(NEVER),
         stop: core.stop.clone(),
     });
@@ -373,7 +387,12 @@ fn admit(core: &Arc<Core>, stream: TcpStream, id: u64) {
             let victim = conns
                 .iter()
                 .filter(|(_, e)| e.ctx.state.load(Ordering::Acquire) != BUSY)
-                .min_by_key(|(_, e)| e.ctx.since_ms.load(Ordering::Relaxed))
+                .min_by_key(|(_, e)| {
+                    (
+                        e.ctx.served.load(Ordering::Relaxed),
+                        e.ctx.since_ms.load(Ordering::Relaxed),
+                    )
+                })
                 .map(|(&id, _)| id);
             match victim {
                 Some(v) if live < max.saturating_mul(2) => {

@@ -219,6 +219,7 @@ pub(crate) fn serve_connection(
             },
         };
         stats.frames_served.fetch_add(1, Ordering::Relaxed);
+        ctx.served();
         if let Err(e) = reply {
             if !shared.stopping() {
                 log::warn!("p2p listener: answering {peer}: {e}");

@@ -890,7 +890,10 @@ fn serve_requests(
                             rb.pending()[0]
                         )))
                     }
-                    request => handle(&mut conn, request)?,
+                    request => {
+                        handle(&mut conn, request)?;
+                        ctx.served();
+                    }
                 }
                 rb.consume(len, &shared.budget);
                 if rb.pending().is_empty() {
