@@ -317,6 +317,7 @@ impl Faults {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clear();
+        self.any_dropped.store(false, Ordering::SeqCst);
     }
     fn take_failure(&self) -> bool {
         self.fail_next
