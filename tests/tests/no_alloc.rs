@@ -61,6 +61,17 @@ fn exercise_exchange(a: &Agent, b: &Agent) {
         assert!(Instant::now() < deadline, "P2P fetch did not complete");
         std::thread::sleep(Duration::from_millis(1));
     }
+    // Events that trail the fetch (the other side's view of the exchange) are applied
+    // here, not by a counted flush: poll both until neither got one for 50 ms.
+    let mut quiet_since = Instant::now();
+    while quiet_since.elapsed() < Duration::from_millis(50) {
+        assert!(Instant::now() < deadline, "the exchange never went quiet");
+        let applied = a.poll_exchange().expect("poll a") + b.poll_exchange().expect("poll b");
+        if applied > 0 {
+            quiet_since = Instant::now();
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 /// Run `turn` warm, then counted, and require zero allocations on the flush's threads.
