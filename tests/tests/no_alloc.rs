@@ -15,12 +15,12 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use counting::{counted, CountingAlloc};
 use ferry::exchange::{ExchangeConfig, P2pConfig, Via};
 use ferry::{
     Agent, AgentConfig, CommandBuffer, Desc, FileMode, MemKind, Op, Outcome, Params, Side,
     XferStatus,
 };
+use ferry_tests::counting::{counted_by_thread, CountingAlloc};
 use ferry_tests::{pair, register, unique, Buffer, Rng};
 
 #[global_allocator]
@@ -94,101 +94,28 @@ fn assert_no_allocation(what: &str, mut turn: impl FnMut()) {
     assert_eq!(counts.flush, 0, "{what}: a warmed-up flush allocated");
 }
 
-/// A global allocator that, while on, counts allocations by thread role.
-// Reason: a global allocator implements the unsafe `GlobalAlloc` trait.
-#[allow(unsafe_code)]
-mod counting {
-    use std::alloc::{GlobalAlloc, Layout, System};
-    use std::cell::Cell;
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+/// Threads that work for the flush besides the flushing one: the backends' workers.
+const FLUSH_THREADS: &[&str] = &["ferry-posix", "ferry-ucx"];
 
-    /// Forwards to the system allocator; counts `alloc`/`realloc` calls while on.
-    pub struct CountingAlloc;
+/// Run `f` and count allocations on the flush's threads and elsewhere.
+fn counted<R>(f: impl FnOnce() -> R) -> (R, Counts) {
+    let (r, c) = counted_by_thread(FLUSH_THREADS, f);
+    (
+        r,
+        Counts {
+            flush: c.own,
+            elsewhere: c.elsewhere,
+        },
+    )
+}
 
-    static ON: AtomicBool = AtomicBool::new(false);
-    static FLUSH: AtomicUsize = AtomicUsize::new(0);
-    static ELSEWHERE: AtomicUsize = AtomicUsize::new(0);
-
-    thread_local! {
-        /// The thread that called `counted`.
-        static FLUSHING: Cell<bool> = const { Cell::new(false) };
-        /// Set while this thread classifies itself (an allocation meanwhile is not
-        /// classified again).
-        static CLASSIFYING: Cell<bool> = const { Cell::new(false) };
-    }
-
-    /// Whether the current thread works for the flush: the flushing thread or a
-    /// backend's worker. Threads started by `std` know their name without allocating.
-    fn works_for_the_flush() -> bool {
-        if FLUSHING.try_with(Cell::get).unwrap_or(false) {
-            return true;
-        }
-        CLASSIFYING
-            .try_with(|busy| {
-                if busy.replace(true) {
-                    return false;
-                }
-                let ours = std::thread::current()
-                    .name()
-                    .is_some_and(|n| n.starts_with("ferry-posix") || n.starts_with("ferry-ucx"));
-                busy.set(false);
-                ours
-            })
-            .unwrap_or(false)
-    }
-
-    fn note() {
-        if ON.load(Ordering::Relaxed) {
-            if works_for_the_flush() {
-                FLUSH.fetch_add(1, Ordering::Relaxed);
-            } else {
-                ELSEWHERE.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-    }
-
-    // SAFETY: every method forwards to the system allocator with the caller's arguments
-    // unchanged; counting has no effect on the memory handed out.
-    unsafe impl GlobalAlloc for CountingAlloc {
-        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-            note();
-            // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract for us.
-            unsafe { System.alloc(layout) }
-        }
-        unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-            // SAFETY: `ptr` came from `System` through this allocator with `layout`.
-            unsafe { System.dealloc(ptr, layout) }
-        }
-        unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-            note();
-            // SAFETY: `ptr` came from `System` through this allocator with `layout`.
-            unsafe { System.realloc(ptr, layout, new_size) }
-        }
-    }
-
-    /// Allocations seen while counting.
-    #[derive(Clone, Copy, Debug)]
-    pub struct Counts {
-        /// On the flushing thread and the backends' workers.
-        pub flush: usize,
-        /// On any other thread.
-        pub elsewhere: usize,
-    }
-
-    /// Run `f` on this thread and count the allocations meanwhile.
-    pub fn counted<R>(f: impl FnOnce() -> R) -> (R, Counts) {
-        FLUSHING.with(|c| c.set(true));
-        FLUSH.store(0, Ordering::SeqCst);
-        ELSEWHERE.store(0, Ordering::SeqCst);
-        ON.store(true, Ordering::SeqCst);
-        let r = f();
-        ON.store(false, Ordering::SeqCst);
-        let counts = Counts {
-            flush: FLUSH.load(Ordering::SeqCst),
-            elsewhere: ELSEWHERE.load(Ordering::SeqCst),
-        };
-        (r, counts)
-    }
+/// Allocations seen while counting.
+#[derive(Clone, Copy, Debug)]
+struct Counts {
+    /// On the flushing thread and the backends' workers.
+    flush: usize,
+    /// On any other thread (the exchange's).
+    elsewhere: usize,
 }
 
 /// Only one test in this binary: the counter is process-wide.
