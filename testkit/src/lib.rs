@@ -13,6 +13,7 @@
 #![allow(unsafe_code)]
 
 pub mod alloc;
+pub mod backend;
 pub mod ci;
 pub mod cpu;
 pub mod mutate;

@@ -146,45 +146,5 @@ pub fn wait_for(b: &mut PosixBackend, done: &mut Completions, want: usize) {
     assert_eq!(done.len(), want, "extra completions");
 }
 
-/// The backend's unsafe calls for tests. Every test here keeps the buffers it registers
-/// alive until the backend is dropped or the region deregistered, and waits for every
-/// completion before it reads or drops a buffer that a request uses; so the promises of
-/// `register`, `post` and `deregister` hold. (Deregistering a region in use is refused
-/// by this backend, which some tests check.)
-pub trait TestCalls {
-    /// `Backend::register`.
-    fn register_t(&mut self, region: &RegionSpec<'_>) -> Result<ferry_backend_api::Registered>;
-    /// `Backend::post`.
-    fn post_t(
-        &mut self,
-        endpoint: Endpoint,
-        batch: &[Post<'_>],
-        done: &mut Completions,
-    ) -> Result<()>;
-    /// `Backend::deregister`.
-    fn deregister_t(&mut self, kind: MemKind, token: u64) -> Result<()>;
-}
-
-// Reason: the one place these tests call the backend's `unsafe fn`s.
-#[allow(unsafe_code)]
-impl TestCalls for PosixBackend {
-    fn register_t(&mut self, region: &RegionSpec<'_>) -> Result<ferry_backend_api::Registered> {
-        // SAFETY: see the trait docs: the tests keep registered buffers alive.
-        unsafe { self.register(region) }
-    }
-    fn post_t(
-        &mut self,
-        endpoint: Endpoint,
-        batch: &[Post<'_>],
-        done: &mut Completions,
-    ) -> Result<()> {
-        // SAFETY: see the trait docs: ranges lie in registered, live buffers that the
-        // tests do not touch until the completions arrived.
-        unsafe { self.post(endpoint, batch, done) }
-    }
-    fn deregister_t(&mut self, kind: MemKind, token: u64) -> Result<()> {
-        // SAFETY: see the trait docs; deregistration of a region in use is refused by
-        // this backend.
-        unsafe { self.deregister(kind, token) }
-    }
-}
+/// The backend's unsafe calls for tests, under the test kit's promise.
+pub use ferry_testkit::backend::TestCalls;

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use ferry_backend_api::{
     Backend, BackendFactory, BackendInit, Completion, Completions, Desc, Endpoint, MemKind,
-    NotifSink, Params, PeerId, PeerRegions, Post, RegionSpec, Registered, RemoteAgent, Result,
+    NotifSink, Params, PeerId, PeerRegions, RegionSpec, RemoteAgent,
 };
 use ferry_ucx::{UcxBackend, UcxFactory};
 
@@ -203,41 +203,5 @@ pub fn local() -> Endpoint {
     Endpoint::Local
 }
 
-/// The backend's unsafe calls for tests. Every test here keeps the buffers it registers
-/// alive until the backend is dropped or the region deregistered, and waits for every
-/// completion before it reads or drops a buffer that a request uses; so the promises of
-/// `register`, `post` and `deregister` hold.
-pub trait TestCalls {
-    /// `Backend::register`.
-    fn register_t(&mut self, region: &RegionSpec<'_>) -> Result<Registered>;
-    /// `Backend::post`.
-    fn post_t(
-        &mut self,
-        endpoint: Endpoint,
-        batch: &[Post<'_>],
-        done: &mut Completions,
-    ) -> Result<()>;
-    /// `Backend::deregister`.
-    fn deregister_t(&mut self, kind: MemKind, token: u64) -> Result<()>;
-}
-
-impl TestCalls for UcxBackend {
-    fn register_t(&mut self, region: &RegionSpec<'_>) -> Result<Registered> {
-        // SAFETY: see the trait docs: the tests keep registered buffers alive.
-        unsafe { self.register(region) }
-    }
-    fn post_t(
-        &mut self,
-        endpoint: Endpoint,
-        batch: &[Post<'_>],
-        done: &mut Completions,
-    ) -> Result<()> {
-        // SAFETY: see the trait docs: ranges lie in registered, live buffers that the
-        // tests do not touch until the completions arrived.
-        unsafe { self.post(endpoint, batch, done) }
-    }
-    fn deregister_t(&mut self, kind: MemKind, token: u64) -> Result<()> {
-        // SAFETY: see the trait docs: no request using the region is in flight.
-        unsafe { self.deregister(kind, token) }
-    }
-}
+/// The backend's unsafe calls for tests, under the test kit's promise.
+pub use ferry_testkit::backend::TestCalls;
