@@ -438,25 +438,12 @@ impl Agent {
                     },
                     desc,
                 ),
-                None if kind == MemKind::Dram || kind == MemKind::Vram => {
-                    if described.keeps[i].is_none() {
-                        // Raw addresses: the caller's promise, as in NIXL.
-                    }
-                    // SAFETY (promise to the engine): memory from a Python object is
-                    // kept alive (and exported) by `described.keeps[i]` until
-                    // deregistration; raw `(addr, len, dev)` descriptors are the
-                    // caller's promise, as NIXL's are.
-                    #[allow(unsafe_code)]
-                    unsafe {
-                        self.inner.register(kind, desc)
-                    }
-                }
                 None => {
-                    #[allow(unsafe_code)]
-                    // SAFETY: FILE/BLOCK/OBJECT descriptors name no process memory.
-                    unsafe {
-                        self.inner.register(kind, desc)
-                    }
+                    // SAFETY: memory from a Python object is kept alive (and exported)
+                    // by `described.keeps[i]` until deregistration; raw
+                    // `(addr, len, dev)` descriptors are the caller's promise, as in
+                    // NIXL; FILE/BLOCK/OBJECT descriptors name no process memory.
+                    unsafe { self.inner.register(kind, desc) }
                 }
             };
             match result {

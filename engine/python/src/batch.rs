@@ -113,6 +113,7 @@ impl Batch {
     /// descriptors of request `i`; with `post=True` (default) each is posted in the
     /// same flush. Returns the make commands' indices as a NumPy array.
     #[pyo3(signature = (operation, local, local_indices, remote, remote_indices, post=true))]
+    #[allow(clippy::too_many_arguments)]
     fn make_many<'py>(
         &mut self,
         py: Python<'py>,
