@@ -84,6 +84,29 @@ cargo clippy --workspace --all-targets "${features[@]}" -- -D warnings -D clippy
 log "cargo test --workspace ${features[*]}"
 cargo test --workspace "${features[@]}" --no-fail-fast
 
+# ---------------------------------------------------------------- python bindings
+# engine/python (the `ferry` Python module) is outside the workspace: fmt and clippy it,
+# build it (debug, sharing target/) with maturin into a venv under the scratch dir,
+# run its pytest tests (exit 5, "no tests collected", is a failure too).
+py_started=$SECONDS
+log "python bindings: fmt, clippy, maturin develop, pytest"
+(cd engine/python && cargo fmt -- --check &&
+  CARGO_TARGET_DIR="$PWD/../../target" cargo clippy -q --all-targets -- -D warnings)
+if ! python3 -m venv "$scratch/pyvenv" 2>/dev/null; then
+  if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-venv >/dev/null
+  fi
+  rm -rf "$scratch/pyvenv" && python3 -m venv "$scratch/pyvenv"
+fi
+"$scratch/pyvenv/bin/pip" install -q maturin numpy pytest
+(cd engine/python && VIRTUAL_ENV="$scratch/pyvenv" PATH="$scratch/pyvenv/bin:$PATH" \
+  CARGO_TARGET_DIR="$PWD/../../target" maturin develop -q)
+py_rc=0
+(cd engine/python/tests && "$scratch/pyvenv/bin/python" -m pytest -q -p no:cacheprovider) || py_rc=$?
+if ((py_rc == 5)); then echo "pytest collected no tests" >&2; fi
+((py_rc == 0)) || exit 1
+echo "python bindings step: $((SECONDS - py_started)) s"
+
 log "tracy feature builds"
 cargo check -q -p ferry --features tracy
 

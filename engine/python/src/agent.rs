@@ -19,6 +19,9 @@ use crate::memory::{describe, parse_kind, Keep, Purpose};
 /// Name NIXL uses for "the local agent" in `prep_xfer_dlist`.
 const NIXL_INIT_AGENT: &str = "NIXL_INIT_AGENT";
 
+/// The backend parameter that `enable_prog_thread` sets (UCX has it).
+const PROGRESS_THREAD: &str = "progress_thread";
+
 /// How to build an agent (NIXL's `nixl_agent_config`, plus Ferry's exchange options).
 #[pyclass(module = "ferry", name = "AgentConfig", get_all, set_all)]
 #[derive(Clone)]
@@ -43,8 +46,11 @@ pub(crate) struct AgentConfig {
     secret: Option<Vec<u8>>,
     /// Apply the `FERRY_*` environment overrides to the exchange config.
     env_overrides: bool,
-    /// Accepted for NIXL compatibility; Ferry has no progress thread to enable: progress
-    /// runs in `transfer`, `check_xfer_state`, `get_new_notifs` and `flush`.
+    /// Sets the `progress_thread` parameter of backends that have one (UCX) unless
+    /// `backend_params` sets it: a thread that progresses the backend (needed by a
+    /// target whose process does not call into the agent; UCX 1.13 emulates RMA over
+    /// active messages). Without it, progress runs in `transfer`, `check_xfer_state`,
+    /// `get_new_notifs` and `flush`. Default true, as NIXL's.
     enable_prog_thread: bool,
     /// Accepted for NIXL compatibility; Ferry always keeps telemetry
     /// (`get_xfer_telemetry`).
@@ -278,12 +284,22 @@ impl Agent {
             }
         }
         for name in &names {
-            let params: Params = config
+            let mut params: Params = config
                 .backend_params
                 .iter()
                 .find(|(k, _)| k.eq_ignore_ascii_case(name))
                 .map(|(_, v)| v.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
                 .unwrap_or_default();
+            // NIXL's `enable_prog_thread` is the backend's own progress thread here.
+            let has_thread = plugin(name)
+                .map(|f| f.params.iter().any(|p| p.name == PROGRESS_THREAD))
+                .unwrap_or(false);
+            if has_thread && !params.contains_key(PROGRESS_THREAD) {
+                params.insert(
+                    PROGRESS_THREAD.into(),
+                    config.enable_prog_thread.to_string(),
+                );
+            }
             inner.create_backend(name, &params).py()?;
         }
         if let Some(cfg) = config.exchange()? {
