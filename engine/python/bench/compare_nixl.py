@@ -2,7 +2,8 @@
 """Ferry from Python vs NIXL from Python, side by side in one run, on one UCX library.
 
 Each measurement runs in a fresh child process per system (two agents in the child:
-an initiator and a target, both on UCX with a progress thread), alternating
+an initiator and a target, both on UCX; the target with a progress thread, the
+initiator progressing in its own calls unless --initiator-prog-thread), alternating
 NIXL, Ferry, NIXL, Ferry … for --rounds rounds; the table gives the median over rounds
 of each child's median. Both children get the same environment (UCX_* variables
 included) and Ferry's UCX backend loads the libucp bundled in the nixl wheel, so both
@@ -59,36 +60,41 @@ def ucx_lib_of_nixl():
 class Nixl:
     name = "nixl"
 
-    def __init__(self, tag):
+    def __init__(self, tag, init_thread):
         try:
             from nixl._api import nixl_agent, nixl_agent_config
         except ImportError:  # the CUDA-12 build alone, without the `nixl` meta package
             from nixl_cu12._api import nixl_agent, nixl_agent_config
-        cfg = nixl_agent_config(enable_prog_thread=True, backends=["UCX"])
-        self.init = nixl_agent(f"nixl-init-{tag}", cfg)
-        self.target = nixl_agent(f"nixl-target-{tag}", cfg)
+        self.init_thread = init_thread
+        self.init = nixl_agent(f"nixl-init-{tag}",
+                               nixl_agent_config(enable_prog_thread=init_thread, backends=["UCX"]))
+        self.target = nixl_agent(f"nixl-target-{tag}",
+                                 nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
 
     def config(self):
         from importlib import metadata
         versions = {d: metadata.version(d) for d in ("nixl", "nixl-cu12", "nixl-cu13")
                     if _installed(d)}
-        return {"wheel": versions, "backend": "UCX",
-                "enable_prog_thread": True, "params": self.init.get_backend_params("UCX")}
+        return {"wheel": versions, "backend": "UCX", "initiator enable_prog_thread": self.init_thread,
+                "target enable_prog_thread": True, "params": self.init.get_backend_params("UCX")}
 
 
 class Ferry:
     name = "ferry"
 
-    def __init__(self, tag, ucx_lib):
+    def __init__(self, tag, init_thread, ucx_lib):
         import ferry
         params = {"UCX": {"ucx_library": ucx_lib}} if ucx_lib else {}
-        cfg = ferry.AgentConfig(backends=["UCX"], enable_prog_thread=True, backend_params=params)
         self.ferry = ferry
-        self.init = ferry.Agent(f"ferry-init-{tag}", cfg)
-        self.target = ferry.Agent(f"ferry-target-{tag}", cfg)
+        self.init_thread = init_thread
+        self.init = ferry.Agent(f"ferry-init-{tag}", ferry.AgentConfig(
+            backends=["UCX"], enable_prog_thread=init_thread, backend_params=params))
+        self.target = ferry.Agent(f"ferry-target-{tag}", ferry.AgentConfig(
+            backends=["UCX"], enable_prog_thread=True, backend_params=params))
 
     def config(self):
-        return {"module": self.ferry.__version__, "backend": "UCX", "enable_prog_thread": True,
+        return {"module": self.ferry.__version__, "backend": "UCX",
+                "initiator enable_prog_thread": self.init_thread, "target enable_prog_thread": True,
                 "params": self.init.get_backend_params("UCX")}
 
 
@@ -182,6 +188,9 @@ def ferry_batch(side, local, remote, li, ri, iters):
         rel.clear()
         rel.release_many(h)
         a.flush(rel)
+        if i >= 20:
+            one.append(t1 - t0)
+    for i in range(max(iters // 8, 10) + 5):
         # 16 requests in one flush.
         b.clear()
         t2 = ns()
@@ -198,8 +207,7 @@ def ferry_batch(side, local, remote, li, ri, iters):
         rel.clear()
         rel.release_many(hs)
         a.flush(rel)
-        if i >= 20:
-            one.append(t1 - t0)
+        if i >= 5:
             many.append((t3 - t2) / k)
     return {"batch make+post+check": statistics.median(one) / 1e3,
             "batch ×16 make+post+check, per request": statistics.median(many) / 1e3}
@@ -222,13 +230,16 @@ def loop(side, size, iters):
     return {"us_per_iter": us, "GB/s": N * size / (us * 1e3)}
 
 
-def child(system, iters, ucx_lib):
+def child(system, iters, init_thread, ucx_lib):
     tag = f"{os.getpid()}"
-    side = Nixl(tag) if system == "nixl" else Ferry(tag, ucx_lib)
+    side = Nixl(tag, init_thread) if system == "nixl" else Ferry(tag, init_thread, ucx_lib)
     res = {"config": side.config(), "control": control(side, iters)}
     for size in (64, 4096):
         res[f"loop {size} B"] = loop(side, size, iters)
-    print(json.dumps(res))
+    print(json.dumps(res), flush=True)
+    # Skip interpreter teardown: the nixl-cu12 1.5.1 wheel segfaults there (exit 139)
+    # after its work is done; the same exit for both systems.
+    os._exit(0)
 
 
 def main():
@@ -237,10 +248,12 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--ucx-lib", default=None, help="libucp for Ferry (default: the nixl wheel's)")
+    ap.add_argument("--initiator-prog-thread", action="store_true",
+                    help="give the initiator a progress thread too (the target always has one)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child, args.iters, args.ucx_lib)
+        child(args.child, args.iters, args.initiator_prog_thread, args.ucx_lib)
         return
     systems = args.systems.split(",")
     ucx_lib = args.ucx_lib or ucx_lib_of_nixl()
@@ -248,11 +261,13 @@ def main():
     for r in range(args.rounds):
         for s in (systems if r % 2 == 0 else systems[::-1]):
             cmd = [sys.executable, __file__, "--child", s, "--iters", str(args.iters)]
+            if args.initiator_prog_thread:
+                cmd.append("--initiator-prog-thread")
             if ucx_lib:
                 cmd += ["--ucx-lib", ucx_lib]
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             if out.returncode != 0:
-                sys.exit(f"{s} child failed:\n{out.stderr[-4000:]}")
+                sys.exit(f"{s} child failed (exit {out.returncode}):\n{out.stderr[-4000:]}")
             results[s].append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"UCX library: {ucx_lib or 'system libucp.so.0'}")
     print("UCX_* environment: " + (" ".join(f"{k}={v}" for k, v in sorted(os.environ.items())

@@ -164,6 +164,12 @@ pub(crate) fn status_str(status: XferStatus) -> &'static str {
     }
 }
 
+thread_local! {
+    /// Reused index lists of `make_prepped_xfer`, per thread.
+    static SCRATCH: std::cell::RefCell<(Vec<u32>, Vec<u32>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
 /// A registered region and what keeps its memory alive.
 struct Registered {
     _keep: Option<Arc<Keep>>,
@@ -180,8 +186,6 @@ pub(crate) struct Agent {
     /// Notifications taken by `update_notifs`, not yet consumed by
     /// `check_remote_xfer_done`.
     notifs: Mutex<HashMap<String, Vec<Vec<u8>>>>,
-    /// Reused index scratch (`make_prepped_xfer`).
-    scratch: Mutex<(Vec<u32>, Vec<u32>)>,
 }
 
 impl Agent {
@@ -309,7 +313,6 @@ impl Agent {
             inner,
             regions: Mutex::new(HashMap::new()),
             notifs: Mutex::new(HashMap::new()),
-            scratch: Mutex::new((Vec::new(), Vec::new())),
         })
     }
 
@@ -439,6 +442,7 @@ impl Agent {
         mem_type: Option<&str>,
         backends: Option<Vec<String>>,
     ) -> PyResult<DList> {
+        let reg_py = reg_list.py();
         self.check_hints(&backends)?;
         let kind = mem_type.map(parse_kind).transpose()?;
         let described = describe(reg_list, kind, Purpose::Register)?;
@@ -446,28 +450,32 @@ impl Agent {
         let mut ids = Vec::with_capacity(described.descs.len());
         for (i, &desc) in described.descs.iter().enumerate() {
             let result = match &described.paths[i] {
-                Some(path) => self.inner.register_file(
-                    Path::new(path),
-                    FileMode {
-                        write: true,
-                        ..FileMode::default()
-                    },
-                    desc,
-                ),
+                Some(path) => reg_py.detach(|| {
+                    self.inner.register_file(
+                        Path::new(path),
+                        FileMode {
+                            write: true,
+                            ..FileMode::default()
+                        },
+                        desc,
+                    )
+                }),
                 None => {
                     // SAFETY: memory from a Python object is kept alive (and exported)
                     // by `described.keeps[i]` until deregistration; raw
                     // `(addr, len, dev)` descriptors are the caller's promise, as in
                     // NIXL; FILE/BLOCK/OBJECT descriptors name no process memory.
-                    unsafe { self.inner.register(kind, desc) }
+                    reg_py.detach(|| unsafe { self.inner.register(kind, desc) })
                 }
             };
             match result {
                 Ok(id) => ids.push(id),
                 Err(e) => {
-                    for &id in &ids {
-                        let _ = self.inner.deregister(id);
-                    }
+                    reg_py.detach(|| {
+                        for &id in &ids {
+                            let _ = self.inner.deregister(id);
+                        }
+                    });
                     return Err(crate::errors::to_py(&e));
                 }
             }
@@ -499,6 +507,7 @@ impl Agent {
         dereg_list: &Bound<'_, DList>,
         backends: Option<Vec<String>>,
     ) -> PyResult<()> {
+        let dereg_py = dereg_list.py();
         self.check_hints(&backends)?;
         let list = dereg_list.get();
         let ids = self.region_ids(list);
@@ -512,7 +521,8 @@ impl Agent {
         let mut done = 0;
         let mut failure = None;
         for id in &ids {
-            match self.inner.deregister(*id) {
+            let id_now = *id;
+            match dereg_py.detach(|| self.inner.deregister(id_now)) {
                 Ok(()) => {
                     done += 1;
                     self.regions
@@ -565,8 +575,9 @@ impl Agent {
     }
 
     /// Release a prepared list.
-    fn release_dlist_handle(&self, handle: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.inner.release_prep(prep_id(handle)?).py()
+    fn release_dlist_handle(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> PyResult<()> {
+        let p = prep_id(handle)?;
+        py.detach(|| self.inner.release_prep(p)).py()
     }
 
     /// Build a request from two prepared lists and index lists (NumPy arrays or
@@ -597,15 +608,19 @@ impl Agent {
         let op = parse_op(operation)?;
         let local = prep_id(local_xfer_side)?;
         let remote = prep_id(remote_xfer_side)?;
-        let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let (li, ri) = &mut *guard;
-        indices(local_indices, li)?;
-        indices(remote_indices, ri)?;
-        let notif = notif_msg.filter(|n| !n.is_empty());
-        let id = py
-            .detach(|| self.inner.make(op, local, li, remote, ri, notif))
-            .py()?;
-        Ok(XferHandle::of(id))
+        // Per-thread scratch: a lock held across `detach` would deadlock against a
+        // thread that waits for it while holding the GIL.
+        SCRATCH.with(|cell| {
+            let mut guard = cell.borrow_mut();
+            let (li, ri) = &mut *guard;
+            indices(local_indices, li)?;
+            indices(remote_indices, ri)?;
+            let notif = notif_msg.filter(|n| !n.is_empty());
+            let id = py
+                .detach(|| self.inner.make(op, local, li, remote, ri, notif))
+                .py()?;
+            Ok(XferHandle::of(id))
+        })
     }
 
     /// Build a request in one shot from two descriptor lists, the remote one on
@@ -675,8 +690,9 @@ impl Agent {
     }
 
     /// Release a request (an in-flight one only if its backend can cancel it).
-    fn release_xfer_handle(&self, handle: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.inner.release(xfer_id(handle)?).py()
+    fn release_xfer_handle(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> PyResult<()> {
+        let x = xfer_id(handle)?;
+        py.detach(|| self.inner.release(x)).py()
     }
 
     /// Telemetry of a request: `startTime` (µs since the post, as seen now), `postDuration`

@@ -154,44 +154,43 @@ pub(crate) fn prep_id(obj: &Bound<'_, PyAny>) -> PyResult<PrepId> {
     Ok(PrepHandle(v).id())
 }
 
-/// Index lists: a 1-D NumPy integer array or a sequence of ints, into `out`.
+/// Index lists: a 1-D NumPy integer array (any integer dtype; read in place for
+/// `uint32`, `int32`, `int64`, `uint64`) or a sequence of ints, into `out`.
 pub(crate) fn indices(obj: &Bound<'_, PyAny>, out: &mut Vec<u32>) -> PyResult<()> {
     use numpy::{PyArrayMethods, PyUntypedArrayMethods};
     out.clear();
     if obj.is_none() {
         return Ok(());
     }
-    if let Ok(a) = obj.cast::<numpy::PyArray1<u32>>() {
-        let ro = a.readonly();
-        if let Ok(s) = ro.as_slice() {
-            out.extend_from_slice(s);
-            return Ok(());
-        }
-    }
-    if let Ok(a) = obj.cast::<numpy::PyArray1<i64>>() {
-        let ro = a.readonly();
-        if let Ok(s) = ro.as_slice() {
-            for &v in s {
-                out.push(index(v)?);
-            }
-            return Ok(());
-        }
-    }
     if let Ok(a) = obj.cast::<numpy::PyUntypedArray>() {
         if a.ndim() != 1 {
             return Err(crate::errors::invalid("index arrays must be 1-D"));
         }
+        macro_rules! read {
+            ($($t:ty),*) => {$(
+                if let Ok(a) = obj.cast::<numpy::PyArray1<$t>>() {
+                    let ro = a.readonly();
+                    if let Ok(s) = ro.as_slice() {
+                        for &v in s {
+                            out.push(index(v as i128)?);
+                        }
+                        return Ok(());
+                    }
+                }
+            )*};
+        }
+        read!(u32, i32, i64, u64, u16, i16, u8, i8);
     }
     for item in obj.try_iter()? {
         let v: i64 = item?
             .extract()
             .map_err(|_| crate::errors::invalid("indices must be integers"))?;
-        out.push(index(v)?);
+        out.push(index(v as i128)?);
     }
     Ok(())
 }
 
-fn index(v: i64) -> PyResult<u32> {
+fn index(v: i128) -> PyResult<u32> {
     u32::try_from(v)
         .map_err(|_| crate::errors::invalid(format!("index {v} is out of range 0..2**32")))
 }
