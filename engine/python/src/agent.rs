@@ -551,6 +551,33 @@ impl Agent {
         self.regions.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 
+    /// A descriptor list as bytes (Ferry's descriptor-list wire format), for a side
+    /// channel; `deserialize_descs` reads it back (without keep-alives: the bytes name
+    /// addresses only).
+    fn get_serialized_descs<'py>(
+        &self,
+        py: Python<'py>,
+        descs: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let d = describe(descs, None, Purpose::Xfer)?;
+        let bytes =
+            ferry::metadata::encode_descs(d.kind.unwrap_or(MemKind::Dram), &d.descs).py()?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// Read bytes from `get_serialized_descs` back into a `DescList` (malformed bytes
+    /// raise `InvalidParamError`).
+    fn deserialize_descs(&self, serialized_descs: &[u8]) -> PyResult<DList> {
+        let (kind, descs) = ferry::metadata::decode_descs(serialized_descs).py()?;
+        let n = descs.len();
+        Ok(DList::new(crate::memory::Described {
+            kind: Some(kind),
+            descs,
+            keeps: vec![None; n],
+            paths: vec![None; n],
+        }))
+    }
+
     // ------------------------------------------------------------------ prep / make
 
     /// Prepare a descriptor list once (local: `""`, `"NIXL_INIT_AGENT"` or our name; or a

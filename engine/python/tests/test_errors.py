@@ -111,3 +111,15 @@ def test_removed_peer_fails_requests():
         a.remove_remote_agent(b.name)
     with pytest.raises(ferry.NotFoundError):
         a.send_notif(unique("ghost"), b"x")
+
+
+def test_serialized_descs_round_trip_and_garbage():
+    a = loopback_agent()
+    rows = [(0x1000, 64, 0), (0x2000, 128, 1)]
+    blob = a.get_serialized_descs(a.get_xfer_descs(rows, "DRAM"))
+    back = a.deserialize_descs(blob)
+    assert back.descs() == rows and back.mem_type == "DRAM"
+    with pytest.raises(ferry.InvalidParamError):
+        a.deserialize_descs(b"\x00" * 7)
+    with pytest.raises(ferry.InvalidParamError):
+        a.deserialize_descs(blob[:-3])
