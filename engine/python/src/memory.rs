@@ -186,7 +186,16 @@ fn describe_into(
         );
     }
     if let Ok(ai) = obj.getattr(pyo3::intern!(py, "__array_interface__")) {
-        let (addr, len, readonly) = array_interface(&ai)?;
+        let (addr, mut len, readonly) = array_interface(&ai)?;
+        // NumPy's own size where it exists: a typestr's number is not always the item
+        // size (`<U3` is 3 characters of 4 bytes).
+        if let Some(n) = obj
+            .getattr(pyo3::intern!(py, "nbytes"))
+            .ok()
+            .and_then(|n| n.extract::<u64>().ok())
+        {
+            len = n;
+        }
         check_writable(readonly, purpose)?;
         check_kind(kind, MemKind::Dram)?;
         let keep = Keep {

@@ -138,3 +138,11 @@ def test_nixl_names_are_aliases():
     assert ferry.nixl_agent_config is ferry.AgentConfig
     agent = ferry.nixl_agent(f"alias-{id(object())}", ferry.nixl_agent_config(backends=["LOOPBACK"]))
     assert agent.get_backends() == ["LOOPBACK"]
+
+
+def test_array_sizes_come_from_numpy():
+    a = loopback_agent()
+    text = np.zeros(16, dtype="<U3")  # 12 bytes per item, typestr says 3
+    assert a.get_reg_descs(text).descs()[0][1] == text.nbytes == 192
+    rec = np.zeros(4, dtype=[("a", "<u4"), ("b", "<f8")])
+    assert a.get_reg_descs(rec).descs()[0][1] == rec.nbytes
