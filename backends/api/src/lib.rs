@@ -351,6 +351,13 @@ pub trait BackendFactory: Send + Sync {
     fn available(&self) -> std::result::Result<(), String> {
         Ok(())
     }
+    /// Whether one of its memory kinds works on this machine (e.g. VRAM needs a CUDA
+    /// driver and, for UCX, a UCX built with CUDA); the reason when not. The default
+    /// follows [`BackendFactory::available`].
+    fn kind_available(&self, kind: MemKind) -> std::result::Result<(), String> {
+        let _ = kind;
+        self.available()
+    }
     /// Make a backend instance.
     fn create(&self, init: &BackendInit<'_>) -> Result<Box<dyn Backend>>;
 }

@@ -484,7 +484,7 @@ mod tests {
         assert_eq!(back, pattern);
         assert_eq!(pointer_device(buf.addr()).unwrap(), Some(0));
         check_device_range(buf.addr(), 1 << 20, 0).unwrap();
-        let host = vec![0u8; 64];
+        let host = [0u8; 64];
         assert_eq!(pointer_device(host.as_ptr() as u64).unwrap(), None);
     }
 }
