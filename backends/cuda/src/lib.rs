@@ -107,7 +107,9 @@ pub fn driver() -> Result<(), CudaError> {
             let library = unsafe { libloading::Library::new(DRIVER_LIBRARY) }.map_err(|e| {
                 CudaError::NoDriver {
                     library: DRIVER_LIBRARY,
-                    reason: e.to_string(),
+                    reason: std::error::Error::source(&e)
+                        .map(|s| s.to_string())
+                        .unwrap_or_else(|| e.to_string()),
                 }
             })?;
             std::mem::forget(library);

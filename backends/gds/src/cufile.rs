@@ -304,6 +304,15 @@ pub fn describe(err: CUfileError) -> String {
     }
 }
 
+/// The loader's own words for a failed `dlopen` (libloading's message alone says only
+/// "dlopen failed").
+pub fn loader_error(e: &libloading::Error) -> String {
+    match std::error::Error::source(e) {
+        Some(source) => source.to_string(),
+        None => e.to_string(),
+    }
+}
+
 /// Load cuFile from `library` (a bare name is searched like the dynamic loader does) and
 /// open its driver. Loaded libraries stay loaded for the process's life and their driver
 /// open (cuFile counts opens per process; closing under another backend's feet is not
@@ -320,8 +329,13 @@ pub fn load(library: &Path) -> Result<Arc<CuFile>, String> {
     // SAFETY: loading cuFile runs its constructors (its own state only); each symbol is
     // looked up with the signature of cufile.h, and the library is leaked below so the
     // pointers stay valid.
-    let lib = unsafe { libloading::Library::new(library.as_os_str()) }
-        .map_err(|e| format!("GDS needs cuFile: {} not found ({e})", library.display()))?;
+    let lib = unsafe { libloading::Library::new(library.as_os_str()) }.map_err(|e| {
+        format!(
+            "GDS needs cuFile: {} not found ({})",
+            library.display(),
+            loader_error(&e)
+        )
+    })?;
     let api = {
         macro_rules! sym {
             ($name:literal) => {
