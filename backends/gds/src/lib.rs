@@ -218,6 +218,13 @@ fn availability() -> std::result::Result<Arc<CuFile>, String> {
     Ok(cufile)
 }
 
+/// How cuFile from `library` (`None` = `libcufile.so.0`) would move bytes here: GDS or
+/// compatibility mode, and why — without making a backend.
+pub fn probe_mode(library: Option<&Path>) -> std::result::Result<IoMode, String> {
+    let cufile = cufile::load(library.unwrap_or(Path::new(cufile::DEFAULT_LIBRARY)))?;
+    Ok(cufile::detect_mode(&cufile))
+}
+
 /// Creates GDS backends. Registered under the name `GDS`.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct GdsFactory;

@@ -19,11 +19,6 @@ use super::*;
 /// Memory kinds the UCX backend moves (VRAM refused at registration when it cannot).
 pub(crate) const MEM_KINDS: &[MemKind] = &[MemKind::Dram, MemKind::Vram];
 
-/// Whether a request of this kind may reach UCX (regions of it were mapped).
-pub(super) fn may_move(kind: MemKind) -> bool {
-    matches!(kind, MemKind::Dram | MemKind::Vram)
-}
-
 /// VRAM state of one backend instance.
 pub(crate) struct VramState {
     /// Why this UCX cannot move CUDA memory, or `None` when it can.
@@ -143,6 +138,16 @@ fn probe(ucp: &Ucp) -> Option<String> {
 }
 
 impl VramState {
+    /// Whether a request naming this kind may reach UCX: DRAM always, VRAM only with a
+    /// UCX that maps CUDA memory.
+    pub(super) fn may_move(&self, kind: MemKind) -> bool {
+        match kind {
+            MemKind::Dram => true,
+            MemKind::Vram => self.ucx_refusal.is_none(),
+            _ => false,
+        }
+    }
+
     pub(super) fn new(ucp: &Ucp, context: ucp_context_h) -> VramState {
         VramState {
             ucx_refusal: cuda_refusal(ucp, context),
@@ -213,7 +218,18 @@ mod tests {
         assert_eq!(memory_type_names(1), "host");
         assert_eq!(memory_type_names(0b11), "host, cuda");
         assert_eq!(memory_type_names(0), "none");
-        assert!(may_move(MemKind::Vram) && may_move(MemKind::Dram));
-        assert!(!may_move(MemKind::File));
+        let without = VramState {
+            ucx_refusal: Some("no CUDA".into()),
+            #[cfg(feature = "cuda")]
+            device: None,
+        };
+        assert!(without.may_move(MemKind::Dram));
+        assert!(!without.may_move(MemKind::Vram) && !without.may_move(MemKind::File));
+        let with = VramState {
+            ucx_refusal: None,
+            #[cfg(feature = "cuda")]
+            device: None,
+        };
+        assert!(with.may_move(MemKind::Vram));
     }
 }
