@@ -351,6 +351,13 @@ pub trait BackendFactory: Send + Sync {
     fn available(&self) -> std::result::Result<(), String> {
         Ok(())
     }
+    /// Whether it can work with these (effective) parameters, e.g. a library named by a
+    /// parameter instead of the default one. The default follows
+    /// [`BackendFactory::available`].
+    fn available_with(&self, params: &Params) -> std::result::Result<(), String> {
+        let _ = params;
+        self.available()
+    }
     /// Whether one of its memory kinds works on this machine (e.g. VRAM needs a CUDA
     /// driver and, for UCX, a UCX built with CUDA); the reason when not. The default
     /// follows [`BackendFactory::available`].

@@ -246,6 +246,13 @@ impl BackendFactory for GdsFactory {
         availability().map(|_| ())
     }
 
+    fn available_with(&self, params: &Params) -> std::result::Result<(), String> {
+        match params.get("cufile_library").map(|s| s.trim()) {
+            Some(path) if !path.is_empty() => cufile::load(Path::new(path)).map(|_| ()),
+            _ => self.available(),
+        }
+    }
+
     fn kind_available(&self, kind: MemKind) -> std::result::Result<(), String> {
         availability()?;
         match kind {

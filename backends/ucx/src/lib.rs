@@ -403,6 +403,13 @@ impl BackendFactory for UcxFactory {
         load_library(None).map(|_| ())
     }
 
+    fn available_with(&self, params: &Params) -> std::result::Result<(), String> {
+        match params.get("ucx_library").map(|s| s.trim()) {
+            Some(path) if !path.is_empty() => load_library(Some(Path::new(path))).map(|_| ()),
+            _ => self.available(),
+        }
+    }
+
     fn kind_available(&self, kind: MemKind) -> std::result::Result<(), String> {
         static VRAM: OnceLock<std::result::Result<(), String>> = OnceLock::new();
         let ucp = load_library(None)?;
