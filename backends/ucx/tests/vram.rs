@@ -14,24 +14,40 @@ use common::*;
 use ferry_backend_api::{BackendFactory, Desc, Error, MemKind, RegionSpec};
 use ferry_ucx::UcxFactory;
 
+/// Another UCX build named by `FERRY_UCX_LIBRARY` (e.g. the libucx-cu13 wheel's).
+/// Two UCX builds cannot live in one process (the second resolves its dependencies to
+/// the first's libraries), so with it set the tests never touch the system UCX.
+fn other_ucx() -> Option<String> {
+    std::env::var("FERRY_UCX_LIBRARY").ok()
+}
+
+/// The test environment of `common::setup`, without loading the system UCX.
+fn setup_env() {
+    std::env::set_var("UCX_NET_DEVICES", "lo");
+    std::env::set_var("UCX_WARN_UNUSED_ENV_VARS", "n");
+}
+
 #[test]
 fn vram_is_refused_with_the_reason_when_it_cannot_work() {
-    if !setup() {
+    if ferry_cuda::gpu_tests_requested() {
+        eprintln!("skipping: a GPU run (FERRY_TEST_GPU=1) has CUDA; see the gpu tests");
         return;
     }
-    let availability = UcxFactory.kind_available(MemKind::Vram);
-    if std::env::var("FERRY_TEST_GPU").is_ok_and(|v| v == "1")
-        && std::env::var_os("FERRY_UCX_LIBRARY").is_some()
-    {
-        eprintln!("GPU run: VRAM availability with the system UCX: {availability:?}");
-        return;
+    match other_ucx() {
+        Some(library) => {
+            setup_env();
+            eprintln!("UCX from {library}");
+        }
+        None => {
+            if !setup() {
+                return;
+            }
+            let why = UcxFactory
+                .kind_available(MemKind::Vram)
+                .expect_err("no GPU here");
+            assert!(why.contains("CUDA") || why.contains("cuda"), "{why}");
+        }
     }
-    let Err(why) = availability else {
-        // A system UCX with CUDA and a driver: the GPU tests below cover it.
-        eprintln!("VRAM is available with the system UCX here");
-        return;
-    };
-    assert!(why.contains("CUDA") || why.contains("cuda"), "{why}");
     let mut backend = backend("vram-a", "", &[]);
     // A device address that is not mapped here: refused before UCX sees it, typed.
     let err = backend
@@ -54,6 +70,10 @@ fn vram_is_refused_with_the_reason_when_it_cannot_work() {
 
 #[test]
 fn factory_lists_vram_with_its_availability() {
+    if other_ucx().is_some() {
+        eprintln!("skipping: FERRY_UCX_LIBRARY is set, so the system UCX stays unloaded");
+        return;
+    }
     if !setup() {
         return;
     }
@@ -94,16 +114,14 @@ mod gpu {
     /// VRAM→DRAM read, 1 MiB × 8 ranges each, every byte checked.
     #[test]
     fn vram_moves_between_two_backends() {
-        if !requested() || !setup() {
+        if !requested() {
             return;
         }
         assert!(
-            std::env::var_os("FERRY_UCX_LIBRARY").is_some(),
+            other_ucx().is_some(),
             "FERRY_TEST_GPU=1: set FERRY_UCX_LIBRARY to a CUDA-capable libucp (libucx-cu13)"
         );
-        UcxFactory
-            .kind_available(MemKind::Vram)
-            .expect("VRAM must be available in a GPU run");
+        setup_env();
         let dev = Device::open(0).expect("device 0");
         let len = 8usize << 20;
         let mut a = backend("vram-a", "", &[]);

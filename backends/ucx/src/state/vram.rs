@@ -67,9 +67,10 @@ pub(super) fn cuda_refusal(ucp: &Ucp, context: ucp_context_h) -> Option<String> 
         return None;
     }
     Some(format!(
-        "UCX {} ({}) has no CUDA support: its memory types are {} (use a CUDA-capable UCX, \
-         e.g. the libucp.so of the libucx-cu13 or libucx-cu12 wheel, through the ucx_library \
-         parameter; its CUDA modules also need libcuda.so.1)",
+        "UCX {} ({}) reports no CUDA memory (its memory types: {}): either it is built \
+         without CUDA (use the libucp.so of the libucx-cu13 or libucx-cu12 wheel through the \
+         ucx_library parameter) or its CUDA module could not load (it needs libcuda.so.1 and \
+         libnvidia-ml.so.1)",
         ucp.version(),
         ucp.library().display(),
         memory_type_names(attr.memory_types)
