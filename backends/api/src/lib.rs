@@ -1,5 +1,5 @@
-//! The backend contract: what a transport (today loopback, UCX and POSIX/io_uring; a
-//! GDS backend is planned) must do for the Ferry executor, and what it may rely on.
+//! The backend contract: what a transport (loopback, UCX, POSIX/io_uring and GDS/cuFile)
+//! must do for the Ferry executor, and what it may rely on.
 //!
 //! # State machine
 //!
