@@ -280,9 +280,22 @@ impl DeviceBuffer {
         &self.dev
     }
 
+    fn fits(&self, len: usize) -> Result<(), CudaError> {
+        if len > self.len {
+            return Err(CudaError::NotDeviceMemory {
+                addr: self.ptr + self.len as u64,
+                reason: format!(
+                    "a copy of {len} bytes runs past the {}-byte buffer",
+                    self.len
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// Copy `src` to the start of the buffer (synchronous).
     pub fn write(&self, src: &[u8]) -> Result<(), CudaError> {
-        assert!(src.len() <= self.len, "write past the buffer");
+        self.fits(src.len())?;
         self.dev.bind()?;
         // SAFETY: the destination holds at least src.len() bytes (checked above).
         unsafe { result::memcpy_htod_sync(self.ptr, src) }
@@ -291,7 +304,7 @@ impl DeviceBuffer {
 
     /// Copy the start of the buffer into `dst` (synchronous).
     pub fn read(&self, dst: &mut [u8]) -> Result<(), CudaError> {
-        assert!(dst.len() <= self.len, "read past the buffer");
+        self.fits(dst.len())?;
         self.dev.bind()?;
         // SAFETY: the source holds at least dst.len() bytes (checked above).
         unsafe { result::memcpy_dtoh_sync(dst, self.ptr) }

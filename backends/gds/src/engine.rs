@@ -362,10 +362,25 @@ impl BatchEngine {
         let status =
             unsafe { (api.get_status)(s.handle, 0, &mut nr, s.events.as_mut_ptr(), &mut timeout) };
         if status.err != cufile::CU_FILE_SUCCESS {
+            // The batch's state is unknown: cancel it, so cuFile lets go of its buffers,
+            // and fail every entry not reported yet (each still gets its one outcome).
             log::warn!(
-                "GDS: cuFileBatchIOGetStatus failed: {}",
+                "GDS: cuFileBatchIOGetStatus failed: {}; canceling the batch",
                 cufile::describe(status)
             );
+            // SAFETY: our handle, in flight.
+            unsafe { (api.cancel)(s.handle) };
+            for (position, reported) in s.reported.iter_mut().enumerate() {
+                if !*reported {
+                    *reported = true;
+                    out.push((s.tokens[position], IoOutcome::CuFile(status.err)));
+                }
+            }
+            s.outstanding = 0;
+            s.in_flight = false;
+            s.params.clear();
+            s.tokens.clear();
+            s.reported.clear();
             return;
         }
         for event in &s.events[..(nr as usize).min(s.events.len())] {

@@ -675,7 +675,7 @@ impl GdsBackend {
     fn ops_of(&self, post: &Post<'_>) -> usize {
         post.ranges
             .iter()
-            .map(|r| r.len.div_ceil(self.config.chunk_bytes).max(1) as usize)
+            .map(|r| r.len.div_ceil(self.config.chunk_bytes) as usize)
             .sum()
     }
 
@@ -959,6 +959,9 @@ impl Backend for GdsBackend {
             });
             let mut count = 0u32;
             for (i, range) in post.ranges.iter().enumerate() {
+                if range.len == 0 {
+                    continue;
+                }
                 let (buf_base, ctx, registered) = {
                     let buf = self.bufs.get(range.local_token).expect("validated");
                     (buf.addr, buf.ctx.clone(), buf.registered)

@@ -6,10 +6,13 @@
 // Reason: the test loads the stand-in's knobs (C functions) itself.
 #![allow(unsafe_code)]
 
-use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard, OnceLock};
+mod common;
+
+use std::path::Path;
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use common::standin;
 use ferry_backend_api::{
     Backend, BackendFactory, BackendInit, Completion, Completions, Desc, Endpoint, Error,
     FailureKind, FileMode, MemKind, Op, Params, PeerId, Post, Range, RegionSpec,
@@ -17,34 +20,6 @@ use ferry_backend_api::{
 use ferry_gds::cufile::IoMode;
 use ferry_gds::{EngineKind, GdsBackend, GdsFactory};
 use ferry_testkit::backend::TestCalls;
-
-/// The stand-in library, built once per test binary (`None` + reason when no compiler).
-fn standin() -> Option<&'static Path> {
-    static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    let built = BUILT.get_or_init(|| {
-        let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/standin/cufile_standin.c");
-        let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("libcufile_standin.so");
-        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-        let status = std::process::Command::new(&cc)
-            .args(["-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-o"])
-            .arg(&out)
-            .arg(&source)
-            .arg("-lpthread")
-            .status()
-            .map_err(|e| format!("cannot run the C compiler '{cc}': {e}"))?;
-        if !status.success() {
-            return Err(format!("'{cc}' failed to build the stand-in ({status})"));
-        }
-        Ok(out)
-    });
-    match built {
-        Ok(path) => Some(path.as_path()),
-        Err(why) => {
-            ferry_testkit::ci::skip("a C compiler for the GDS stand-in cuFile", why);
-            None
-        }
-    }
-}
 
 /// The stand-in's knobs are process-wide: tests that use them run one at a time.
 fn serial() -> MutexGuard<'static, ()> {
@@ -83,6 +58,16 @@ impl Knobs {
             f(bytes);
         }
     }
+    fn fail_status(&self, on: bool) {
+        // SAFETY: declared as void standin_fail_status(int).
+        unsafe {
+            let f = self
+                .lib
+                .get::<unsafe extern "C" fn(i32)>(b"standin_fail_status\0")
+                .unwrap();
+            f(i32::from(on));
+        }
+    }
     /// (file handles, registered buffers, batch handles, I/O calls).
     fn counts(&self) -> (i32, i32, i32, u64) {
         let (mut h, mut b, mut n, mut ios) = (0i32, 0i32, 0i32, 0u64);
@@ -102,6 +87,7 @@ impl Knobs {
 
 impl Drop for Knobs {
     fn drop(&mut self) {
+        self.fail_status(false);
         self.hold(false);
         self.max_io(0);
     }
@@ -701,4 +687,50 @@ fn without_cufile_gds_is_unavailable_and_says_why() {
             assert!(vram.contains("GDS needs cuFile"), "{vram}");
         }
     }
+}
+
+#[test]
+fn a_failing_batch_poll_cancels_the_batch_and_fails_its_requests() {
+    let Some(lib) = standin() else { return };
+    let _serial = serial();
+    let knobs = Knobs::new(lib);
+    let mut gds = backend(lib, &[("engine", "batch")]);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f");
+    let src = pattern(1 << 16, 8);
+    let s = gds.register_t(&dram(&src)).unwrap().token;
+    let f = gds.register_t(&file_by_path(&path, 0, RW)).unwrap().token;
+    knobs.hold(true);
+    let r = ranges(&src, s, f, 4, 1 << 14);
+    let post = Post {
+        tag: 5,
+        op: Op::Write,
+        local_kind: MemKind::Dram,
+        remote_kind: MemKind::File,
+        ranges: &r,
+        notif: None,
+    };
+    let mut done = Completions::with_capacity(4);
+    gds.post_t(Endpoint::Local, &[post], &mut done).unwrap();
+    knobs.fail_status(true);
+    gds.progress(&mut done);
+    assert_eq!(done.len(), 1, "one completion, once");
+    let failure = done.as_slice()[0].result.expect_err("the poll failed");
+    assert_eq!(failure.kind, FailureKind::Backend);
+    assert_eq!(gds.in_flight(), (0, 0));
+    knobs.fail_status(false);
+    knobs.hold(false);
+    for _ in 0..10 {
+        gds.progress(&mut done);
+    }
+    assert_eq!(done.len(), 1, "no second completion");
+    gds.deregister_t(MemKind::Dram, s).unwrap();
+    gds.deregister_t(MemKind::File, f).unwrap();
+    // The handle is usable again afterwards.
+    let s = gds.register_t(&dram(&src)).unwrap().token;
+    let f = gds.register_t(&file_by_path(&path, 0, RW)).unwrap().token;
+    assert_eq!(
+        run(&mut gds, Op::Write, &ranges(&src, s, f, 4, 1 << 14), 6).result,
+        Ok(())
+    );
 }

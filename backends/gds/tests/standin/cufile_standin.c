@@ -79,6 +79,7 @@ static int nbufs;
 static size_t max_io;      /* 0 = unlimited: cap on bytes per read/write call */
 static bool held;          /* I/O waits while set */
 static unsigned long ios;  /* read/write calls made */
+static bool fail_status;   /* cuFileBatchIOGetStatus fails while set */
 
 struct handle { int fd; };
 struct event { void *cookie; unsigned status; size_t ret; };
@@ -99,6 +100,7 @@ void standin_hold(int on) {
   if (!held) pthread_cond_broadcast(&released);
   pthread_mutex_unlock(&lock);
 }
+void standin_fail_status(int on) { pthread_mutex_lock(&lock); fail_status = on != 0; pthread_mutex_unlock(&lock); }
 void standin_counts(int *out_handles, int *out_bufs, int *out_batches, unsigned long *out_ios) {
   pthread_mutex_lock(&lock);
   *out_handles = handles; *out_bufs = nbufs; *out_batches = batches; *out_ios = ios;
@@ -247,6 +249,10 @@ CUfileError_t cuFileBatchIOGetStatus(CUfileBatchHandle_t bh, unsigned min_nr, un
   (void)min_nr; (void)timeout;
   struct batch *b = bh;
   if (!b || !nr || !events) return status(INVALID_VALUE);
+  pthread_mutex_lock(&lock);
+  bool fail = fail_status;
+  pthread_mutex_unlock(&lock);
+  if (fail) return status(5030); /* CU_FILE_INTERNAL_ERROR */
   if (!b->busy) { *nr = 0; return status(OK); }
   if (b->parked) {
     pthread_mutex_lock(&lock);
@@ -277,7 +283,14 @@ CUfileError_t cuFileBatchIOGetStatus(CUfileBatchHandle_t bh, unsigned min_nr, un
   if (b->reported == b->n) b->busy = false;
   return status(OK);
 }
-CUfileError_t cuFileBatchIOCancel(CUfileBatchHandle_t bh) { (void)bh; return status(OK); }
+CUfileError_t cuFileBatchIOCancel(CUfileBatchHandle_t bh) {
+  struct batch *b = bh;
+  if (!b) return status(INVALID_VALUE);
+  free(b->parked); /* never started */
+  b->parked = NULL;
+  b->busy = false;
+  return status(OK);
+}
 void cuFileBatchIODestroy(CUfileBatchHandle_t bh) {
   if (!bh) return;
   free(bh);
