@@ -73,7 +73,11 @@ fn long_loop_allocates_nothing_and_leaks_nothing() {
         let mut done = Completions::with_capacity(4);
         let mut cycle = |gds: &mut GdsBackend, i: u64| {
             done.clear();
-            let op = if i % 2 == 0 { Op::Write } else { Op::Read };
+            let op = if i.is_multiple_of(2) {
+                Op::Write
+            } else {
+                Op::Read
+            };
             let post = |tag, ranges| Post {
                 tag,
                 op,
