@@ -26,7 +26,8 @@ pack() {
   local wheels=/tmp/ferry-gpu-wheels
   local stage
   stage=$(mktemp -d /tmp/ferry-gpu-pack.XXXXXX)
-  trap 'rm -rf "$stage"' RETURN
+  # shellcheck disable=SC2064 # expand now: the variable is local
+  trap "rm -rf '$stage'" RETURN
   mkdir -p "$stage/bin" "$stage/tests" "$stage/ucx"
 
   log "release binaries (GPU code compiled in: feature ferry/cuda)"
@@ -100,7 +101,8 @@ run() {
   local failed=0
   local scratch
   scratch=$(mktemp -d "$PWD/scratch.XXXXXX")
-  trap 'rm -rf "$scratch"' EXIT
+  # shellcheck disable=SC2064 # expand now: the variable is local
+  trap "rm -rf '$scratch'" EXIT
 
   # step NAME TIMEOUT_S COMMAND...: run it bounded, keep its output, record the verdict.
   step() {
@@ -110,8 +112,11 @@ run() {
     local t0=$SECONDS rc=0
     timeout --kill-after=5 "$limit" "$@" || rc=$?
     local verdict=PASS
-    if ((rc != 0)); then
-      verdict="FAIL (exit $rc$( ((rc == 124)) && echo ", over ${limit}s"))"
+    if ((rc == 124)); then
+      verdict="FAIL (over its ${limit} s limit)"
+      failed=1
+    elif ((rc != 0)); then
+      verdict="FAIL (exit $rc)"
       failed=1
     fi
     results+=("$(printf '%-44s %s (%ss)' "$name" "$verdict" $((SECONDS - t0)))")
