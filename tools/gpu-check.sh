@@ -160,10 +160,11 @@ PY
   local dev=${FERRY_GPU_DEV:-0}
   local iters=${FERRY_GPU_ITERS:-10}
 
-  step "ferry backends (here, system libraries)" 30 bin/ferry backends
-  step "test ferry-cuda (driver, device, copies)" 60 tests/ferry-cuda-ferry_cuda --test-threads=1
-  step "test ferry-ucx vram (VRAM<->VRAM, VRAM<->DRAM)" 90 tests/ferry-ucx-vram --test-threads=1 --nocapture
-  step "test ferry-gds gpu (FILE<->VRAM, both engines)" 90 tests/ferry-gds-gpu --test-threads=1 --nocapture
+  step "ferry backends (here, system libraries)" 20 bin/ferry backends
+  step "test ferry-cuda (driver, device, copies)" 45 tests/ferry-cuda-ferry_cuda --test-threads=1
+  step "test ferry-ucx vram (VRAM<->VRAM, VRAM<->DRAM)" 75 tests/ferry-ucx-vram --test-threads=1 --nocapture
+  step "test ferry-gds gpu (FILE<->VRAM, both engines)" 75 tests/ferry-gds-gpu --test-threads=1 --nocapture
+  # Step limits add up to 455 s (+5 s kill grace each): the run ends within 8 minutes.
   step "ferry-gpu-check all (bench + byte checks)" 240 \
     bin/ferry-gpu-check all --dev "$dev" --ucx-library "$ucp" ${cufile:+--cufile-library "$cufile"} \
     --dir "$scratch" --iters "$iters"
