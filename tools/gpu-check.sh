@@ -7,6 +7,8 @@
 #                                          # tarball; default target/gpu-pack.tar.gz (ignored
 #                                          # by git, never commit it)
 #   tar xzf gpu-pack.tar.gz -C DIR && DIR/gpu-check.sh run
+#                                          # (DIR on a disk file system, not tmpfs: the GDS
+#                                          # test files go there, with O_DIRECT where possible)
 #                                          # on the GPU machine (CUDA driver, nvidia-cufile or a
 #                                          # CUDA install with libcufile): every GPU test, then
 #                                          # ferry-gpu-check all (VRAM->VRAM between processes,
@@ -181,7 +183,7 @@ case "${1:-}" in
   pack) shift; pack "$@" ;;
   run) shift; run "$@" ;;
   *)
-    sed -n '2,20p' "$0" >&2
+    sed -n '2,22p' "$0" >&2
     exit 2
     ;;
 esac
