@@ -30,6 +30,7 @@ mod memory;
 mod notifications;
 mod peers;
 mod requests;
+mod vram;
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -58,6 +59,8 @@ use memory::MemEntry;
 use notifications::Inbox;
 use peers::{Grave, PeerState};
 use requests::{Slot, SlotState};
+use vram::VramState;
+pub(crate) use vram::{vram_available, MEM_KINDS};
 
 /// Active-message id of Ferry notifications.
 const NOTIF_AM_ID: u32 = 0x4652;
@@ -104,6 +107,8 @@ pub(crate) struct Core {
     pub(crate) ready: Completions,
     /// Largest single put/get; longer ranges are split.
     chunk_bytes: u64,
+    /// VRAM support and the device context to bind (`vram.rs`).
+    vram: VramState,
 }
 
 // SAFETY: the raw UCX handles in Core are only used by whichever thread holds the core
@@ -257,6 +262,7 @@ impl Core {
             graves: Vec::new(),
             close_rounds: config.close_rounds,
             close_force: config.close_force,
+            vram: VramState::new(&ucp, context),
         };
         for index in 0..config.workers {
             core.add_worker(index, config.progress_thread)?;
