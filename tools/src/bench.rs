@@ -25,7 +25,7 @@ pub enum BenchCmd {
 #[derive(Args, Debug)]
 pub struct ControlArgs {
     /// Descriptors per request.
-    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=1_048_576))]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=1_048_576))]
     batch: u32,
     /// Place the remote blocks in shuffled order (nothing merges).
     #[arg(long)]
@@ -34,7 +34,7 @@ pub struct ControlArgs {
     #[arg(long, value_enum, default_value_t = ControlPath::Prepared)]
     path: ControlPath,
     /// How long to measure, in seconds (at least 5 rounds run).
-    #[arg(long, default_value = "2", value_parser = crate::args::seconds)]
+    #[arg(allow_negative_numbers = true, long, default_value = "2", value_parser = crate::args::seconds)]
     seconds: Duration,
 }
 
@@ -57,13 +57,13 @@ pub struct PosixArgs {
     #[arg(long)]
     direct: bool,
     /// Block size in KiB.
-    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
     block_kib: u64,
     /// Blocks per request (also the io_uring queue depth).
-    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=65_536))]
     batch: u32,
     /// Bytes moved per repetition, in MiB (a multiple of the block size).
-    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
     size_mib: u64,
     /// The file (created and laid out to full size when shorter).
     #[arg(long, value_name = "PATH")]
@@ -75,7 +75,7 @@ pub struct PosixArgs {
     #[arg(long)]
     no_register: bool,
     /// Repetitions (the median is printed).
-    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
     reps: u32,
     /// Use plain 4 KiB pages for the memory buffer instead of transparent huge pages.
     #[arg(long)]

@@ -13,16 +13,16 @@ use crate::buffers::HostBuffer;
 #[derive(Args, Debug)]
 pub struct DemoArgs {
     /// MiB moved each way.
-    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub mib: u32,
     /// Block size in KiB (the data moves as blocks placed in shuffled order).
-    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=1048576))]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=1048576))]
     pub block_kib: u32,
     /// Move GPU memory (VRAM) instead of host memory, through UCX.
     #[arg(long)]
     pub vram: bool,
     /// CUDA device of the VRAM buffers (with --vram).
-    #[arg(long, requires = "vram", value_parser = clap::value_parser!(u32).range(0..=1023))]
+    #[arg(allow_negative_numbers = true, long, requires = "vram", value_parser = clap::value_parser!(u32).range(0..=1023))]
     pub dev: Option<u32>,
     /// The libucp to load for the VRAM demo (a CUDA-capable UCX; with --vram).
     #[arg(long, requires = "vram", value_name = "PATH")]

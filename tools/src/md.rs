@@ -43,12 +43,8 @@ impl ExchangeArgs {
             config.store = StoreConfig::TcpStore(TcpStoreConfig::new(endpoint.clone()));
         }
         if let Some(urls) = &self.etcd {
-            if !cfg!(feature = "etcd") {
-                return Err(
-                    "--etcd needs a ferry built with the `etcd` feature (cargo build -p ferry-tools --features etcd)"
-                        .into(),
-                );
-            }
+            // A build without the exchange's `etcd` feature refuses this config when
+            // the manager starts, saying so.
             let endpoints: Vec<String> = urls
                 .split(',')
                 .map(str::trim)
@@ -85,7 +81,7 @@ pub struct FetchArgs {
     #[arg(long)]
     label: Option<String>,
     /// How long to wait for the agent to publish, in seconds.
-    #[arg(long, default_value = "10", value_parser = crate::args::seconds)]
+    #[arg(allow_negative_numbers = true, long, default_value = "10", value_parser = crate::args::seconds)]
     timeout: Duration,
 }
 

@@ -43,7 +43,7 @@ pub struct ClientArgs {
     #[arg(long)]
     no_ping: bool,
     /// Bound on connecting and on every read and write, in seconds.
-    #[arg(long, default_value = "5", value_parser = crate::args::seconds)]
+    #[arg(allow_negative_numbers = true, long, default_value = "5", value_parser = crate::args::seconds)]
     timeout: Duration,
 }
 

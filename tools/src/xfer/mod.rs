@@ -66,22 +66,22 @@ pub struct XferArgs {
     #[arg(long, value_enum, default_value_t = MemArg::Dram, ignore_case = true)]
     pub target_mem: MemArg,
     /// Smallest block size.
-    #[arg(long, default_value = "4K", value_parser = size)]
+    #[arg(allow_negative_numbers = true, long, default_value = "4K", value_parser = size)]
     pub start_block: u64,
     /// Largest block size.
-    #[arg(long, default_value = "64M", value_parser = size)]
+    #[arg(allow_negative_numbers = true, long, default_value = "64M", value_parser = size)]
     pub max_block: u64,
     /// Block size multiplier between steps.
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(2..=1024))]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(2..=1024))]
     pub block_factor: u64,
     /// Smallest batch (descriptors per request).
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1_048_576))]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1_048_576))]
     pub start_batch: u32,
     /// Largest batch.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1_048_576))]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1_048_576))]
     pub max_batch: u32,
     /// Batch multiplier between steps.
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(2..=1024))]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(2..=1024))]
     pub batch_factor: u32,
     /// Descriptor layout on the target: contiguous blocks (they merge) or shuffled.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "contiguous")]
@@ -91,16 +91,16 @@ pub struct XferArgs {
     #[arg(long, value_enum, value_delimiter = ',', default_value = "prepared")]
     pub request: Vec<RequestMode>,
     /// Initiator workers (one thread and agent each) and target agents.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub threads: u32,
     /// How workers map to targets (matters with --threads > 1).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "pairwise")]
     pub scheme: Vec<Scheme>,
     /// Timed iterations per case.
-    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=10_000_000))]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=10_000_000))]
     pub iters: u32,
     /// Untimed iterations before them.
-    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
     pub warmup: u32,
     /// Check the bytes after each case (WRITE: read back; READ: against what was put
     /// there first). Needs the requests to fit the buffer without wrapping.
@@ -108,7 +108,7 @@ pub struct XferArgs {
     pub check: bool,
     /// Buffer per worker and target (default: the largest request, at most 256 MiB);
     /// larger requests wrap around it.
-    #[arg(long, value_parser = size)]
+    #[arg(allow_negative_numbers = true, long, value_parser = size)]
     pub buffer: Option<u64>,
     /// Backend parameter for every agent, KEY=VALUE (repeatable; `ferry backends` lists
     /// them), e.g. --param transports=tcp.
@@ -125,7 +125,7 @@ pub struct XferArgs {
     #[arg(long, default_value = "ferry-bench")]
     pub run_id: String,
     /// How long to wait for the other side, in seconds.
-    #[arg(long, default_value = "30", value_parser = crate::args::seconds)]
+    #[arg(allow_negative_numbers = true, long, default_value = "30", value_parser = crate::args::seconds)]
     pub connect_timeout: Duration,
     /// POSIX: directory of the target files (default: the temp dir).
     #[arg(long, value_name = "DIR")]
