@@ -227,10 +227,11 @@ pub fn serve(plan: &Plan) -> Result<(), String> {
         a.send_local_md(Via::Store).map_err(|e| e.to_string())?;
         agents.push(a);
     }
-    tracing::info!(
-        "{} target agents published as {}-target-*",
+    println!(
+        "{} target agent(s) published as {}-target-0..{}; serving until the initiator is done (Ctrl-C stops)",
         agents.len(),
-        plan.args.run_id
+        plan.args.run_id,
+        agents.len() - 1
     );
     let mut done = vec![false; agents.len()];
     let mut heard_at: Option<Instant> = None;
