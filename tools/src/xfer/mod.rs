@@ -60,8 +60,8 @@ pub struct XferArgs {
     )]
     pub op: Vec<OpArg>,
     /// Memory kind on the initiator side.
-    #[arg(long, value_enum, default_value_t = MemArg::Dram, ignore_case = true)]
-    pub initiator_mem: MemArg,
+    #[arg(long, value_enum, default_value_t = InitiatorMem::Dram, ignore_case = true)]
+    pub initiator_mem: InitiatorMem,
     /// Memory kind on the target side (file: POSIX only).
     #[arg(long, value_enum, default_value_t = MemArg::Dram, ignore_case = true)]
     pub target_mem: MemArg,
@@ -188,6 +188,15 @@ impl MemArg {
     }
 }
 
+/// The initiator's memory kind, as a flag value.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InitiatorMem {
+    /// Host memory.
+    Dram,
+    /// GPU memory.
+    Vram,
+}
+
 /// Target-side descriptor order.
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Layout {
@@ -285,11 +294,8 @@ fn dedup<T: PartialEq + Copy>(v: &[T]) -> Vec<T> {
 /// Check `args` and expand the sweep.
 pub fn plan(args: &XferArgs) -> Result<Plan, String> {
     let mut args = args.clone();
-    if args.initiator_mem == MemArg::Vram || args.target_mem == MemArg::Vram {
+    if args.initiator_mem == InitiatorMem::Vram || args.target_mem == MemArg::Vram {
         return Err("VRAM needs a GPU backend (not built in this binary)".into());
-    }
-    if args.initiator_mem != MemArg::Dram {
-        return Err("--initiator-mem must be dram (the initiator's side is host memory)".into());
     }
     match (args.backend, args.target_mem) {
         (BackendArg::Posix, MemArg::Dram) => {

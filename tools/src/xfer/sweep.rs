@@ -270,6 +270,8 @@ fn links(plan: &Plan, scheme: Scheme, worker: usize) -> Vec<Link> {
     let n = plan.threads();
     let area = plan.area_bytes;
     match scheme {
+        // A POSIX worker's one target is its own file.
+        Scheme::Pairwise if plan.args.backend == BackendArg::Posix => vec![(0, 0, 0)],
         Scheme::Pairwise => vec![(worker, 0, 0)],
         Scheme::ManyToOne => vec![(0, 0, worker as u64 * area)],
         Scheme::OneToMany if worker == 0 => (0..n).map(|j| (j, j as u64 * area, 0)).collect(),
