@@ -216,6 +216,22 @@ pub fn serve(plan: &Plan) -> Result<(), String> {
             stop.store(true, Ordering::Relaxed);
         });
     }
+    // A passive target needs progress only for what its transport cannot do without
+    // it (TCP emulates RMA with active messages). Unless told otherwise, UCX's
+    // progress thread does that, sleeping on the workers' event fds, so the target
+    // does not spin a core that the initiator on the same host would want.
+    let mut plan = plan.clone();
+    if !plan.args.params.iter().any(|(k, _)| k == "progress_thread") {
+        plan.args
+            .params
+            .push(("progress_thread".into(), "true".into()));
+    }
+    let threaded = plan
+        .args
+        .params
+        .iter()
+        .any(|(k, v)| k == "progress_thread" && v == "true");
+    let plan = &plan;
     // Buffers first, so that they are dropped after the agents.
     let mut buffers = Vec::new();
     let mut agents = Vec::new();
@@ -236,8 +252,11 @@ pub fn serve(plan: &Plan) -> Result<(), String> {
     let mut done = vec![false; agents.len()];
     let mut heard_at: Option<Instant> = None;
     while !stop.load(Ordering::Relaxed) && done.iter().any(|d| !d) {
+        if threaded {
+            std::thread::sleep(Duration::from_millis(1));
+        }
         for (k, a) in agents.iter().enumerate() {
-            for _ in 0..64 {
+            for _ in 0..if threaded { 1 } else { 64 } {
                 a.progress();
             }
             for (_, payload) in a.drain_notifications() {
