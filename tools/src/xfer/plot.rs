@@ -125,16 +125,22 @@ fn draw_inner(path: &Path, title: &str, series: &Series) -> Result<(), Box<dyn s
     let mut gb = ChartBuilder::on(&top)
         .margin(12)
         .x_label_area_size(36)
-        .y_label_area_size(60)
+        .y_label_area_size(72)
         .build_cartesian_2d((x_min..x_max).log_scale(), 0.0..(gb_max * 1.1).max(0.001))?;
     gb.configure_mesh()
         .x_desc("block size")
         .y_desc("GB/s")
         .x_label_formatter(&x_fmt)
+        .y_label_formatter(&|v: &f64| match gb_max {
+            m if m >= 10.0 => format!("{v:.0}"),
+            m if m >= 1.0 => format!("{v:.1}"),
+            _ => format!("{v:.2}"),
+        })
         .label_style(("sans-serif", 13))
         .draw()?;
     for (i, (name, points)) in series.iter().enumerate() {
         let color = Palette99::pick(i).to_rgba();
+        gb.draw_series(points.iter().map(|p| Circle::new((p.0, p.1), 3, color.filled())))?;
         gb.draw_series(LineSeries::new(
             points.iter().map(|p| (p.0, p.1)),
             color.stroke_width(2),
@@ -152,7 +158,7 @@ fn draw_inner(path: &Path, title: &str, series: &Series) -> Result<(), Box<dyn s
     let mut lat = ChartBuilder::on(&bottom)
         .margin(12)
         .x_label_area_size(36)
-        .y_label_area_size(60)
+        .y_label_area_size(72)
         .build_cartesian_2d(
             (x_min..x_max).log_scale(),
             (lat_min * 0.8..lat_max * 1.25).log_scale(),
@@ -161,10 +167,12 @@ fn draw_inner(path: &Path, title: &str, series: &Series) -> Result<(), Box<dyn s
         .x_desc("block size")
         .y_desc("average latency (µs)")
         .x_label_formatter(&x_fmt)
+        .y_label_formatter(&|v: &f64| format!("{v:.0}"))
         .label_style(("sans-serif", 13))
         .draw()?;
     for (i, (name, points)) in series.iter().enumerate() {
         let color = Palette99::pick(i).to_rgba();
+        lat.draw_series(points.iter().map(|p| Circle::new((p.0, p.2), 3, color.filled())))?;
         lat.draw_series(LineSeries::new(
             points.iter().map(|p| (p.0, p.2)),
             color.stroke_width(2),
