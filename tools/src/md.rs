@@ -112,6 +112,7 @@ fn fetch(args: &FetchArgs) -> Result<(), String> {
         via,
         args.label.as_deref(),
         args.timeout,
+        &mut || Ok(()),
     )?;
     std::fs::write(&args.output, &blob).map_err(|e| format!("{}: {e}", args.output.display()))?;
     println!(
@@ -124,13 +125,15 @@ fn fetch(args: &FetchArgs) -> Result<(), String> {
 }
 
 /// Fetch `agent`'s blob through a metadata-exchange manager of our own (a fetch-only
-/// participant with no regions), waiting at most `timeout`.
+/// participant with no regions), waiting at most `timeout`; `alive` is asked every
+/// 200 ms whether waiting still makes sense (an error ends the wait with it).
 pub fn fetch_blob(
     config: ExchangeConfig,
     agent: &str,
     via: Via,
     label: Option<&str>,
     timeout: Duration,
+    alive: &mut dyn FnMut() -> Result<(), String>,
 ) -> Result<Vec<u8>, String> {
     let mut config = config;
     config.fetch_timeout = timeout;
@@ -163,6 +166,7 @@ pub fn fetch_blob(
         if let Some(r) = result {
             return r;
         }
+        alive()?;
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(format!(

@@ -140,7 +140,11 @@ fn draw_inner(path: &Path, title: &str, series: &Series) -> Result<(), Box<dyn s
         .draw()?;
     for (i, (name, points)) in series.iter().enumerate() {
         let color = Palette99::pick(i).to_rgba();
-        gb.draw_series(points.iter().map(|p| Circle::new((p.0, p.1), 3, color.filled())))?;
+        gb.draw_series(
+            points
+                .iter()
+                .map(|p| Circle::new((p.0, p.1), 3, color.filled())),
+        )?;
         gb.draw_series(LineSeries::new(
             points.iter().map(|p| (p.0, p.1)),
             color.stroke_width(2),
@@ -172,7 +176,11 @@ fn draw_inner(path: &Path, title: &str, series: &Series) -> Result<(), Box<dyn s
         .draw()?;
     for (i, (name, points)) in series.iter().enumerate() {
         let color = Palette99::pick(i).to_rgba();
-        lat.draw_series(points.iter().map(|p| Circle::new((p.0, p.2), 3, color.filled())))?;
+        lat.draw_series(
+            points
+                .iter()
+                .map(|p| Circle::new((p.0, p.2), 3, color.filled())),
+        )?;
         lat.draw_series(LineSeries::new(
             points.iter().map(|p| (p.0, p.2)),
             color.stroke_width(2),

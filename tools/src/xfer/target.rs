@@ -127,6 +127,15 @@ pub fn connect(plan: &Plan) -> Result<Peers, String> {
         child: None,
         server: None,
     };
+    let ucx = ferry::Agent::available_backends()
+        .into_iter()
+        .find(|b| b.name == "UCX")
+        .map(|b| b.available);
+    match ucx {
+        Some(Ok(())) => {}
+        Some(Err(why)) => return Err(format!("UCX is unavailable here: {why}")),
+        None => return Err("this build has no UCX backend".into()),
+    }
     let mut plan = plan.clone();
     if plan.args.role == Role::Auto {
         if plan.args.run_id == "ferry-bench" {
@@ -162,12 +171,22 @@ pub fn connect(plan: &Plan) -> Result<Peers, String> {
     }
     for k in 0..plan.threads() {
         let name = target_name(&plan, k);
+        let child = &mut peers.child;
+        let mut alive = || {
+            match child.as_mut().map(Child::try_wait) {
+            Some(Ok(Some(status))) => Err(format!(
+                "the target process ended ({status}) before publishing '{name}'; its messages are above"
+            )),
+            _ => Ok(()),
+        }
+        };
         let blob = crate::md::fetch_blob(
             config.clone(),
             &name,
             Via::Store,
             None,
             plan.args.connect_timeout,
+            &mut alive,
         )?;
         let md = PeerMd::from_bytes(&blob).map_err(|e| format!("metadata of '{name}': {e}"))?;
         let ucx = md
