@@ -295,6 +295,15 @@ pub fn serve(plan: &Plan) -> Result<(), String> {
             _ => {}
         }
     }
+    // Linger a moment, so that the initiator closes its endpoints first and neither
+    // side reports the other as lost.
+    let linger = Instant::now() + Duration::from_secs(1);
+    while !stop.load(Ordering::Relaxed) && Instant::now() < linger {
+        for a in &agents {
+            a.progress();
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
     for a in &agents {
         if let Err(e) = a.invalidate_local_md(Via::Store) {
             tracing::debug!("withdrawing {}: {e}", a.name());
