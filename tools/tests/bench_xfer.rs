@@ -193,3 +193,128 @@ fn ucx_sweep_runs_the_target_in_a_second_process() {
     assert_eq!(text.lines().next(), Some(COLUMNS));
     assert_eq!(text.lines().count(), 25);
 }
+
+/// UCX's availability here, or the reason the caller should skip.
+fn ucx_missing() -> Option<String> {
+    match ferry::Agent::available_backends()
+        .into_iter()
+        .find(|b| b.name == "UCX")
+        .map(|b| b.available)
+    {
+        Some(Ok(())) => None,
+        Some(Err(why)) => Some(why),
+        None => Some("no UCX backend in this build".into()),
+    }
+}
+
+/// `--role target` and `--role initiator` as two commands meeting through `store`
+/// (`--tcpstore ADDR` or `--etcd URL`); returns the initiator's JSON, or the
+/// initiator's stderr when it failed.
+fn two_roles(store: &[&str], run_id: &str) -> Result<serde_json::Value, String> {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("roles.json");
+    let sweep = [
+        "--max-block",
+        "16K",
+        "--block-factor",
+        "4",
+        "--iters",
+        "3",
+        "--check",
+    ];
+    let mut target = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args([
+            "bench",
+            "xfer",
+            "--backend",
+            "ucx",
+            "--role",
+            "target",
+            "--run-id",
+            run_id,
+        ])
+        .args(store)
+        .args(sweep)
+        .env("UCX_NET_DEVICES", "lo")
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args([
+            "bench",
+            "xfer",
+            "--backend",
+            "ucx",
+            "--role",
+            "initiator",
+            "--run-id",
+            run_id,
+        ])
+        .args(store)
+        .args(sweep)
+        .args(["--op", "read,write", "--json", json.to_str().unwrap()])
+        .env("UCX_NET_DEVICES", "lo")
+        .output()
+        .unwrap();
+    if !o.status.success() {
+        let _ = target.kill();
+        let _ = target.wait();
+        return Err(String::from_utf8_lossy(&o.stderr).into_owned());
+    }
+    // The target leaves by itself once the initiator said it is done.
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    let status = loop {
+        if let Some(s) = target.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "the target did not leave"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status}");
+    Ok(serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap())
+}
+
+#[test]
+fn initiator_and_target_roles_meet_through_a_tcpstore() {
+    if let Some(why) = ucx_missing() {
+        return ferry_testkit::ci::skip("UCX", why);
+    }
+    let server = ferry::exchange::tcpstore::serve(
+        ([127, 0, 0, 1], 0).into(),
+        ferry::exchange::tcpstore::ServerConfig::default(),
+    )
+    .unwrap();
+    let addr = server.local_addr().to_string();
+    let v = two_roles(&["--tcpstore", &addr], "roles-tcpstore").expect("initiator");
+    assert_eq!(rows(&v).len(), 2 * 2, "{v}");
+    for r in rows(&v) {
+        check_row(r);
+    }
+    server.stop();
+}
+
+#[test]
+fn initiator_and_target_roles_meet_through_etcd() {
+    let Ok(etcd) = std::env::var("FERRY_TEST_ETCD") else {
+        return ferry_testkit::ci::skip("etcd", "FERRY_TEST_ETCD is not set");
+    };
+    if let Some(why) = ucx_missing() {
+        return ferry_testkit::ci::skip("UCX", why);
+    }
+    let run_id = format!("roles-etcd-{}", std::process::id());
+    match two_roles(&["--etcd", &etcd], &run_id) {
+        Ok(v) => {
+            assert_eq!(rows(&v).len(), 2 * 2, "{v}");
+            for r in rows(&v) {
+                check_row(r);
+            }
+        }
+        Err(e) if e.contains("lacks its `etcd` cargo feature") => {
+            ferry_testkit::ci::skip("the etcd feature", e)
+        }
+        Err(e) => panic!("initiator failed: {e}"),
+    }
+}
