@@ -105,7 +105,9 @@ fn loopback_sweep_writes_csv_json_and_a_plot() {
             "DejaVuSans.ttf not found (package fonts-dejavu-core)",
         );
     }
-    let (out, _) = run(&args);
+    let (out, err) = run(&args);
+    // stderr is not a terminal here: no progress bar.
+    assert!(!err.contains("bench xfer ["), "{err}");
     // 3 schemes × 2 ops × 2 request modes × 2 layouts × 3 blocks × 2 batches.
     let n = 3 * 2 * 2 * 2 * 3 * 2;
     assert!(out.contains("backend: LOOPBACK"), "{out}");

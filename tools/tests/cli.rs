@@ -386,3 +386,39 @@ fn store_serve_takes_a_host_name_prints_limits_and_stops_on_ctrl_c() {
     std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
     assert!(rest.contains("stopped (1 keys were stored)"), "{rest}");
 }
+
+#[test]
+fn library_logs_reach_stderr_through_the_subscriber_only_when_asked() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("posix.bin");
+    let f = file.to_str().unwrap();
+    let bench = [
+        "bench",
+        "posix",
+        "--engine",
+        "threads",
+        "--size-mib",
+        "1",
+        "--block-kib",
+        "64",
+        "--reps",
+        "1",
+        "--file",
+        f,
+    ];
+    let line = "posix: engine threads";
+    let quiet = ferry(&bench);
+    let (out, err) = text(&quiet);
+    assert!(quiet.status.success(), "{out}{err}");
+    assert!(!err.contains(line), "logged without -v: {err}");
+    let verbose = ferry(&[&["-v"][..], &bench[..]].concat());
+    let (_, err) = text(&verbose);
+    assert!(err.contains(line) && err.contains("INFO"), "-v: {err}");
+    let o = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args(bench)
+        .env("RUST_LOG", "ferry_posix=info")
+        .output()
+        .unwrap();
+    let (_, err) = text(&o);
+    assert!(err.contains(line), "RUST_LOG: {err}");
+}
