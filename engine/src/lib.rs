@@ -65,6 +65,13 @@ pub mod metadata {
     pub use ferry_metadata::{decode_descs, encode_descs, MdWriter, PeerMd, RegionView};
 }
 
+/// Same-host shareable memory and the `SHM` backend: allocate memory other local
+/// processes can map ([`shm::SharedMemory`]), register it like any DRAM range, and a
+/// same-host peer's SHM transfers into it are plain copies.
+pub mod shm {
+    pub use ferry_shm::{HugePages, SharedMemory, ShmFactory, ShmOptions, HUGE_PAGE_BYTES, NAME};
+}
+
 /// Fault injection of the built-in loopback backend, for tests.
 pub mod loopback {
     pub use ferry_loopback::{faults, Faults, LoopbackFactory, NAME};

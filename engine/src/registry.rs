@@ -20,10 +20,12 @@ static POSIX: ferry_posix::PosixFactory = ferry_posix::PosixFactory;
 /// UCX loads libucp at run time, so it is always compiled in; `available()` says
 /// whether the library is present.
 static UCX: ferry_ucx::UcxFactory = ferry_ucx::UcxFactory;
+/// Same-host transfers: memcpy through mapped peer segments, or batched CMA.
+static SHM: ferry_shm::ShmFactory = ferry_shm::ShmFactory;
 
 /// Every backend factory compiled in, in preference order.
 pub fn factories() -> Vec<&'static dyn BackendFactory> {
-    vec![&LOOPBACK, &UCX, &POSIX]
+    vec![&LOOPBACK, &UCX, &POSIX, &SHM]
 }
 
 /// The factory of backend type `name` (case-insensitive).
