@@ -228,9 +228,8 @@ impl Shm {
         let lanes = positive(&params, "notif_lanes")?;
         let lane_bytes = positive(&params, "notif_lane_bytes")?;
         if lanes > ring::LANES_MAX
-            || lane_bytes % 8 != 0
-            || lane_bytes < 256
-            || lane_bytes > 1 << 30
+            || !lane_bytes.is_multiple_of(8)
+            || !(256..=1 << 30).contains(&lane_bytes)
         {
             return Err(Error::invalid(
                 Subject::BackendName(NAME.into()),

@@ -115,7 +115,7 @@ impl Inbox {
         if lanes == 0
             || lanes > LANES_MAX
             || lane_bytes < 64
-            || lane_bytes % 8 != 0
+            || !lane_bytes.is_multiple_of(8)
             || inbox_len(lanes, lane_bytes) > len
         {
             return Err(format!(
@@ -131,7 +131,7 @@ impl Inbox {
     }
 
     fn atomic_u64(&self, offset: usize) -> &AtomicU64 {
-        debug_assert!(offset + 8 <= self.len && offset % 8 == 0);
+        debug_assert!(offset + 8 <= self.len && offset.is_multiple_of(8));
         // SAFETY: offset lies inside the mapping and is 8-aligned (the mapping is
         // page-aligned); the memory is only ever accessed atomically at these offsets.
         unsafe { &*(self.base.add(offset) as *const AtomicU64) }
