@@ -309,6 +309,40 @@ fn two_processes_random_ranges_both_kinds_byte_for_byte() {
             }
         }
     }
+    // Shuffled blocks into one contiguous remote area (CMA merges the remote side into
+    // one iovec), past 1,024 blocks, both ways.
+    let (block, n) = (100, 3000);
+    let mut order: Vec<usize> = (0..n).collect();
+    rng.shuffle(&mut order);
+    for kind in [Kind::Shared, Kind::Ordinary] {
+        let base = peer.base(kind) + 12_345;
+        let l: Vec<Desc> = order.iter().map(|&j| src.desc(j * block, block)).collect();
+        let r: Vec<Desc> = (0..n)
+            .map(|i| Desc::new(base + (i * block) as u64, block as u64, 0))
+            .collect();
+        let x = a
+            .create(Op::Write, MemKind::Dram, &l, at, MemKind::Dram, &r, None)
+            .unwrap();
+        assert_eq!(a.post(x).unwrap(), XferStatus::Done);
+        let model = peer.model(kind);
+        for (i, &j) in order.iter().enumerate() {
+            let at = 12_345 + i * block;
+            model[at..at + block].copy_from_slice(&src.bytes()[j * block..(j + 1) * block]);
+        }
+        dst.bytes_mut().fill(0);
+        let back: Vec<Desc> = order.iter().map(|&j| dst.desc(j * block, block)).collect();
+        let y = a
+            .create(Op::Read, MemKind::Dram, &back, at, MemKind::Dram, &r, None)
+            .unwrap();
+        assert_eq!(a.post(y).unwrap(), XferStatus::Done);
+        assert_eq!(
+            &dst.bytes()[..n * block],
+            &src.bytes()[..n * block],
+            "{kind:?}"
+        );
+    }
+    peer.assert_matches_model("shuffled blocks into a contiguous area");
+
     // A local side in Ferry shareable memory works the same.
     let local_shared = SharedMemory::alloc(LEN, &ShmOptions::default()).unwrap();
     let mut bytes = vec![0u8; 4096];

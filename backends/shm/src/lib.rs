@@ -196,6 +196,8 @@ pub struct Shm {
     regions: Vec<LocalSlot>,
     free_slots: Vec<u32>,
     peers: SecondaryMap<PeerId, Peer>,
+    /// Scratch of one request's CMA ranges (capacity kept: no allocation once warm).
+    cma_pending: Vec<CmaRange>,
     local_iov: Vec<Iov>,
     remote_iov: Vec<Iov>,
     /// Corrupt records seen in our inbox (a peer wrote garbage into its lane).
@@ -305,6 +307,7 @@ impl Shm {
             regions: Vec::new(),
             free_slots: Vec::new(),
             peers: SecondaryMap::new(),
+            cma_pending: Vec::with_capacity(CMA_IOVECS_MAX),
             local_iov: Vec::with_capacity(CMA_IOVECS_MAX),
             remote_iov: Vec::with_capacity(CMA_IOVECS_MAX),
             corrupt_lanes: 0,
@@ -412,13 +415,73 @@ fn resolve(peer: &mut Peer, token: u64) -> std::result::Result<Target, (i32, Str
     Ok(target)
 }
 
-/// Move `n` queued iovecs with one system call; the failure if any.
+/// One range of a request that goes through CMA.
+#[derive(Clone, Copy, Debug)]
+struct CmaRange {
+    remote: u64,
+    /// Position in the request (keeps equal remote starts in request order).
+    index: u32,
+    local: u64,
+    len: u64,
+}
+
+/// Move `pending` with as few system calls as the kernel allows. The local and remote
+/// iovec lists of `process_vm_writev`/`readv` are separate streams (the bytes of the
+/// local list, in order, fill the remote list, in order), so the ranges are sorted by
+/// remote address and remote neighbours merge into one remote iovec: the kernel's cost
+/// is per remote iovec (it pins the target's pages for each), the local side's per
+/// iovec is a plain copy. At most [`CMA_IOVECS_MAX`] iovecs on either side per call.
+///
+/// Ranges of one request that overlap at the target land in remote-address order, not
+/// necessarily request order (no transport promises an order within a request).
 ///
 /// # Safety
 ///
-/// The local iovecs name memory registered with this backend whose validity the
+/// The local ranges lie in memory registered with this backend whose validity the
 /// caller of `post` promised; the remote ones are the peer's, checked by the kernel.
-unsafe fn cma_flush(
+unsafe fn cma_run(
+    pid: i32,
+    op: Op,
+    pending: &mut [CmaRange],
+    local: &mut Vec<Iov>,
+    remote: &mut Vec<Iov>,
+) -> std::result::Result<(), Failure> {
+    if !pending.is_sorted_by_key(|r| (r.remote, r.index)) {
+        // In place, no allocation.
+        pending.sort_unstable_by_key(|r| (r.remote, r.index));
+    }
+    local.clear();
+    remote.clear();
+    for r in pending.iter() {
+        let (l, rm, len) = (r.local as usize, r.remote as usize, r.len as usize);
+        let local_joins = local.last().is_some_and(|v| v.base + v.len == l);
+        let remote_joins = remote.last().is_some_and(|v| v.base + v.len == rm);
+        if (!local_joins && local.len() == CMA_IOVECS_MAX)
+            || (!remote_joins && remote.len() == CMA_IOVECS_MAX)
+        {
+            // SAFETY: forwarded from this function's contract.
+            unsafe { cma_call(pid, op, local, remote)? };
+        }
+        match local.last_mut() {
+            Some(v) if v.base + v.len == l => v.len += len,
+            _ => local.push(Iov { base: l, len }),
+        }
+        match remote.last_mut() {
+            Some(v) if v.base + v.len == rm => v.len += len,
+            _ => remote.push(Iov { base: rm, len }),
+        }
+    }
+    // SAFETY: as above.
+    unsafe { cma_call(pid, op, local, remote) }
+}
+
+/// One `process_vm_writev`/`readv` of the queued iovecs (equal byte totals on both
+/// sides); clears them. The failure if the kernel refused or moved less.
+///
+/// # Safety
+///
+/// As for [`cma_run`].
+unsafe fn cma_call(
     pid: i32,
     op: Op,
     local: &mut Vec<Iov>,
@@ -428,17 +491,21 @@ unsafe fn cma_flush(
         return Ok(());
     }
     let expected: usize = local.iter().map(|v| v.len).sum();
-    let n = local.len() as libc::c_ulong;
-    let (l, r) = (
+    debug_assert_eq!(expected, remote.iter().map(|v| v.len).sum::<usize>());
+    let (l, nl) = (
         local.as_ptr() as *const libc::iovec,
+        local.len() as libc::c_ulong,
+    );
+    let (r, nr) = (
         remote.as_ptr() as *const libc::iovec,
+        remote.len() as libc::c_ulong,
     );
     // SAFETY: `Iov` has `iovec`'s layout (two machine words: base, len); the local
     // ranges are valid per this function's contract; the kernel checks the remote ones.
     let done = unsafe {
         match op {
-            Op::Write => libc::process_vm_writev(pid, l, n, r, n, 0),
-            Op::Read => libc::process_vm_readv(pid, l, n, r, n, 0),
+            Op::Write => libc::process_vm_writev(pid, l, nl, r, nr, 0),
+            Op::Read => libc::process_vm_readv(pid, l, nl, r, nr, 0),
         }
     };
     local.clear();
@@ -485,10 +552,8 @@ impl Shm {
         let Some(p) = self.peers.get_mut(peer) else {
             return Err(fail(FailureKind::RemoteDisconnect, libc::ENOENT, None));
         };
-        let local_iov = &mut self.local_iov;
-        let remote_iov = &mut self.remote_iov;
-        local_iov.clear();
-        remote_iov.clear();
+        let pending = &mut self.cma_pending;
+        pending.clear();
         for (i, range) in post.ranges.iter().enumerate() {
             let index = Some(i as u32);
             let target = resolve(p, range.remote_token)
@@ -511,26 +576,28 @@ impl Shm {
                     if p.cma.is_err() {
                         return Err(fail(FailureKind::Backend, libc::EPERM, index));
                     }
-                    if range.len > isize::MAX as u64 {
+                    if range.len > isize::MAX as u64 / 2 {
                         return Err(fail(FailureKind::Backend, libc::EINVAL, index));
                     }
-                    local_iov.push(Iov {
-                        base: range.local_addr as usize,
-                        len: range.len as usize,
+                    pending.push(CmaRange {
+                        remote: range.remote_addr,
+                        index: i as u32,
+                        local: range.local_addr,
+                        len: range.len,
                     });
-                    remote_iov.push(Iov {
-                        base: range.remote_addr as usize,
-                        len: range.len as usize,
-                    });
-                    if local_iov.len() == CMA_IOVECS_MAX {
-                        // SAFETY: local ranges per `post`'s contract.
-                        unsafe { cma_flush(p.pid, post.op, local_iov, remote_iov)? };
-                    }
                 }
             }
         }
-        // SAFETY: as above.
-        unsafe { cma_flush(p.pid, post.op, local_iov, remote_iov) }
+        // SAFETY: local ranges per `post`'s contract.
+        unsafe {
+            cma_run(
+                p.pid,
+                post.op,
+                pending,
+                &mut self.local_iov,
+                &mut self.remote_iov,
+            )
+        }
     }
 
     /// Run one request within this agent.
