@@ -3,9 +3,10 @@
 //! ordinary memory (CMA), Ferry's UCX backend (default transports,
 //! `error_handling=none`) between the same two processes, and memcpy between two
 //! mappings of one memfd. Cases: 64 B × 1024, 4 KiB × 1024, 1 MiB × 32, remote order
-//! shuffled. Criterion times each pair; the table of medians over every iteration is
-//! printed at the end. `FERRY_BENCH_SHM_TARGET_CPU=N` starts the target under
-//! `taskset -c N`.
+//! shuffled. Criterion times each pair; then the contenders run interleaved (one
+//! iteration each in turn, `FERRY_BENCH_SHM_INTERLEAVE_S` seconds per case, default 4)
+//! and the table of those medians is printed. `FERRY_BENCH_SHM_TARGET_CPU=N` starts the
+//! target under `taskset -c N`.
 
 use std::cell::RefCell;
 use std::process::{Command, Stdio};
@@ -69,8 +70,15 @@ fn main() {
         group.finish();
     }
     c.final_summary();
-    let bench = bench.into_inner();
-    println!("\nMedians over every iteration (warm-up included):\n");
+    let mut bench = bench.into_inner();
+    let budget = std::env::var("FERRY_BENCH_SHM_INTERLEAVE_S")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(4.0);
+    bench.interleave(Duration::from_secs_f64(budget));
+    println!(
+        "\nMedians, contenders interleaved (one iteration each in turn, {budget} s per case):\n"
+    );
     println!("{}", bench.table());
     bench.finish();
 }

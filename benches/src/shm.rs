@@ -11,7 +11,9 @@
 //! while UCX cases run (SHM needs nothing of the target). Each case's request is made
 //! once; every timed iteration is post → done of that one request, through
 //! `Agent::post` (one flush). The criterion bench (`benches/shm.rs`) drives
-//! [`Bench::iterate`] and then prints [`Bench::table`]: medians of every iteration.
+//! [`Bench::iterate`] per contender, then [`Bench::interleave`] (one iteration of each
+//! contender in turn, so all see the same machine) and prints [`Bench::table`]: the
+//! medians of the interleaved iterations.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -131,7 +133,7 @@ pub fn target_main(addr: &str) -> Result<(), String> {
                 ucx.progress();
             }
         } else {
-            std::thread::sleep(Duration::from_millis(1));
+            std::thread::sleep(Duration::from_micros(50));
         }
         match stream.read(&mut byte) {
             Ok(1) if byte[0] == b's' => spin = true,
@@ -394,6 +396,28 @@ impl Bench {
             total += dt;
         }
         total
+    }
+
+    /// Forget the times recorded so far, then run every case for `budget` in rounds of
+    /// one iteration per contender in turn, so that all four see the same machine
+    /// (load, frequency, memory traffic) — the times [`Bench::table`] reports.
+    pub fn interleave(&mut self, budget: Duration) {
+        for per_case in &mut self.times {
+            for t in per_case.iter_mut() {
+                t.clear();
+            }
+        }
+        for case in 0..self.cases.len() {
+            let started = Instant::now();
+            let mut rounds = 0;
+            while rounds < 5 || (started.elapsed() < budget && rounds < 20_000) {
+                for who in Contender::ALL {
+                    self.iterate(case, who, 1);
+                }
+                rounds += 1;
+            }
+        }
+        self.spin_target(false);
     }
 
     /// The cases: (block bytes, descriptors).

@@ -3,7 +3,8 @@
 //! A data-movement engine for AI inference: it moves bytes (above all KV-cache blocks)
 //! between host memory, files and remote agents through one batched API, whatever
 //! backend does the work. The backends today are `LOOPBACK` (in-process DRAM), `POSIX`
-//! (DRAM ↔ FILE) and `UCX` (DRAM between agents); GPU memory ([`MemKind::Vram`]) and
+//! (DRAM ↔ FILE), `UCX` (DRAM between agents) and `SHM` (DRAM between processes of
+//! one host); GPU memory ([`MemKind::Vram`]) and
 //! the `BLOCK`/`OBJECT` kinds are named in the API but no backend moves them yet
 //! (registering them fails with [`Error::NotSupported`]).
 //!
