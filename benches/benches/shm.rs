@@ -3,8 +3,8 @@
 //! ordinary memory (CMA), Ferry's UCX backend (default transports,
 //! `error_handling=none`) between the same two processes, and memcpy between two
 //! mappings of one memfd. Cases: 64 B × 1024, 4 KiB × 1024, 1 MiB × 32, remote order
-//! shuffled. Criterion times each pair; then the contenders run interleaved (one
-//! iteration each in turn, `FERRY_BENCH_SHM_INTERLEAVE_S` seconds per case, default 4)
+//! shuffled. Criterion times each pair; then the contenders run interleaved (bursts
+//! of about 20 ms each in turn, `FERRY_BENCH_SHM_INTERLEAVE_S` seconds per case, default 4)
 //! and the table of those medians is printed. `FERRY_BENCH_SHM_TARGET_CPU=N` starts the
 //! target under `taskset -c N`.
 
@@ -77,7 +77,7 @@ fn main() {
         .unwrap_or(4.0);
     bench.interleave(Duration::from_secs_f64(budget));
     println!(
-        "\nMedians, contenders interleaved (one iteration each in turn, {budget} s per case):\n"
+        "\nMedians, contenders interleaved (bursts of about 20 ms each in turn, {budget} s per case):\n"
     );
     println!("{}", bench.table());
     bench.finish();

@@ -11,7 +11,7 @@
 //! while UCX cases run (SHM needs nothing of the target). Each case's request is made
 //! once; every timed iteration is post → done of that one request, through
 //! `Agent::post` (one flush). The criterion bench (`benches/shm.rs`) drives
-//! [`Bench::iterate`] per contender, then [`Bench::interleave`] (one iteration of each
+//! [`Bench::iterate`] per contender, then [`Bench::interleave`] (short bursts of each
 //! contender in turn, so all see the same machine) and prints [`Bench::table`]: the
 //! medians of the interleaved iterations.
 
@@ -399,20 +399,34 @@ impl Bench {
     }
 
     /// Forget the times recorded so far, then run every case for `budget` in rounds of
-    /// one iteration per contender in turn, so that all four see the same machine
-    /// (load, frequency, memory traffic) — the times [`Bench::table`] reports.
+    /// one short burst per contender in turn (an untimed iteration first, then about
+    /// 20 ms of timed ones), so that all four see the same machine — load, frequency,
+    /// memory traffic — while each keeps its caches within a burst. These are the times
+    /// [`Bench::table`] reports.
     pub fn interleave(&mut self, budget: Duration) {
         for per_case in &mut self.times {
             for t in per_case.iter_mut() {
                 t.clear();
             }
         }
+        let burst = Duration::from_millis(20);
         for case in 0..self.cases.len() {
             let started = Instant::now();
             let mut rounds = 0;
-            while rounds < 5 || (started.elapsed() < budget && rounds < 20_000) {
+            while rounds < 3 || started.elapsed() < budget {
                 for who in Contender::ALL {
                     self.iterate(case, who, 1);
+                    let index = Contender::ALL
+                        .iter()
+                        .position(|&c| c == who)
+                        .expect("listed");
+                    self.times[case][index].pop();
+                    let t0 = Instant::now();
+                    let mut n = 0;
+                    while n < 3 || t0.elapsed() < burst {
+                        self.iterate(case, who, 1);
+                        n += 1;
+                    }
                 }
                 rounds += 1;
             }
