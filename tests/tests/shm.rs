@@ -213,6 +213,16 @@ fn random_ranges(len: usize, n: usize, rng: &mut Rng) -> Vec<(usize, usize)> {
 
 const LEN: usize = 1 << 20;
 
+/// Post `x` and wait until it is done (SHM finishes in the post; UCX may take checks).
+fn complete(a: &Agent, x: ferry::XferId) {
+    let mut status = a.post(x).expect("post");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while status != XferStatus::Done {
+        assert!(Instant::now() < deadline, "request did not finish");
+        status = a.check(x).expect("check");
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 /// Write random ranges of `src` into the peer's `kind` buffer; updates the model.
 fn write_random(
@@ -247,7 +257,7 @@ fn write_random(
             notif,
         )
         .expect("create write");
-    assert_eq!(a.post(x).expect("post write"), XferStatus::Done);
+    complete(a, x);
     a.release(x).unwrap();
     let model = peer.model(kind);
     for (&(lo, s), &(ro, _)) in local.iter().zip(&remote) {
@@ -698,4 +708,66 @@ fn local_transfers_and_self_notifications() {
     assert_eq!(&dst.bytes()[100..3100], &src.bytes()[5000..8000]);
     let got = a.drain_notifications();
     assert_eq!(got, vec![(a.name().to_string(), b"to me".to_vec())]);
+}
+
+fn ucx_ready() -> bool {
+    std::env::set_var("UCX_NET_DEVICES", "lo");
+    std::env::set_var("UCX_WARN_UNUSED_ENV_VARS", "n");
+    let info = Agent::available_backends();
+    match &info
+        .iter()
+        .find(|f| f.name == "UCX")
+        .expect("compiled in")
+        .available
+    {
+        Ok(()) => true,
+        Err(reason) => {
+            ferry_testkit::ci::skip(
+                "UCX",
+                format!("unavailable ({reason}); apt-get install libucx0"),
+            );
+            false
+        }
+    }
+}
+
+/// The set-up: SHM created first, then UCX. A peer of this host is served by
+/// SHM (its segments get mapped here), a peer of "another host" by UCX (nothing of it
+/// is mapped), and both get their bytes.
+#[test]
+fn shm_first_serves_local_peers_and_ucx_the_others() {
+    if !ucx_ready() {
+        return;
+    }
+    let mut rng = Rng::new(0x0ca1);
+    let a = Agent::new(AgentConfig::named(unique("shm-then-ucx"))).unwrap();
+    a.create_backend("SHM", &Params::new()).unwrap();
+    a.create_backend("UCX", &Params::new()).unwrap();
+    let src = Buffer::random(LEN, &mut rng);
+    register(&a, &src);
+    let mut local = PeerProc::spawn(19, LEN, &["--ucx"]);
+    let mut foreign = PeerProc::spawn(23, LEN, &["host_identity=far-away", "--ucx"]);
+    for (peer, by_shm) in [(&mut local, true), (&mut foreign, false)] {
+        let pid = peer.child.as_ref().unwrap().id();
+        let names = segment_names(pid);
+        let at = a.load_remote_md(&peer.md).expect("load");
+        for kind in [Kind::Shared, Kind::Ordinary] {
+            let n = 1 + rng.index(300);
+            write_random(&a, peer, at, kind, &src, n, &mut rng, None);
+        }
+        peer.assert_matches_model(if by_shm { "local peer" } else { "foreign peer" });
+        let mapped = count_mappings(&names);
+        if by_shm {
+            assert_eq!(
+                mapped, 2,
+                "SHM carried the local peer's requests (inbox + segment mapped)"
+            );
+        } else {
+            assert_eq!(
+                mapped, 0,
+                "nothing of a foreign peer is mapped: UCX carried it"
+            );
+        }
+        a.invalidate_remote_md(at).unwrap();
+    }
 }

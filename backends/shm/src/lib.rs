@@ -749,6 +749,12 @@ impl Backend for Shm {
         }
         let conn = ConnInfo::parse(remote.conn_info)?;
         if conn.host_id != self.host_id {
+            // The engine keeps this error only when no other backend takes the peer.
+            log::info!(
+                "SHM: peer '{}' is on another host ('{}'); another backend must serve it",
+                remote.name,
+                conn.host_id
+            );
             return Err(unsupported(format!(
                 "peer '{}' is on another host (its host identity '{}' is not ours, '{}'); \
                  SHM reaches only agents of this host",
@@ -815,6 +821,13 @@ impl Backend for Shm {
                 )),
             }
         };
+        if let Err(why) = &cma {
+            log::info!(
+                "SHM: peer '{}': only its shareable memory is reachable ({why}); lists naming \
+                 its ordinary memory go to another backend",
+                remote.name
+            );
+        }
         let lane = inbox
             .claim(self.owner_id, &self.agent)
             .map_err(|e| refused(format!("its notification inbox: {e}")))?;

@@ -8,7 +8,8 @@
 //!   hashes: zeros);
 //! - `D` answers with both buffers' bytes; `Q` ends it.
 //!
-//! Usage: `shm-peer ADDR SEED LEN [key=value ...]` (SHM backend parameters).
+//! Usage: `shm-peer ADDR SEED LEN [key=value ...] [--ucx]` (SHM backend parameters;
+//! `--ucx` adds a UCX backend after SHM).
 // Reason: the ordinary buffer is registered (the caller-side promise of
 // `Agent::register`) and read with a raw copy while the peer may write it.
 #![allow(unsafe_code)]
@@ -51,7 +52,12 @@ fn main() {
     let seed: u64 = args[2].parse().expect("seed");
     let len: usize = args[3].parse().expect("len");
     let mut params = Params::new();
+    let mut with_ucx = false;
     for kv in &args[4..] {
+        if kv == "--ucx" {
+            with_ucx = true;
+            continue;
+        }
         let (k, v) = kv.split_once('=').expect("key=value");
         params.insert(k.into(), v.into());
     }
@@ -61,6 +67,11 @@ fn main() {
     )))
     .expect("agent");
     agent.create_backend("SHM", &params).expect("SHM backend");
+    if with_ucx {
+        agent
+            .create_backend("UCX", &Params::new())
+            .expect("UCX backend");
+    }
     let mut rng = Rng::new(seed);
     let shared = SharedMemory::alloc(len, &ShmOptions::default()).expect("shared memory");
     let mut init = vec![0u8; len];
