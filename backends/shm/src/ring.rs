@@ -275,12 +275,14 @@ impl Inbox {
                 // release store of `tail`, which we acquired.
                 let len = unsafe { (ring.add(at) as *const u32).read() };
                 if len == WRAP {
-                    head += size - at as u64;
+                    head = head.saturating_add(size - at as u64);
                     continue;
                 }
                 let len = len as usize;
                 let record = 8 + len.next_multiple_of(8);
-                if at + record > self.lane_bytes || head + record as u64 > tail {
+                if at + record > self.lane_bytes
+                    || head.checked_add(record as u64).is_none_or(|end| end > tail)
+                {
                     corrupt += 1;
                     head = tail;
                     break;
@@ -339,9 +341,17 @@ impl Lane {
         let at = self.tail % size;
         let skip = if at + record > size { size - at } else { 0 };
         let need = skip + record;
-        if self.tail + need - self.head_seen > size {
+        // The consumer's head lives in the target's memory: never trust it to be sane
+        // (a head past our tail, or positions near overflow, read as "full").
+        let fits = |head: u64| {
+            self.tail
+                .checked_add(need)
+                .and_then(|end| end.checked_sub(head))
+                .is_some_and(|used| used <= size)
+        };
+        if !fits(self.head_seen) {
             self.head_seen = self.inbox.head(self.lane).load(Ordering::Acquire);
-            if self.tail + need - self.head_seen > size {
+            if !fits(self.head_seen) {
                 return false;
             }
         }

@@ -139,3 +139,19 @@ fn huge_pages_fall_back_with_a_reason_or_are_used() {
         assert!(e.to_string().contains("huge pages"), "{e}");
     }
 }
+
+#[test]
+fn a_hostile_head_reads_as_full_not_as_a_panic() {
+    let (mem, ib) = inbox(1, 256);
+    let mut lane = ib.claim((1 << 32) | 1, "a").unwrap();
+    assert!(lane.push(b"one"));
+    // The consumer's head at offset 4096 + 128: set it past our tail, then near overflow.
+    for head in [1_000u64, u64::MAX - 3] {
+        mem.write(4096 + 128, &head.to_le_bytes()).unwrap();
+        for _ in 0..40 {
+            let _ = lane.push(b"more bytes");
+        }
+    }
+    let mut names = vec![(0, String::new()); 1];
+    let _ = ib.drain(&mut names, |_, _| {});
+}
