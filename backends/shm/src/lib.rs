@@ -394,7 +394,13 @@ fn resolve(peer: &mut Peer, token: u64) -> std::result::Result<Target, (i32, Str
                         Some((_, m)) => m.base() as usize,
                         None => {
                             let m = PeerMapping::open(md.pid, seg.fd, &seg.nonce, seg.len)
-                                .map_err(|e| (libc::EACCES, e))?;
+                                .map_err(|e| {
+                                    log::warn!(
+                                        "SHM: peer '{}': segment not mapped: {e}",
+                                        peer.name
+                                    );
+                                    (libc::EACCES, e)
+                                })?;
                             let here = m.base() as usize;
                             peer.segments.push((seg.nonce, m));
                             here
