@@ -124,10 +124,30 @@ fn huge_pages_fall_back_with_a_reason_or_are_used() {
         huge_pages: HugePages::Prefer,
         populate: false,
     };
+    let free = std::fs::read_to_string("/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages")
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .unwrap_or(0);
     let mem = SharedMemory::alloc(1 << 20, &options).unwrap();
+    if free >= 1 {
+        assert!(
+            mem.huge_pages(),
+            "{free} free huge pages, yet: {:?}",
+            mem.huge_pages_fallback()
+        );
+    }
     if mem.huge_pages() {
         assert_eq!(mem.len(), 2 << 20);
         assert!(mem.huge_pages_fallback().is_none());
+        // A peer maps it the same way (sealed, whole huge pages).
+        let live = live_segment(mem.addr(), 1).unwrap();
+        mem.write(4095, b"hp").unwrap();
+        let m = PeerMapping::open(std::process::id(), live.fd, &live.nonce, live.len).unwrap();
+        // SAFETY: our 2 MiB mapping of the same pages.
+        assert_eq!(
+            unsafe { std::slice::from_raw_parts(m.base().add(4095), 2) },
+            b"hp"
+        );
     } else {
         let why = mem.huge_pages_fallback().expect("a reason");
         assert!(why.contains("nr_hugepages"), "{why}");
