@@ -964,19 +964,26 @@ impl Backend for Shm {
     }
 
     fn notify(&mut self, endpoint: Endpoint, payload: &[u8]) -> Result<()> {
-        let lane = match endpoint {
-            Endpoint::Local => &mut self.self_lane,
+        let (lane, payload_max) = match endpoint {
+            Endpoint::Local => (&mut self.self_lane, self.inbox.payload_max()),
             Endpoint::Peer(peer) => {
                 self.check_peer(peer)?;
-                &mut self.peers.get_mut(peer).expect("checked").lane
+                let p = self.peers.get_mut(peer).expect("checked");
+                (&mut p.lane, p.inbox.payload_max())
             }
         };
+        if payload.len() > payload_max {
+            return Err(Error::Capacity {
+                what: "SHM notification bytes (half the target's ring)",
+                limit: payload_max,
+            });
+        }
         if lane.push(payload) {
             Ok(())
         } else {
             Err(Error::Capacity {
-                what: "SHM notification ring (the target has not drained it)",
-                limit: self.inbox.payload_max(),
+                what: "SHM notification ring records (the target has not drained its ring)",
+                limit: payload_max,
             })
         }
     }
