@@ -144,10 +144,8 @@ fn huge_pages_fall_back_with_a_reason_or_are_used() {
         mem.write(4095, b"hp").unwrap();
         let m = PeerMapping::open(std::process::id(), live.fd, &live.nonce, live.len).unwrap();
         // SAFETY: our 2 MiB mapping of the same pages.
-        assert_eq!(
-            unsafe { std::slice::from_raw_parts(m.base().add(4095), 2) },
-            b"hp"
-        );
+        let seen = unsafe { std::slice::from_raw_parts(m.base().add(4095), 2) };
+        assert_eq!(seen, b"hp");
     } else {
         let why = mem.huge_pages_fallback().expect("a reason");
         assert!(why.contains("nr_hugepages"), "{why}");
