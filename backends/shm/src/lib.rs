@@ -33,9 +33,11 @@ pub mod ring;
 mod segment;
 pub mod wire;
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use ferry_backend_api::{
     effective_params, Backend, BackendFactory, BackendInit, Capabilities, Completions, Endpoint,
@@ -55,6 +57,11 @@ use wire::{fnv1a, ConnInfo, RegionMd};
 pub const NAME: &str = "SHM";
 
 const KINDS: &[MemKind] = &[MemKind::Dram];
+
+/// How long a peer's "alive" answer (a pidfd poll) is reused before asking again. A
+/// peer that died less than this ago may still see posts into its mapped segment
+/// succeed (the bytes land in pages only we still map); CMA to it fails at once.
+pub const LIVENESS_TTL: Duration = Duration::from_micros(50);
 
 /// Most ranges one `process_vm_readv`/`writev` takes (the kernel's `IOV_MAX`).
 pub const CMA_IOVECS_MAX: usize = 1024;
@@ -150,6 +157,8 @@ struct Peer {
     /// Host identity hash regions must carry.
     host_hash: u64,
     live: Liveness,
+    /// When `live` last answered "alive".
+    live_checked: Cell<Option<Instant>>,
     /// Our lane in the peer's inbox. Declared before the mapping it points into.
     lane: Lane,
     inbox: Inbox,
@@ -641,10 +650,25 @@ impl Shm {
             .peers
             .get(peer)
             .ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
-        if p.inbox.is_closed() || !p.live.alive() {
-            return Err(Error::RemoteDisconnect {
+        let gone = || {
+            Err(Error::RemoteDisconnect {
                 subject: peer_subject(&p.name),
-            });
+            })
+        };
+        if p.inbox.is_closed() {
+            return gone();
+        }
+        // The pidfd poll is a system call; one answer serves the batches of the next
+        // LIVENESS_TTL (a vDSO clock read each). A dead peer is polled every time.
+        let now = Instant::now();
+        if p.live_checked
+            .get()
+            .is_none_or(|t| now.duration_since(t) >= LIVENESS_TTL)
+        {
+            if !p.live.alive() {
+                return gone();
+            }
+            p.live_checked.set(Some(now));
         }
         Ok(())
     }
@@ -845,6 +869,7 @@ impl Backend for Shm {
                 inbox_nonce: conn.inbox_nonce,
                 host_hash: fnv1a(conn.host_id.as_bytes()),
                 live,
+                live_checked: Cell::new(None),
                 lane,
                 inbox,
                 cma,
@@ -939,9 +964,10 @@ impl Backend for Shm {
                 self.check_peer(peer)?;
                 for post in batch {
                     // SAFETY: forwarded from the caller of `post`.
-                    // The peer was alive when the batch started (one pidfd poll per
-                    // batch, above); a peer that dies during the copies leaves our
-                    // mapping of its segment valid, and a CMA call to it fails ESRCH.
+                    // The peer was alive when the batch started (a pidfd poll at most
+                    // LIVENESS_TTL old, above); a peer that dies during the copies
+                    // leaves our mapping of its segment valid, and a CMA call to it
+                    // fails ESRCH.
                     let mut result = unsafe { self.run_peer(peer, post) };
                     let p = self.peers.get_mut(peer).expect("checked above");
                     if let (Ok(()), Some(payload)) = (result, post.notif) {
