@@ -26,9 +26,12 @@ static UCX: ferry_ucx::UcxFactory = ferry_ucx::UcxFactory;
 /// GDS loads cuFile at run time; `available()` says whether it is present.
 static GDS: ferry_gds::GdsFactory = ferry_gds::GdsFactory;
 
+/// Same-host transfers: memcpy through mapped peer segments, or batched CMA.
+static SHM: ferry_shm::ShmFactory = ferry_shm::ShmFactory;
+
 /// Every backend factory compiled in, in preference order.
 pub fn factories() -> Vec<&'static dyn BackendFactory> {
-    vec![&LOOPBACK, &UCX, &POSIX, &GDS]
+    vec![&LOOPBACK, &UCX, &POSIX, &GDS, &SHM]
 }
 
 /// The factory of backend type `name` (case-insensitive).

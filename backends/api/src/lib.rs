@@ -456,6 +456,17 @@ pub trait Backend: Send {
         Ok(())
     }
 
+    /// Whether this backend can move bytes to and from the peer's region named by
+    /// `remote_token` (the token [`PeerRegions::public_md`] takes). Asked when a remote
+    /// descriptor list is prepared: a backend that says no leaves that list's
+    /// candidates, so another backend common to both agents serves it (SHM says no for
+    /// a peer's ordinary memory where the kernel refuses cross-memory attach). The
+    /// default reaches every region of a loaded peer.
+    fn reaches(&self, peer: PeerId, remote_token: u64) -> bool {
+        let _ = (peer, remote_token);
+        true
+    }
+
     /// Check a request when it is built (before any post): ranges the backend can never
     /// serve (O_DIRECT misalignment, unsupported kinds, ranges past a region) are
     /// refused here with an error naming the range, so they fail their own `make`
