@@ -25,6 +25,7 @@
 
 mod callbacks;
 mod config;
+mod deadline;
 mod diagnostics;
 mod memory;
 mod notifications;
@@ -50,6 +51,7 @@ use crate::{Config, ErrorMode, BACKEND};
 pub(crate) use callbacks::Events;
 use callbacks::{on_ep_error, on_notif, on_op_done, CompletionQueue, OpCell, PeerLink};
 use config::{may_use_shared_memory, zcopy_thresh_override};
+use deadline::{Deadline, Watch};
 pub(crate) use diagnostics::errno_of;
 #[cfg(test)]
 pub(crate) use diagnostics::summarize_lanes;
@@ -104,6 +106,8 @@ pub(crate) struct Core {
     pub(crate) ready: Completions,
     /// Largest single put/get; longer ranges are split.
     chunk_bytes: u64,
+    /// The progress deadline of peer endpoints (`deadline.rs`).
+    deadline: Deadline,
 }
 
 // SAFETY: the raw UCX handles in Core are only used by whichever thread holds the core
@@ -257,6 +261,7 @@ impl Core {
             graves: Vec::new(),
             close_rounds: config.close_rounds,
             close_force: config.close_force,
+            deadline: Deadline::new(config.peer_timeout),
         };
         for index in 0..config.workers {
             core.add_worker(index, config.progress_thread)?;
