@@ -15,7 +15,7 @@ log() { printf '\n== %s\n' "$*"; }
 # ---------------------------------------------------------------- packages
 need_pkgs=()
 have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
-for pkg in libucx-dev ucx-utils etcd-server protobuf-compiler libprotobuf-dev; do
+for pkg in libucx-dev ucx-utils etcd-server protobuf-compiler libprotobuf-dev iproute2; do
   have_pkg "$pkg" || need_pkgs+=("$pkg")
 done
 if ((${#need_pkgs[@]})); then
