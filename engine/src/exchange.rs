@@ -39,7 +39,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use ferry_storage::{Desc, Error, MemKind, RegionId, Result, Subject, MAX_BACKENDS};
 
 use crate::Agent;
-use ferry_schedules::{Command, CommandBuffer, ExchangeCmd, MdRoute, Outcome};
+use ferry_schedules::{Command, CommandBuffer, ExchangeCmd, ExchangeEvent, MdRoute, Outcome};
 
 pub use ferry_exchange::{
     check_agent_name, check_label, config, p2p, tcpstore, EtcdConfig, Event, ExchangeConfig, Lost,
@@ -186,6 +186,7 @@ impl Agent {
         let manager = self.manager()?;
         self.refresh_snapshot()?;
         self.exchange_slot().inner().failures.remove(agent);
+        self.metrics.exchange(ExchangeEvent::Fetch);
         manager.fetch_remote_md(agent, via, label)
     }
 
@@ -295,12 +296,22 @@ impl Agent {
                     Route::Etcd => "fetched from etcd",
                     Route::TcpStore => "fetched from tcpstore",
                 };
-                if let Err(error) = self.load_checked(&agent, &blob, origin) {
-                    self.record_failure(agent, error);
+                match self.load_checked(&agent, &blob, origin) {
+                    Ok(_) => self.metrics.exchange(ExchangeEvent::Loaded),
+                    Err(error) => {
+                        self.metrics.exchange(ExchangeEvent::LoadFailed);
+                        self.record_failure(agent, error);
+                    }
                 }
             }
-            Event::Invalidate { agent, .. } => self.drop_peer(&agent),
-            Event::FetchFailed { agent, error, .. } => self.record_failure(agent, error),
+            Event::Invalidate { agent, .. } => {
+                self.metrics.exchange(ExchangeEvent::Invalidated);
+                self.drop_peer(&agent);
+            }
+            Event::FetchFailed { agent, error, .. } => {
+                self.metrics.exchange(ExchangeEvent::FetchFailed);
+                self.record_failure(agent, error);
+            }
             Event::Overflow {
                 agent: Some(agent),
                 lost,
@@ -327,7 +338,10 @@ impl Agent {
                 target,
                 what,
                 error,
-            } => self.record_send_failure(target, what, error),
+            } => {
+                self.metrics.exchange(ExchangeEvent::SendFailed);
+                self.record_send_failure(target, what, error);
+            }
         }
     }
 

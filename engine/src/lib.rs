@@ -44,6 +44,9 @@
 mod agent;
 pub mod exchange;
 mod md;
+pub mod metrics;
+#[cfg(feature = "prometheus")]
+pub mod prometheus;
 mod registry;
 
 pub use agent::{Agent, AgentConfig, BackendInfo};

@@ -509,9 +509,18 @@ impl World {
                 })
             }
         };
+        let mut latency = None;
         if let (Some(now), Some(start)) = (now, self.xfers.telemetry[row].start) {
-            self.xfers.telemetry[row].xfer_duration = now.saturating_duration_since(start);
+            let d = now.saturating_duration_since(start);
+            self.xfers.telemetry[row].xfer_duration = d;
+            latency = Some(d);
         }
+        let error = match &self.xfers.states[row] {
+            XferState::Failed(e) => Some(e),
+            _ => None,
+        };
+        self.metrics
+            .completed(usize::from(self.xfers.slots[row]), latency, error);
         true
     }
 }

@@ -1,0 +1,31 @@
+//! The agent's metrics: counters and histograms recorded by the executor (requests,
+//! bytes, descriptors, errors by kind, post→complete latency per backend) and by the
+//! exchange wiring (fetches, loads, failures, invalidations), plus the peers known.
+//!
+//! Read them from Rust with [`Agent::metrics`] (a snapshot, from any thread, also while
+//! another thread flushes) or export them for Prometheus with the `prometheus` feature
+//! ([`crate::prometheus`], `FERRY_METRICS_LISTEN`). Recording allocates nothing and
+//! costs a few plain stores per request (see `ferry_schedules::metrics`; measured by
+//! `benches/benches/metrics.rs`).
+
+use std::sync::Arc;
+
+pub use ferry_schedules::metrics::{
+    bucket_upper, BackendMetrics, ExchangeEvent, Metrics, MetricsSnapshot, ERROR_KINDS,
+    LATENCY_BUCKETS,
+};
+
+use crate::Agent;
+
+impl Agent {
+    /// A snapshot of this agent's metrics (allocates the snapshot; never blocks on a
+    /// flush, works on a poisoned agent too).
+    pub fn metrics(&self) -> MetricsSnapshot {
+        self.metrics_handle().snapshot()
+    }
+
+    /// The live metrics of this agent, shared (for an exporter of one's own).
+    pub fn metrics_handle(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+}
