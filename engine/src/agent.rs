@@ -248,6 +248,8 @@ impl Agent {
         for &phase in &Phase::ORDER[Phase::EXECUTOR.end..] {
             self.agent_step(phase, steps, cmds);
         }
+        #[cfg(feature = "tracy")]
+        crate::metrics::trace_flush(&self.metrics);
         summary
     }
 

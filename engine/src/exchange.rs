@@ -390,6 +390,8 @@ impl Agent {
     /// Run the metadata-exchange commands of `cmds` (the agent's pre-phase; see
     /// `ferry_schedules::executor`). Commands of other kinds are left alone.
     pub(crate) fn run_exchange_commands(&self, cmds: &mut CommandBuffer) {
+        #[cfg(feature = "tracy")]
+        let _span = tracy_client::span!("ferry::exchange");
         self.apply_exchange_events();
         for i in 0..cmds.len() {
             let Command::Exchange(op) = cmds.commands()[i] else {

@@ -29,3 +29,19 @@ impl Agent {
         &self.metrics
     }
 }
+
+/// Tracy, after each flush: a secondary frame mark `ferry::flush` and the plot of
+/// requests in flight (all agents of the process plot into it).
+#[cfg(feature = "tracy")]
+pub(crate) fn trace_flush(metrics: &Metrics) {
+    use std::sync::OnceLock;
+    static FRAME: OnceLock<tracy_client::FrameName> = OnceLock::new();
+    static IN_FLIGHT: OnceLock<tracy_client::PlotName> = OnceLock::new();
+    if let Some(client) = tracy_client::Client::running() {
+        let frame = *FRAME.get_or_init(|| tracy_client::FrameName::new_leak("ferry::flush".into()));
+        client.secondary_frame_mark(frame);
+        let plot = *IN_FLIGHT
+            .get_or_init(|| tracy_client::PlotName::new_leak("ferry in-flight requests".into()));
+        client.plot(plot, metrics.in_flight() as f64);
+    }
+}

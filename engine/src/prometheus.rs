@@ -16,6 +16,7 @@
 //! | `ferry_descriptors_posted_total` | counter | agent, backend |
 //! | `ferry_requests_completed_total` | counter | agent, backend |
 //! | `ferry_requests_failed_total` | counter | agent, backend |
+//! | `ferry_requests_refused_total` | counter | agent, backend |
 //! | `ferry_request_latency_seconds` | histogram (post→complete) | agent, backend |
 //! | `ferry_errors_total` | counter | agent, kind |
 //! | `ferry_flushes_total` | counter | agent |
@@ -250,7 +251,7 @@ impl EncodeMetric for Count {
 impl Collector for Snapshots {
     fn encode(&self, mut encoder: DescriptorEncoder) -> std::result::Result<(), std::fmt::Error> {
         type Field = fn(&crate::metrics::BackendMetrics) -> u64;
-        let per_backend: [(&str, &str, Field); 5] = [
+        let per_backend: [(&str, &str, Field); 6] = [
             ("ferry_requests_posted", "requests posted", |b| b.posted),
             ("ferry_bytes_posted", "bytes of posted requests", |b| {
                 b.bytes
@@ -267,8 +268,13 @@ impl Collector for Snapshots {
             ),
             (
                 "ferry_requests_failed",
-                "requests failed or refused at post",
+                "requests failed after their post",
                 |b| b.failed,
+            ),
+            (
+                "ferry_requests_refused",
+                "posts refused by the backend",
+                |b| b.refused,
             ),
         ];
         for (name, help, field) in per_backend {

@@ -57,6 +57,7 @@ struct BackendCounters {
     descriptors: AtomicU64,
     completed: AtomicU64,
     failed: AtomicU64,
+    refused: AtomicU64,
     latency_sum_ns: AtomicU64,
     latency: [AtomicU64; LATENCY_BUCKETS],
 }
@@ -108,8 +109,11 @@ pub struct BackendMetrics {
     pub descriptors: u64,
     /// Requests that completed successfully.
     pub completed: u64,
-    /// Requests that failed after being posted, or whose post the backend refused.
+    /// Requests that failed after being posted (also those whose peer went away while
+    /// they were in flight, counted when their backend confirmed the end).
     pub failed: u64,
+    /// Posts the backend refused (the request never went out).
+    pub refused: u64,
     /// Sum of post→complete latencies (completions with telemetry).
     pub latency_sum: Duration,
     /// Post→complete latency histogram: `latency[i]` = completions under `2^i` µs and
@@ -232,7 +236,7 @@ impl Metrics {
 
     /// A post to `slot` was refused by the backend (world lock held).
     pub fn post_refused(&self, slot: usize, error: &Error) {
-        bump(&self.backends[slot].failed, 1);
+        bump(&self.backends[slot].refused, 1);
         self.error(error);
     }
 
@@ -264,6 +268,17 @@ impl Metrics {
         counter.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Requests posted and not ended yet, all backends together (any thread).
+    pub fn in_flight(&self) -> u64 {
+        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        self.backends
+            .iter()
+            .map(|b| {
+                load(&b.posted).saturating_sub(load(&b.completed).saturating_add(load(&b.failed)))
+            })
+            .sum()
+    }
+
     /// Copy every figure (any thread; allocates the snapshot's vectors).
     pub fn snapshot(&self) -> MetricsSnapshot {
         let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
@@ -280,6 +295,7 @@ impl Metrics {
                     descriptors: load(&b.descriptors),
                     completed: load(&b.completed),
                     failed: load(&b.failed),
+                    refused: load(&b.refused),
                     latency_sum: Duration::from_nanos(load(&b.latency_sum_ns)),
                     latency: std::array::from_fn(|i| load(&b.latency[i])),
                 })
@@ -342,7 +358,8 @@ mod tests {
         let s = m.snapshot();
         assert_eq!(s.errors_of("REMOTE_DISCONNECT"), 1);
         assert_eq!(s.errors_of("INVALID_PARAM"), 1);
-        assert_eq!(s.backend("Y").unwrap().failed, 2);
+        assert_eq!(s.backend("Y").unwrap().failed, 1);
+        assert_eq!(s.backend("Y").unwrap().refused, 1);
         assert_eq!(s.backend("Y").unwrap().latency_count(), 0);
     }
 }

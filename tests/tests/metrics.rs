@@ -117,8 +117,9 @@ fn counters_move_with_transfers_and_errors_are_counted_by_kind() {
     assert!(s.backend("LOOPBACK").unwrap().failed >= 1, "{s:?}");
     assert_eq!(
         s.errors.iter().map(|(_, n)| n).sum::<u64>(),
-        2 + s.backend("LOOPBACK").unwrap().failed
+        2 + s.backend("LOOPBACK").unwrap().failed + s.backend("LOOPBACK").unwrap().refused
     );
+    assert_eq!(p.a.metrics_handle().in_flight(), 0);
 }
 
 #[test]

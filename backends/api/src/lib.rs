@@ -82,6 +82,7 @@
 //! OS or transport failures. Asynchronous outcomes arrive as [`Completion`]s; a failed
 //! transfer reports a [`Failure`] with the errno and the range index.
 
+pub mod trace;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;

@@ -73,6 +73,10 @@ use crate::thread::ProgressThread;
 /// The backend's type name.
 pub const BACKEND: &str = "UCX";
 
+/// Tracy plot: UCX requests (and standalone notifications) in flight.
+static IN_FLIGHT: ferry_backend_api::trace::Plot =
+    ferry_backend_api::trace::Plot::new("ferry-ucx in-flight");
+
 /// Largest notification payload this backend carries.
 pub const NOTIF_LEN_MAX: usize = state::NOTIF_LEN_MAX;
 
@@ -619,16 +623,20 @@ impl Backend for UcxBackend {
         batch: &[Post<'_>],
         done: &mut Completions,
     ) -> Result<()> {
+        let _span = ferry_backend_api::trace_span!("ferry-ucx::post");
         let mut core = self.core();
         let result = core.post(endpoint, batch);
         core.drain_ready(done);
+        IN_FLIGHT.value(core.in_flight() as f64);
         result
     }
 
     fn progress(&mut self, done: &mut Completions) {
+        let _span = ferry_backend_api::trace_span!("ferry-ucx::progress");
         let mut core = self.core();
         core.pump();
         core.drain_ready(done);
+        IN_FLIGHT.value(core.in_flight() as f64);
     }
 
     fn notify(&mut self, endpoint: Endpoint, payload: &[u8]) -> Result<()> {

@@ -464,6 +464,10 @@ impl World {
                 if let XferState::Draining(error) = std::mem::replace(state, XferState::NotPosted) {
                     *state = XferState::Failed(error);
                 }
+                if let XferState::Failed(error) = &self.xfers.states[row] {
+                    self.metrics
+                        .completed(usize::from(self.xfers.slots[row]), None, Some(error));
+                }
                 return true;
             }
             _ => return false,
