@@ -86,6 +86,8 @@ cargo test --workspace "${features[@]}" --no-fail-fast
 
 log "tracy feature builds"
 cargo check -q -p ferry --features tracy
+# A viewer's handshake with the in-process Tracy client, events flowing while flushing.
+cargo test -q -p ferry-tests --features tracy --test tracy
 
 if [[ -z "${FERRY_TEST_QUICK:-}" ]]; then
   log "main job smoke run: ferry demo --mib 64"
