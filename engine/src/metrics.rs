@@ -24,6 +24,17 @@ impl Agent {
         self.metrics_handle().snapshot()
     }
 
+    /// How long request `xfer` is expected to take (NIXL's `estimateXferCost`): the
+    /// backend's own model where it has one (UCX: `ucp_ep_evaluate_perf`,
+    /// [`CostMethod::Analytical`](crate::CostMethod)), else a fit of the durations this
+    /// agent measured for that backend's completed requests against their bytes
+    /// ([`CostMethod::Measured`](crate::CostMethod), with the fit's spread as margin).
+    /// [`Error::NoTelemetry`](crate::Error) until the backend completed a request (or
+    /// with telemetry off).
+    pub fn estimate(&self, xfer: crate::XferId) -> crate::Result<crate::CostEstimate> {
+        self.lock()?.world.estimate(xfer)
+    }
+
     /// The live metrics of this agent, shared (for an exporter of one's own).
     pub fn metrics_handle(&self) -> &Arc<Metrics> {
         &self.metrics

@@ -3,6 +3,7 @@
 //! order (see [`executor`]). This crate never names a concrete backend.
 
 pub mod command;
+pub mod cost;
 pub mod executor;
 pub mod merge;
 pub mod metrics;

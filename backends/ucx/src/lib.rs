@@ -534,6 +534,11 @@ impl UcxBackend {
         self.core().closing_endpoints()
     }
 
+    /// Whether the loaded UCX offers its performance model (`ucp_ep_evaluate_perf`), which [`Backend::estimate`] then uses.
+    pub fn has_perf_model(&self) -> bool {
+        self.core().has_perf_model()
+    }
+
     /// Whether a progress thread runs.
     pub fn has_progress_thread(&self) -> bool {
         self.thread.is_some()
@@ -641,6 +646,15 @@ impl Backend for UcxBackend {
 
     fn notify(&mut self, endpoint: Endpoint, payload: &[u8]) -> Result<()> {
         self.core().notify(endpoint, payload)
+    }
+
+    fn estimate(
+        &mut self,
+        endpoint: Endpoint,
+        _op: ferry_backend_api::Op,
+        ranges: &[ferry_backend_api::Range],
+    ) -> Option<ferry_backend_api::CostEstimate> {
+        self.core().estimate(endpoint, ranges)
     }
 
     fn drain_notifications(&mut self, sink: &mut dyn NotifSink) -> usize {

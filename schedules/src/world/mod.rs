@@ -164,6 +164,8 @@ pub struct World {
     pub(crate) deregistrations: u64,
     /// Counters and histograms (`crate::metrics`), shared with readers.
     pub(crate) metrics: std::sync::Arc<crate::metrics::Metrics>,
+    /// Measured cost model per backend slot (`crate::cost`).
+    pub(crate) costs: [crate::cost::CostModel; MAX_BACKENDS],
 }
 
 impl World {
@@ -188,6 +190,7 @@ impl World {
             arena: bumpalo::Bump::with_capacity(64 * 1024),
             deregistrations: 0,
             metrics: Default::default(),
+            costs: Default::default(),
             bounds,
         }
     }

@@ -25,6 +25,7 @@
 
 mod callbacks;
 mod config;
+mod cost;
 mod deadline;
 mod diagnostics;
 mod memory;
