@@ -49,6 +49,8 @@ const S_ADDR: &str = "10.231.1.1";
 const A_CTL: &str = "10.231.1.2";
 const B_CTL: &str = "10.231.1.3";
 const ETCD_PORT: u16 = 23790;
+/// READs timed by the `bench` command.
+const BENCH_READS: usize = 20;
 /// A bound on every wait for a child's answer.
 const ANSWER: Duration = Duration::from_secs(30);
 
@@ -498,11 +500,17 @@ fn scenario(net: &Net, store: &Store, label: &str) {
     );
     assert_eq!(initiator.answer(), "ready", "{label}: initiator");
 
-    // Plain transfers.
+    // Plain transfers, then a short timed run over the veth.
     for _ in 0..3 {
         let line = initiator.ask("read");
         assert!(outcome(&line).0, "{label}: read: {line}");
     }
+    let line = initiator.ask("bench");
+    eprintln!(
+        "netns {label}: {BENCH_READS} READs of {} MiB over UCX/TCP on the veth (debug build, \
+         initiator polls check every 200 µs): {line}",
+        LEN >> 20
+    );
 
     // The data link goes down mid-stream.
     assert_eq!(initiator.ask("stream"), "streaming", "{label}");
@@ -727,6 +735,19 @@ fn agent_main(remote_addr: Option<u64>, target_name: &str, spec: &str, timeout_m
                     }
                     assert!(n < 100_000, "the stream never failed");
                 }
+            }
+            "bench" => {
+                // READs of the whole region back to back: the median time and rate.
+                let mut times: Vec<Duration> = (0..BENCH_READS)
+                    .map(|_| read(&mut buf).unwrap_or_else(|(code, _)| panic!("bench: {code}")))
+                    .collect();
+                times.sort();
+                let median = times[times.len() / 2];
+                say(&format!(
+                    "median {} us, {:.3} GB/s",
+                    median.as_micros(),
+                    LEN as f64 / median.as_secs_f64() / 1e9
+                ));
             }
             "reconnect" => {
                 let r = agent
