@@ -163,7 +163,8 @@ pub const PARAMS: &[ParamSpec] = &[
         default: "10000",
         doc: "a peer whose requests make no progress for this long (progressed time) is \
               declared unreachable: its requests fail with remote-disconnect, and so do later \
-              posts until a reconnect (make_connection) or new metadata; 0 = never",
+              posts until a reconnect (make_connection) or new metadata; 0 = never. A batch \
+              completes as a whole: raise it above the longest batch (bytes / link rate)",
     },
     ParamSpec {
         name: "max_requests",

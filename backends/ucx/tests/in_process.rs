@@ -451,10 +451,25 @@ fn a_silent_peer_fails_its_requests_within_the_deadline_and_a_reconnect_recovers
     if !setup() {
         return;
     }
+    // Without and with the initiator's progress thread (which then runs the deadline).
+    for thread in ["false", "true"] {
+        silent_peer(thread);
+    }
+}
+
+fn silent_peer(progress_thread: &str) {
     // UCX_TLS=tcp: the target must progress for RMA to advance. It stays silent (as
     // behind a link that went down), so only the initiator's deadline can end the wait.
     let bound = Duration::from_millis(1000);
-    let mut p = pair_with("tcp", 16 << 20, &[("peer_timeout_ms", "1000")], &[]);
+    let mut p = pair_with(
+        "tcp",
+        16 << 20,
+        &[
+            ("peer_timeout_ms", "1000"),
+            ("progress_thread", progress_thread),
+        ],
+        &[],
+    );
     let ranges = [range(&p, 0, 0, 16 << 20)];
     let mut done = Completions::with_capacity(4);
     let start = Instant::now();
