@@ -1,6 +1,6 @@
 //! An opt-in Prometheus endpoint (feature `prometheus`): `GET /metrics` answers the
-//! metrics of every live agent of the process in the Prometheus text format (encoded
-//! with `prometheus-client`), labelled by `agent` (and `backend` or `kind`).
+//! metrics of every live agent of the process in the OpenMetrics text format (encoded
+//! with `prometheus-client`; Prometheus scrapes it), labelled by `agent` (and `backend` or `kind`).
 //!
 //! Started by [`serve`], or by the first [`Agent::new`](crate::Agent::new) when
 //! `FERRY_METRICS_LISTEN` is set: `PORT` listens on `127.0.0.1:PORT` (loopback by
@@ -41,6 +41,9 @@ use crate::metrics::{bucket_upper, Metrics, MetricsSnapshot, LATENCY_BUCKETS};
 
 /// The environment variable that starts the endpoint with the first agent.
 pub const LISTEN_VAR: &str = "FERRY_METRICS_LISTEN";
+/// What `prometheus-client`'s text encoder writes: the OpenMetrics text format (which
+/// Prometheus reads; it ends with `# EOF`).
+const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 /// Largest request head read.
 const REQUEST_BYTES_MAX: usize = 8 * 1024;
 /// Deadline for reading a request and for writing its answer.
@@ -195,7 +198,7 @@ fn answer(mut conn: TcpStream) {
         _ => ("405 Method Not Allowed", "GET only\n".to_string()),
     };
     let reply = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n\
+        "HTTP/1.1 {status}\r\nContent-Type: {CONTENT_TYPE}\r\n\
          Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );

@@ -26,6 +26,13 @@ fn get(addr: std::net::SocketAddr, path: &str) -> (String, String) {
     let mut reply = String::new();
     conn.read_to_string(&mut reply).unwrap();
     let (head, body) = reply.split_once("\r\n\r\n").expect("HTTP reply");
+    if path == "/metrics" {
+        assert!(head.contains("application/openmetrics-text"), "{head}");
+        assert!(
+            body.ends_with("# EOF\n"),
+            "an OpenMetrics body ends with # EOF"
+        );
+    }
     (head.lines().next().unwrap().to_string(), body.to_string())
 }
 
@@ -179,6 +186,9 @@ fn a_scrape_parses_and_its_counters_move_after_a_transfer() {
     let x = p.create(Op::Write, &[src.whole()], &[dst.whole()], None);
     assert_eq!(p.a.post(x).unwrap(), XferStatus::Done);
     let (_, body) = get(addr, "/metrics");
+    if std::env::var_os("FERRY_PRINT_SCRAPE").is_some() {
+        eprintln!("{body}");
+    }
     let second = samples(&body);
     assert_eq!(value(&second, &series("ferry_requests_posted_total")), 1.0);
     assert_eq!(value(&second, &series("ferry_bytes_posted_total")), 8192.0);
