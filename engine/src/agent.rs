@@ -188,13 +188,13 @@ impl Agent {
     pub fn create_backend(&self, name: &str, params: &Params) -> Result<BackendId> {
         let factory = registry::factory(name)
             .ok_or_else(|| Error::not_found(Subject::BackendName(name.to_string())))?;
-        if let Err(reason) = factory.available() {
+        let params = effective_params(factory.name(), factory.params(), params)?;
+        if let Err(reason) = factory.available_with(&params) {
             return Err(Error::NotSupported {
                 backend: factory.name().into(),
                 what: format!("not available on this machine: {reason}").into(),
             });
         }
-        let params = effective_params(factory.name(), factory.params(), params)?;
         let backend = factory.create(&BackendInit {
             agent_name: &self.name,
             params: &params,

@@ -59,6 +59,15 @@ fn main() -> ExitCode {
                 };
                 let kinds: Vec<&str> = info.mem_kinds.iter().map(|k| k.name()).collect();
                 println!("{} ({}) memory: {}", info.name, status, kinds.join(", "));
+                if info.available.is_ok() {
+                    for (kind, why) in info
+                        .kinds
+                        .iter()
+                        .filter_map(|(k, r)| Some((k, r.as_ref().err()?)))
+                    {
+                        println!("  {kind} unavailable: {why}");
+                    }
+                }
                 for p in info.params {
                     println!("    {} = {:<10} {}", p.name, p.default, p.doc);
                 }

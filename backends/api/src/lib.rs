@@ -1,5 +1,5 @@
-//! The backend contract: what a transport (today loopback, UCX and POSIX/io_uring; a
-//! GDS backend is planned) must do for the Ferry executor, and what it may rely on.
+//! The backend contract: what a transport (loopback, UCX, POSIX/io_uring and GDS/cuFile)
+//! must do for the Ferry executor, and what it may rely on.
 //!
 //! # State machine
 //!
@@ -372,6 +372,20 @@ pub trait BackendFactory: Send + Sync {
     /// reason when not.
     fn available(&self) -> std::result::Result<(), String> {
         Ok(())
+    }
+    /// Whether it can work with these (effective) parameters, e.g. a library named by a
+    /// parameter instead of the default one. The default follows
+    /// [`BackendFactory::available`].
+    fn available_with(&self, params: &Params) -> std::result::Result<(), String> {
+        let _ = params;
+        self.available()
+    }
+    /// Whether one of its memory kinds works on this machine (e.g. VRAM needs a CUDA
+    /// driver and, for UCX, a UCX built with CUDA); the reason when not. The default
+    /// follows [`BackendFactory::available`].
+    fn kind_available(&self, kind: MemKind) -> std::result::Result<(), String> {
+        let _ = kind;
+        self.available()
     }
     /// Make a backend instance.
     fn create(&self, init: &BackendInit<'_>) -> Result<Box<dyn Backend>>;

@@ -225,7 +225,13 @@ impl Ucp {
         // SAFETY: loading libucp runs its ELF constructors, which only initialize UCX's
         // own global state; every symbol is then looked up with the exact signature
         // bindgen derived from the matching header.
-        let api = unsafe { UcpApi::new(OsStr::new(library)) }.map_err(|e| fail(e.to_string()))?;
+        let api = unsafe { UcpApi::new(OsStr::new(library)) }.map_err(|e| {
+            // libloading's own message is only "dlopen failed"; the loader's is the cause.
+            fail(match std::error::Error::source(&e) {
+                Some(cause) => cause.to_string(),
+                None => e.to_string(),
+            })
+        })?;
         let (mut major, mut minor, mut release) = (0u32, 0u32, 0u32);
         // SAFETY: ucp_get_version writes three unsigned ints through valid pointers.
         unsafe { api.ucp_get_version(&mut major, &mut minor, &mut release) };

@@ -80,7 +80,7 @@ static IN_FLIGHT: ferry_backend_api::trace::Plot =
 /// Largest notification payload this backend carries.
 pub const NOTIF_LEN_MAX: usize = state::NOTIF_LEN_MAX;
 
-const MEM_KINDS: &[MemKind] = &[MemKind::Dram];
+const MEM_KINDS: &[MemKind] = state::MEM_KINDS;
 
 /// Parameters of the UCX backend.
 pub const PARAMS: &[ParamSpec] = &[
@@ -428,6 +428,23 @@ impl BackendFactory for UcxFactory {
         load_library(None).map(|_| ())
     }
 
+    fn available_with(&self, params: &Params) -> std::result::Result<(), String> {
+        match params.get("ucx_library").map(|s| s.trim()) {
+            Some(path) if !path.is_empty() => load_library(Some(Path::new(path))).map(|_| ()),
+            _ => self.available(),
+        }
+    }
+
+    fn kind_available(&self, kind: MemKind) -> std::result::Result<(), String> {
+        static VRAM: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+        let ucp = load_library(None)?;
+        match kind {
+            MemKind::Dram => Ok(()),
+            MemKind::Vram => VRAM.get_or_init(|| state::vram_available(&ucp)).clone(),
+            other => Err(format!("UCX does not move {other}")),
+        }
+    }
+
     fn create(&self, init: &BackendInit<'_>) -> Result<Box<dyn Backend>> {
         Ok(Box::new(UcxBackend::new(init)?))
     }
@@ -565,7 +582,7 @@ impl Backend for UcxBackend {
     }
 
     unsafe fn register(&mut self, region: &RegionSpec<'_>) -> Result<Registered> {
-        if region.kind != MemKind::Dram {
+        if region.kind != MemKind::Dram && region.kind != MemKind::Vram {
             return Err(Error::NotSupported {
                 backend: BACKEND.into(),
                 what: format!("{} memory", region.kind).into(),
@@ -583,18 +600,24 @@ impl Backend for UcxBackend {
                 "a UCX region needs a non-null address and a non-zero length",
             ));
         }
-        let (token, public_md) = self.core().register(desc.addr, desc.len)?;
+        let (token, public_md) = if region.kind == MemKind::Vram {
+            self.core().register_vram(desc.addr, desc.len, desc.dev)?
+        } else {
+            self.core().register(desc.addr, desc.len)?
+        };
         Ok(Registered { token, public_md })
     }
 
     unsafe fn deregister(&mut self, kind: MemKind, token: u64) -> Result<()> {
-        if kind != MemKind::Dram {
+        if kind != MemKind::Dram && kind != MemKind::Vram {
             return Err(Error::NotSupported {
                 backend: BACKEND.into(),
                 what: format!("{kind} memory").into(),
             });
         }
-        self.core().deregister(token)
+        let mut core = self.core();
+        core.vram_bind();
+        core.deregister(token)
     }
 
     fn conn_info(&self) -> Vec<u8> {
@@ -631,6 +654,7 @@ impl Backend for UcxBackend {
     ) -> Result<()> {
         let _span = ferry_backend_api::trace_span!("ferry-ucx::post");
         let mut core = self.core();
+        core.vram_bind();
         let result = core.post(endpoint, batch);
         core.drain_ready(done);
         IN_FLIGHT.value(core.in_flight() as f64);
@@ -640,6 +664,7 @@ impl Backend for UcxBackend {
     fn progress(&mut self, done: &mut Completions) {
         let _span = ferry_backend_api::trace_span!("ferry-ucx::progress");
         let mut core = self.core();
+        core.vram_bind();
         core.pump();
         core.drain_ready(done);
         IN_FLIGHT.value(core.in_flight() as f64);

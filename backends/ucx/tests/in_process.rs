@@ -386,7 +386,7 @@ fn bad_input_gets_typed_errors() {
         &mut done,
     );
     assert!(matches!(e, Err(Error::NotFound { .. })), "{e:?}");
-    // VRAM is not supported (yet).
+    // VRAM with a UCX that has no CUDA support (the system's here) is refused.
     let mut x = post(1, Op::Write, std::slice::from_ref(&good), None);
     x.remote_kind = MemKind::Vram;
     let e = p.a.post_t(Endpoint::Peer(p.peer_b), &[x], &mut done);

@@ -32,6 +32,7 @@ mod memory;
 mod notifications;
 mod peers;
 mod requests;
+mod vram;
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -61,6 +62,8 @@ use memory::MemEntry;
 use notifications::Inbox;
 use peers::{Grave, PeerState};
 use requests::{Slot, SlotState};
+use vram::VramState;
+pub(crate) use vram::{vram_available, MEM_KINDS};
 
 /// Active-message id of Ferry notifications.
 const NOTIF_AM_ID: u32 = 0x4652;
@@ -109,6 +112,8 @@ pub(crate) struct Core {
     chunk_bytes: u64,
     /// The progress deadline of peer endpoints (`deadline.rs`).
     deadline: Deadline,
+    /// VRAM support and the device context to bind (`vram.rs`).
+    vram: VramState,
 }
 
 // SAFETY: the raw UCX handles in Core are only used by whichever thread holds the core
@@ -263,6 +268,7 @@ impl Core {
             close_rounds: config.close_rounds,
             close_force: config.close_force,
             deadline: Deadline::new(config.peer_timeout),
+            vram: VramState::new(&ucp, context),
         };
         for index in 0..config.workers {
             core.add_worker(index, config.progress_thread)?;

@@ -36,7 +36,7 @@ impl Core {
         let mut last_remote: Option<u64> = None;
         for post in batch {
             for kind in [post.local_kind, post.remote_kind] {
-                if kind != MemKind::Dram {
+                if !self.vram.may_move(kind) {
                     return Err(Error::NotSupported {
                         backend: BACKEND.into(),
                         what: format!("{kind} memory").into(),
