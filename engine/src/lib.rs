@@ -45,11 +45,15 @@
 mod agent;
 pub mod exchange;
 mod md;
+pub mod metrics;
+#[cfg(feature = "prometheus")]
+pub mod prometheus;
 mod registry;
 
 pub use agent::{Agent, AgentConfig, BackendInfo};
 pub use ferry_backend_api::{
-    Backend, BackendFactory, Capabilities, FileMode, ParamSpec, Params, QueryResult,
+    Backend, BackendFactory, Capabilities, CostEstimate, CostMethod, FileMode, ParamSpec, Params,
+    QueryResult,
 };
 pub use ferry_schedules::{
     Bounds, Command, CommandBuffer, Created, ExchangeCmd, FlushSummary, MakeBuilder, MdRoute,

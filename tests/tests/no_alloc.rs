@@ -164,6 +164,9 @@ fn loopback() {
 
     let mut cmds = CommandBuffer::with_capacity(64);
     let mut peer_cmds = CommandBuffer::with_capacity(8);
+    // The metrics are recorded inside the counted window (read outside it: a snapshot
+    // allocates its vectors).
+    let before = p.a.metrics();
     // Prepared path: make + post + check + release, with a notification, and the
     // full path: prep + make + post + check + release every turn.
     assert_no_allocation("LOOPBACK", || {
@@ -194,6 +197,20 @@ fn loopback() {
         p.b.flush(&mut peer_cmds);
         assert_eq!(peer_cmds.outcome(drained), &Outcome::Drained(2));
     });
+    let after = p.a.metrics();
+    let turns = (WARM_TURNS + COUNTED_TURNS) as u64;
+    let (b0, b1) = (
+        before.backend("LOOPBACK").unwrap(),
+        after.backend("LOOPBACK").unwrap(),
+    );
+    assert_eq!(b1.posted - b0.posted, 2 * turns, "metrics: posts recorded");
+    assert_eq!(b1.completed - b0.completed, 2 * turns);
+    assert_eq!(b1.latency_count() - b0.latency_count(), 2 * turns);
+    assert_eq!(
+        b1.bytes - b0.bytes,
+        turns * (n as u64 / 2 + 256) * block as u64
+    );
+    assert!(after.flushes - before.flushes >= turns);
 }
 
 /// Removes the scratch file when dropped.

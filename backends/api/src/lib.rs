@@ -82,6 +82,7 @@
 //! OS or transport failures. Asynchronous outcomes arrive as [`Completion`]s; a failed
 //! transfer reports a [`Failure`] with the errno and the range index.
 
+pub mod trace;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -222,6 +223,27 @@ impl Post<'_> {
     pub fn len_bytes(&self) -> u64 {
         self.ranges.iter().map(|r| r.len).sum()
     }
+}
+
+/// How an estimate of a request's duration was made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CostMethod {
+    /// The transport's own performance model (UCX: `ucp_ep_evaluate_perf`).
+    Analytical,
+    /// A fit of the durations this agent measured for the backend's completed requests.
+    Measured,
+}
+
+/// An estimate of a request's duration.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CostEstimate {
+    /// Expected time from post to completion.
+    pub duration: std::time::Duration,
+    /// How far off it may be (one standard deviation of the fit's residuals; zero when
+    /// the method gives none).
+    pub margin: std::time::Duration,
+    /// How it was made.
+    pub method: CostMethod,
 }
 
 /// Why an asynchronous transfer failed.
@@ -505,6 +527,14 @@ pub trait Backend: Send {
 
     /// Advance outstanding work and push completions. Never blocks.
     fn progress(&mut self, done: &mut Completions);
+
+    /// The backend's own estimate of how long a request of `ranges` (merged, to
+    /// `endpoint`) takes (NIXL's `estimateXferCost`), or `None` when it has no model
+    /// of its own (the engine then uses what it measured; see `Agent::estimate`).
+    fn estimate(&mut self, endpoint: Endpoint, op: Op, ranges: &[Range]) -> Option<CostEstimate> {
+        let _ = (endpoint, op, ranges);
+        None
+    }
 
     /// Cancel an in-flight request. Returns `Ok(true)` if it was canceled (no
     /// completion will follow, and the backend no longer touches its buffers),

@@ -934,6 +934,7 @@ impl Backend for GdsBackend {
         batch: &[Post<'_>],
         done: &mut Completions,
     ) -> Result<()> {
+        let _span = ferry_backend_api::trace_span!("ferry-gds::post");
         for post in batch {
             self.check_post(endpoint, post)?;
         }
@@ -1029,6 +1030,7 @@ impl Backend for GdsBackend {
     }
 
     fn progress(&mut self, done: &mut Completions) {
+        let _span = ferry_backend_api::trace_span!("ferry-gds::progress");
         self.drain_engine(done);
         self.feed(done);
     }

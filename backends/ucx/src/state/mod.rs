@@ -25,6 +25,8 @@
 
 mod callbacks;
 mod config;
+mod cost;
+mod deadline;
 mod diagnostics;
 mod memory;
 mod notifications;
@@ -51,6 +53,7 @@ use crate::{Config, ErrorMode, BACKEND};
 pub(crate) use callbacks::Events;
 use callbacks::{on_ep_error, on_notif, on_op_done, CompletionQueue, OpCell, PeerLink};
 use config::{may_use_shared_memory, zcopy_thresh_override};
+use deadline::{Deadline, Watch};
 pub(crate) use diagnostics::errno_of;
 #[cfg(test)]
 pub(crate) use diagnostics::summarize_lanes;
@@ -107,6 +110,8 @@ pub(crate) struct Core {
     pub(crate) ready: Completions,
     /// Largest single put/get; longer ranges are split.
     chunk_bytes: u64,
+    /// The progress deadline of peer endpoints (`deadline.rs`).
+    deadline: Deadline,
     /// VRAM support and the device context to bind (`vram.rs`).
     vram: VramState,
 }
@@ -262,6 +267,7 @@ impl Core {
             graves: Vec::new(),
             close_rounds: config.close_rounds,
             close_force: config.close_force,
+            deadline: Deadline::new(config.peer_timeout),
             vram: VramState::new(&ucp, context),
         };
         for index in 0..config.workers {
