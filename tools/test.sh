@@ -15,7 +15,7 @@ log() { printf '\n== %s\n' "$*"; }
 # ---------------------------------------------------------------- packages
 need_pkgs=()
 have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
-for pkg in libucx-dev ucx-utils etcd-server protobuf-compiler libprotobuf-dev; do
+for pkg in libucx-dev ucx-utils etcd-server protobuf-compiler libprotobuf-dev fonts-dejavu-core iproute2; do
   have_pkg "$pkg" || need_pkgs+=("$pkg")
 done
 if ((${#need_pkgs[@]})); then
@@ -109,6 +109,8 @@ echo "python bindings step: $((SECONDS - py_started)) s"
 
 log "tracy feature builds"
 cargo check -q -p ferry --features tracy
+# A viewer's handshake with the in-process Tracy client, events flowing while flushing.
+cargo test -q -p ferry-tests --features tracy --test tracy
 
 if [[ -z "${FERRY_TEST_QUICK:-}" ]]; then
   log "main job smoke run: ferry demo --mib 64"

@@ -4,4 +4,5 @@
 // `Agent::register` (an `unsafe fn`) asks for; no other unsafe code lives here.
 #![allow(unsafe_code)]
 
+pub mod shm;
 pub mod ucx;

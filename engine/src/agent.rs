@@ -87,6 +87,8 @@ pub struct Agent {
     state: Mutex<AgentState>,
     /// Metadata exchange (hook for `crate::exchange`; empty until `start_exchange`).
     exchange: crate::exchange::ExchangeSlot,
+    /// The world's metrics, kept here too so they are readable without the lock.
+    pub(crate) metrics: std::sync::Arc<ferry_schedules::Metrics>,
 }
 
 fn names_in_use() -> &'static Mutex<HashSet<String>> {
@@ -136,14 +138,19 @@ impl Agent {
         }
         #[cfg(feature = "tracy")]
         let _ = tracy_client::Client::start();
+        let world = World::new(&config.name, config.bounds);
+        let metrics = world.metrics().clone();
+        #[cfg(feature = "prometheus")]
+        crate::prometheus::agent_created(&config.name, &metrics);
         Ok(Agent {
             state: Mutex::new(AgentState {
-                world: World::new(&config.name, config.bounds),
+                world,
                 md: MdState::new(),
                 scratch: CommandBuffer::with_capacity(4),
             }),
             name: config.name,
             exchange: crate::exchange::ExchangeSlot::default(),
+            metrics,
         })
     }
 
@@ -181,13 +188,13 @@ impl Agent {
     pub fn create_backend(&self, name: &str, params: &Params) -> Result<BackendId> {
         let factory = registry::factory(name)
             .ok_or_else(|| Error::not_found(Subject::BackendName(name.to_string())))?;
-        if let Err(reason) = factory.available() {
+        let params = effective_params(factory.name(), factory.params(), params)?;
+        if let Err(reason) = factory.available_with(&params) {
             return Err(Error::NotSupported {
                 backend: factory.name().into(),
                 what: format!("not available on this machine: {reason}").into(),
             });
         }
-        let params = effective_params(factory.name(), factory.params(), params)?;
         let backend = factory.create(&BackendInit {
             agent_name: &self.name,
             params: &params,
@@ -241,6 +248,8 @@ impl Agent {
         for &phase in &Phase::ORDER[Phase::EXECUTOR.end..] {
             self.agent_step(phase, steps, cmds);
         }
+        #[cfg(feature = "tracy")]
+        crate::metrics::trace_flush(&self.metrics);
         summary
     }
 
@@ -262,7 +271,9 @@ impl Agent {
         match self.lock() {
             Ok(mut state) => {
                 let AgentState { world, md, .. } = &mut *state;
-                flush(world, md, cmds)
+                let summary = flush(world, md, cmds);
+                world.metrics().flushed(world.counts().3);
+                summary
             }
             Err(poisoned) => {
                 cmds.fail_all(poisoned);

@@ -39,7 +39,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use ferry_storage::{Desc, Error, MemKind, RegionId, Result, Subject, MAX_BACKENDS};
 
 use crate::Agent;
-use ferry_schedules::{Command, CommandBuffer, ExchangeCmd, MdRoute, Outcome};
+use ferry_schedules::{Command, CommandBuffer, ExchangeCmd, ExchangeEvent, MdRoute, Outcome};
 
 pub use ferry_exchange::{
     check_agent_name, check_label, config, p2p, tcpstore, EtcdConfig, Event, ExchangeConfig, Lost,
@@ -186,6 +186,7 @@ impl Agent {
         let manager = self.manager()?;
         self.refresh_snapshot()?;
         self.exchange_slot().inner().failures.remove(agent);
+        self.metrics.exchange(ExchangeEvent::Fetch);
         manager.fetch_remote_md(agent, via, label)
     }
 
@@ -295,12 +296,22 @@ impl Agent {
                     Route::Etcd => "fetched from etcd",
                     Route::TcpStore => "fetched from tcpstore",
                 };
-                if let Err(error) = self.load_checked(&agent, &blob, origin) {
-                    self.record_failure(agent, error);
+                match self.load_checked(&agent, &blob, origin) {
+                    Ok(_) => self.metrics.exchange(ExchangeEvent::Loaded),
+                    Err(error) => {
+                        self.metrics.exchange(ExchangeEvent::LoadFailed);
+                        self.record_failure(agent, error);
+                    }
                 }
             }
-            Event::Invalidate { agent, .. } => self.drop_peer(&agent),
-            Event::FetchFailed { agent, error, .. } => self.record_failure(agent, error),
+            Event::Invalidate { agent, .. } => {
+                self.metrics.exchange(ExchangeEvent::Invalidated);
+                self.drop_peer(&agent);
+            }
+            Event::FetchFailed { agent, error, .. } => {
+                self.metrics.exchange(ExchangeEvent::FetchFailed);
+                self.record_failure(agent, error);
+            }
             Event::Overflow {
                 agent: Some(agent),
                 lost,
@@ -327,7 +338,10 @@ impl Agent {
                 target,
                 what,
                 error,
-            } => self.record_send_failure(target, what, error),
+            } => {
+                self.metrics.exchange(ExchangeEvent::SendFailed);
+                self.record_send_failure(target, what, error);
+            }
         }
     }
 
@@ -376,6 +390,8 @@ impl Agent {
     /// Run the metadata-exchange commands of `cmds` (the agent's pre-phase; see
     /// `ferry_schedules::executor`). Commands of other kinds are left alone.
     pub(crate) fn run_exchange_commands(&self, cmds: &mut CommandBuffer) {
+        #[cfg(feature = "tracy")]
+        let _span = tracy_client::span!("ferry::exchange");
         self.apply_exchange_events();
         for i in 0..cmds.len() {
             let Command::Exchange(op) = cmds.commands()[i] else {

@@ -3,7 +3,8 @@
 //! A data-movement engine for AI inference: it moves bytes (above all KV-cache blocks)
 //! between host memory, files and remote agents through one batched API, whatever
 //! backend does the work. The backends today are `LOOPBACK` (in-process DRAM), `POSIX`
-//! (DRAM ↔ FILE) and `UCX` (DRAM between agents); GPU memory ([`MemKind::Vram`]) and
+//! (DRAM ↔ FILE), `UCX` (DRAM between agents) and `SHM` (DRAM between processes of
+//! one host); GPU memory ([`MemKind::Vram`]) and
 //! the `BLOCK`/`OBJECT` kinds are named in the API but no backend moves them yet
 //! (registering them fails with [`Error::NotSupported`]).
 //!
@@ -44,11 +45,15 @@
 mod agent;
 pub mod exchange;
 mod md;
+pub mod metrics;
+#[cfg(feature = "prometheus")]
+pub mod prometheus;
 mod registry;
 
 pub use agent::{Agent, AgentConfig, BackendInfo};
 pub use ferry_backend_api::{
-    Backend, BackendFactory, Capabilities, FileMode, ParamSpec, Params, QueryResult,
+    Backend, BackendFactory, Capabilities, CostEstimate, CostMethod, FileMode, ParamSpec, Params,
+    QueryResult,
 };
 pub use ferry_schedules::{
     Bounds, Command, CommandBuffer, Created, ExchangeCmd, FlushSummary, MakeBuilder, MdRoute,
@@ -63,6 +68,13 @@ pub use registry::{factories, factory, FactoryInfo};
 /// Metadata codec (wire format, descriptor-list encoding), for tools and side channels.
 pub mod metadata {
     pub use ferry_metadata::{decode_descs, encode_descs, MdWriter, PeerMd, RegionView};
+}
+
+/// Same-host shareable memory and the `SHM` backend: allocate memory other local
+/// processes can map ([`shm::SharedMemory`]), register it like any DRAM range, and a
+/// same-host peer's SHM transfers into it are plain copies.
+pub mod shm {
+    pub use ferry_shm::{HugePages, SharedMemory, ShmFactory, ShmOptions, HUGE_PAGE_BYTES, NAME};
 }
 
 /// Fault injection of the built-in loopback backend, for tests.

@@ -13,6 +13,9 @@ pub struct FactoryInfo {
     pub mem_kinds: &'static [MemKind],
     /// `Err(reason)` when it cannot work on this machine.
     pub available: Result<(), String>,
+    /// Per memory kind: `Err(reason)` when that kind cannot work here (VRAM without a
+    /// CUDA driver, a UCX without CUDA support …).
+    pub kinds: Vec<(MemKind, Result<(), String>)>,
 }
 
 static LOOPBACK: ferry_loopback::LoopbackFactory = ferry_loopback::LoopbackFactory;
@@ -20,10 +23,15 @@ static POSIX: ferry_posix::PosixFactory = ferry_posix::PosixFactory;
 /// UCX loads libucp at run time, so it is always compiled in; `available()` says
 /// whether the library is present.
 static UCX: ferry_ucx::UcxFactory = ferry_ucx::UcxFactory;
+/// GDS loads cuFile at run time; `available()` says whether it is present.
+static GDS: ferry_gds::GdsFactory = ferry_gds::GdsFactory;
+
+/// Same-host transfers: memcpy through mapped peer segments, or batched CMA.
+static SHM: ferry_shm::ShmFactory = ferry_shm::ShmFactory;
 
 /// Every backend factory compiled in, in preference order.
 pub fn factories() -> Vec<&'static dyn BackendFactory> {
-    vec![&LOOPBACK, &UCX, &POSIX]
+    vec![&LOOPBACK, &UCX, &POSIX, &GDS, &SHM]
 }
 
 /// The factory of backend type `name` (case-insensitive).
@@ -42,6 +50,11 @@ pub fn describe() -> Vec<FactoryInfo> {
             params: f.params(),
             mem_kinds: f.mem_kinds(),
             available: f.available(),
+            kinds: f
+                .mem_kinds()
+                .iter()
+                .map(|&kind| (kind, f.kind_available(kind)))
+                .collect(),
         })
         .collect()
 }

@@ -544,7 +544,10 @@ fn phase_dispatch<'a>(
         });
         match accepted {
             Ok(p) => posted.push(p),
-            Err(e) => cmds.outcomes[i as usize] = Outcome::Failed(e),
+            Err(e) => {
+                world.metrics.error(&e);
+                cmds.outcomes[i as usize] = Outcome::Failed(e);
+            }
         }
     }
     // Command indices are unique, so this unstable sort keeps record order among posts
@@ -593,6 +596,11 @@ fn phase_dispatch<'a>(
             match &result {
                 Ok(()) => {
                     world.xfers.states[row] = XferState::InProgress;
+                    world.metrics.posted(
+                        slot,
+                        world.xfers.telemetry[row].total_bytes,
+                        world.xfers.ranges[row].len() as u64,
+                    );
                     if let Some(t0) = t0 {
                         let t = &mut world.xfers.telemetry[row];
                         t.start = Some(t0);
@@ -601,6 +609,7 @@ fn phase_dispatch<'a>(
                     }
                 }
                 Err(e) => {
+                    world.metrics.post_refused(slot, e);
                     world.xfers.states[row] = XferState::Failed(e.clone());
                     cmds.outcomes[p.command as usize] = Outcome::Failed(e.clone());
                 }

@@ -3,8 +3,10 @@
 //! order (see [`executor`]). This crate never names a concrete backend.
 
 pub mod command;
+pub mod cost;
 pub mod executor;
 pub mod merge;
+pub mod metrics;
 pub mod world;
 
 pub use command::{
@@ -12,4 +14,5 @@ pub use command::{
     Releasable, Side, Span, Ticket, XferStatus,
 };
 pub use executor::{flush, FlushSummary, MetadataLoader, Phase};
+pub use metrics::{BackendMetrics, ExchangeEvent, Metrics, MetricsSnapshot};
 pub use world::{Bounds, LoadKind, PeerView, Telemetry, World, XferState};

@@ -1,6 +1,7 @@
 //! A warmed-up flush allocates nothing: proven with a counting global allocator, through
-//! the `Agent`, on LOOPBACK, POSIX (both engines where the kernel allows io_uring) and
-//! UCX (when libucp is there; required under `CI=true`), with notifications longer than
+//! the `Agent`, on LOOPBACK, POSIX (both engines where the kernel allows io_uring),
+//! UCX (when libucp is there; required under `CI=true`) and SHM (both kinds of remote
+//! memory: a mapped shareable segment and process_vm_writev/readv), with notifications longer than
 //! 64 bytes (past any inline buffer) and with the metadata exchange running and used
 //! (P2P listeners, metadata fetched both ways first). (Its own test binary, because the
 //! allocator is global.)
@@ -124,6 +125,7 @@ fn steady_state_flushes_do_not_allocate() {
     loopback();
     posix();
     ucx();
+    shm();
     // The counter works: an allocation inside the window is seen, and one on a backend
     // worker thread counts as the flush's.
     let (v, counts) = counted(|| vec![1u8; 3]);
@@ -162,6 +164,9 @@ fn loopback() {
 
     let mut cmds = CommandBuffer::with_capacity(64);
     let mut peer_cmds = CommandBuffer::with_capacity(8);
+    // The metrics are recorded inside the counted window (read outside it: a snapshot
+    // allocates its vectors).
+    let before = p.a.metrics();
     // Prepared path: make + post + check + release, with a notification, and the
     // full path: prep + make + post + check + release every turn.
     assert_no_allocation("LOOPBACK", || {
@@ -192,6 +197,20 @@ fn loopback() {
         p.b.flush(&mut peer_cmds);
         assert_eq!(peer_cmds.outcome(drained), &Outcome::Drained(2));
     });
+    let after = p.a.metrics();
+    let turns = (WARM_TURNS + COUNTED_TURNS) as u64;
+    let (b0, b1) = (
+        before.backend("LOOPBACK").unwrap(),
+        after.backend("LOOPBACK").unwrap(),
+    );
+    assert_eq!(b1.posted - b0.posted, 2 * turns, "metrics: posts recorded");
+    assert_eq!(b1.completed - b0.completed, 2 * turns);
+    assert_eq!(b1.latency_count() - b0.latency_count(), 2 * turns);
+    assert_eq!(
+        b1.bytes - b0.bytes,
+        turns * (n as u64 / 2 + 256) * block as u64
+    );
+    assert!(after.flushes - before.flushes >= turns);
 }
 
 /// Removes the scratch file when dropped.
@@ -356,4 +375,64 @@ fn ucx() {
         }
     });
     assert_eq!(received, 2);
+}
+
+fn shm() {
+    let a = Agent::new(AgentConfig::named(unique("noalloc-shm-a"))).unwrap();
+    let b = Agent::new(AgentConfig::named(unique("noalloc-shm-b"))).unwrap();
+    for agent in [&a, &b] {
+        agent
+            .create_backend("SHM", &Params::new())
+            .expect("SHM backend");
+    }
+    let block = 64;
+    let n = 1024;
+    let mut rng = Rng::new(53);
+    let src = Buffer::random(n * block, &mut rng);
+    let ordinary = Buffer::zeroed(n * block);
+    let shared = ferry::shm::SharedMemory::alloc(n * block, &Default::default()).unwrap();
+    register(&a, &src);
+    register(&b, &ordinary);
+    ferry_tests::try_register(&b, MemKind::Dram, shared.desc()).unwrap();
+    let b_at_a = a.load_remote_md(&b.local_md().unwrap()).unwrap();
+    let mut order: Vec<usize> = (0..n).collect();
+    rng.shuffle(&mut order);
+    let local_descs: Vec<Desc> = (0..n).map(|i| src.desc(i * block, block)).collect();
+    let to_shared: Vec<Desc> = order
+        .iter()
+        .map(|&j| shared.desc_at(j * block, block).unwrap())
+        .collect();
+    let to_ordinary: Vec<Desc> = order
+        .iter()
+        .map(|&j| ordinary.desc(j * block, block))
+        .collect();
+    let local = a.prep(Side::Local, MemKind::Dram, &local_descs).unwrap();
+    let remote_shared = a.prep(b_at_a, MemKind::Dram, &to_shared).unwrap();
+    let remote_ordinary = a.prep(b_at_a, MemKind::Dram, &to_ordinary).unwrap();
+    let all: Vec<u32> = (0..n as u32).collect();
+    let mut cmds = CommandBuffer::with_capacity(16);
+    let mut peer_cmds = CommandBuffer::with_capacity(4);
+    assert_no_allocation("SHM", || {
+        cmds.clear();
+        let x = cmds
+            .make(Op::Write, local, &all, remote_shared, &all)
+            .notify(ATTACHED)
+            .ticket();
+        let posted_x = cmds.post(x);
+        cmds.release(x);
+        let y = cmds
+            .make(Op::Read, local, &all, remote_ordinary, &all)
+            .ticket();
+        let posted_y = cmds.post(y);
+        cmds.release(y);
+        cmds.notify(b_at_a, STANDALONE);
+        a.flush(&mut cmds);
+        assert!(cmds.errors().next().is_none(), "SHM turn");
+        assert_eq!(cmds.status(posted_x), Ok(XferStatus::Done));
+        assert_eq!(cmds.status(posted_y), Ok(XferStatus::Done));
+        peer_cmds.clear();
+        let drained = peer_cmds.drain_notifications();
+        b.flush(&mut peer_cmds);
+        assert_eq!(peer_cmds.outcome(drained), &Outcome::Drained(2));
+    });
 }

@@ -1,17 +1,121 @@
 //! `ferry bench`: rerunnable benchmarks that print medians.
 
-use std::time::Instant;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
+use clap::{Args, Subcommand, ValueEnum};
 use ferry::{Agent, AgentConfig, CommandBuffer, Desc, MemKind, Op, Params, Side, XferStatus};
 
 use crate::buffers::HostBuffer;
-use crate::opt;
 
-pub fn run(args: &[String]) -> Result<(), String> {
-    match args.first().map(String::as_str) {
-        Some("control") => control(&args[1..]),
-        Some("posix") => posix(&args[1..]),
-        _ => Err("bench needs a target: control | posix".into()),
+/// `ferry bench` targets.
+#[derive(Subcommand, Debug)]
+pub enum BenchCmd {
+    /// Transfer sweep (as nixlbench): block sizes × batch sizes over LOOPBACK, UCX (two
+    /// processes) or POSIX; table, CSV, JSON and a plot.
+    Xfer(Box<crate::xfer::XferArgs>),
+    /// Control-path cost: ns per descriptor of make + post + check on LOOPBACK with
+    /// 64-byte blocks (median of rounds).
+    Control(ControlArgs),
+    /// DRAM <-> FILE throughput of the POSIX backend on one pattern (median of reps).
+    Posix(PosixArgs),
+}
+
+/// `ferry bench control` arguments.
+#[derive(Args, Debug)]
+pub struct ControlArgs {
+    /// Descriptors per request.
+    #[arg(allow_negative_numbers = true, long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=1_048_576))]
+    batch: u32,
+    /// Place the remote blocks in shuffled order (nothing merges).
+    #[arg(long)]
+    shuffled: bool,
+    /// prepared: reuse prepared lists; full: prep, make, post, check and release each turn.
+    #[arg(long, value_enum, default_value_t = ControlPath::Prepared)]
+    path: ControlPath,
+    /// How long to measure, in seconds (at least 5 rounds run).
+    #[arg(allow_negative_numbers = true, long, default_value = "2", value_parser = crate::args::seconds)]
+    seconds: Duration,
+}
+
+/// Which control path `ferry bench control` times.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum ControlPath {
+    /// Prepared lists reused every turn.
+    Prepared,
+    /// Everything from the descriptor lists every turn.
+    Full,
+}
+
+/// `ferry bench posix` arguments.
+#[derive(Args, Debug)]
+pub struct PosixArgs {
+    /// READ (file → memory) or WRITE (memory → file).
+    #[arg(long, value_enum, default_value_t = OpArg::Read)]
+    op: OpArg,
+    /// Open the file with O_DIRECT (bypass the page cache).
+    #[arg(long)]
+    direct: bool,
+    /// Block size in KiB.
+    #[arg(allow_negative_numbers = true, long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
+    block_kib: u64,
+    /// Blocks per request (also the io_uring queue depth).
+    #[arg(allow_negative_numbers = true, long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    batch: u32,
+    /// Bytes moved per repetition, in MiB (a multiple of the block size).
+    #[arg(allow_negative_numbers = true, long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
+    size_mib: u64,
+    /// The file (created and laid out to full size when shorter).
+    #[arg(long, value_name = "PATH")]
+    file: Option<PathBuf>,
+    /// The POSIX engine.
+    #[arg(long, value_enum, default_value_t = PosixEngine::Uring)]
+    engine: PosixEngine,
+    /// Don't register buffers and files with io_uring (no fixed buffers or files).
+    #[arg(long)]
+    no_register: bool,
+    /// Repetitions (the median is printed).
+    #[arg(allow_negative_numbers = true, long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    reps: u32,
+    /// Use plain 4 KiB pages for the memory buffer instead of transparent huge pages.
+    #[arg(long)]
+    no_huge_pages: bool,
+}
+
+/// An operation, as a flag value.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum OpArg {
+    /// The initiator reads from the target.
+    Read,
+    /// The initiator writes to the target.
+    Write,
+}
+
+impl OpArg {
+    /// The engine's op.
+    pub fn op(self) -> Op {
+        match self {
+            OpArg::Read => Op::Read,
+            OpArg::Write => Op::Write,
+        }
+    }
+}
+
+/// The POSIX engine, as a flag value.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum PosixEngine {
+    /// io_uring.
+    Uring,
+    /// A pread/pwrite worker pool.
+    Threads,
+}
+
+/// Run one benchmark.
+pub fn run(cmd: BenchCmd) -> Result<(), String> {
+    match cmd {
+        BenchCmd::Xfer(a) => crate::xfer::run(&a),
+        BenchCmd::Control(a) => control(&a),
+        BenchCmd::Posix(a) => posix(&a),
     }
 }
 
@@ -21,11 +125,13 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn control(args: &[String]) -> Result<(), String> {
-    let batch: usize = opt(args, "--batch")?.unwrap_or(1024);
-    let seconds: f64 = opt(args, "--seconds")?.unwrap_or(2.0);
-    let path: String = opt(args, "--path")?.unwrap_or_else(|| "prepared".to_string());
-    let shuffled = args.iter().any(|a| a == "--shuffled");
+fn control(args: &ControlArgs) -> Result<(), String> {
+    let batch = args.batch as usize;
+    let shuffled = args.shuffled;
+    let path = match args.path {
+        ControlPath::Prepared => "prepared",
+        ControlPath::Full => "full",
+    };
     let block = 64;
     let err = |e: ferry::Error| e.to_string();
 
@@ -53,11 +159,7 @@ fn control(args: &[String]) -> Result<(), String> {
     let lp = a.prep(Side::Local, MemKind::Dram, &local).map_err(err)?;
     let rp = a.prep(peer, MemKind::Dram, &remote).map_err(err)?;
     let mut cmds = CommandBuffer::with_capacity(16);
-    let full = match path.as_str() {
-        "prepared" => false,
-        "full" => true,
-        other => return Err(format!("--path must be prepared or full, not {other}")),
-    };
+    let full = args.path == ControlPath::Full;
     // One timed turn, which must succeed: no command failed and the request is done
     // (a scan of a few outcomes; a failure ends the benchmark with an error).
     let turn = |cmds: &mut CommandBuffer| -> Result<(), String> {
@@ -93,7 +195,7 @@ fn control(args: &[String]) -> Result<(), String> {
     }
     let turns_per_round = (200_000 / batch).max(1);
     let mut rounds = Vec::new();
-    let deadline = Instant::now() + std::time::Duration::from_secs_f64(seconds);
+    let deadline = Instant::now() + args.seconds;
     while Instant::now() < deadline || rounds.len() < 5 {
         let t = Instant::now();
         for _ in 0..turns_per_round {
@@ -121,26 +223,35 @@ fn control(args: &[String]) -> Result<(), String> {
 
 /// `ferry bench posix`: DRAM ↔ FILE throughput of the POSIX backend on one pattern
 /// (`backends/posix/bench/fio-compare.sh` runs fio side by side).
-fn posix(args: &[String]) -> Result<(), String> {
+fn posix(args: &PosixArgs) -> Result<(), String> {
     use ferry_posix::bench::{run, BenchConfig};
-    let op = match opt::<String>(args, "--op")?.as_deref() {
-        None | Some("read") => Op::Read,
-        Some("write") => Op::Write,
-        Some(other) => return Err(format!("--op must be read or write, not {other}")),
-    };
+    let op = args.op.op();
+    let block_bytes = args.block_kib << 10;
+    let total_bytes = args.size_mib << 20;
+    if !total_bytes.is_multiple_of(block_bytes) {
+        return Err(format!(
+            "--size-mib {} must be a multiple of --block-kib {} (in bytes)",
+            args.size_mib, args.block_kib
+        ));
+    }
     let cfg = BenchConfig {
-        path: opt::<String>(args, "--file")?
-            .map(Into::into)
+        path: args
+            .file
+            .clone()
             .unwrap_or_else(|| std::env::temp_dir().join("ferry-posix-bench.bin")),
-        total_bytes: opt::<u64>(args, "--size-mib")?.unwrap_or(1024) << 20,
-        block_bytes: opt::<u64>(args, "--block-kib")?.unwrap_or(1024) << 10,
-        batch: opt(args, "--batch")?.unwrap_or(32),
+        total_bytes,
+        block_bytes,
+        batch: args.batch,
         op,
-        direct: args.iter().any(|a| a == "--direct"),
-        engine: opt(args, "--engine")?.unwrap_or_else(|| "uring".to_string()),
-        register: !args.iter().any(|a| a == "--no-register"),
-        reps: opt(args, "--reps")?.unwrap_or(5),
-        huge_pages: !args.iter().any(|a| a == "--no-huge-pages"),
+        direct: args.direct,
+        engine: match args.engine {
+            PosixEngine::Uring => "uring",
+            PosixEngine::Threads => "threads",
+        }
+        .to_string(),
+        register: !args.no_register,
+        reps: args.reps,
+        huge_pages: !args.no_huge_pages,
     };
     let r = run(&cfg).map_err(|e| e.to_string())?;
     println!(

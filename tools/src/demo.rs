@@ -5,16 +5,71 @@ use std::time::Instant;
 
 use ferry::{Agent, AgentConfig, CommandBuffer, Desc, MemKind, Op, Params, Side, XferStatus};
 
-use crate::buffers::HostBuffer;
-use crate::opt;
+use clap::Args;
 
-pub fn run(args: &[String]) -> Result<(), String> {
-    let mib: usize = opt(args, "--mib")?.unwrap_or(256);
-    let block_kib: usize = opt(args, "--block-kib")?.unwrap_or(1024);
+use crate::buffers::HostBuffer;
+
+/// `ferry demo` arguments.
+#[derive(Args, Debug)]
+pub struct DemoArgs {
+    /// MiB moved each way.
+    #[arg(allow_negative_numbers = true, long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub mib: u32,
+    /// Block size in KiB (the data moves as blocks placed in shuffled order).
+    #[arg(allow_negative_numbers = true, long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=1048576))]
+    pub block_kib: u32,
+    /// Move GPU memory (VRAM) instead of host memory, through UCX.
+    #[arg(long)]
+    pub vram: bool,
+    /// CUDA device of the VRAM buffers (with --vram).
+    #[arg(allow_negative_numbers = true, long, requires = "vram", value_parser = clap::value_parser!(u32).range(0..=1023))]
+    pub dev: Option<u32>,
+    /// The libucp to load for the VRAM demo (a CUDA-capable UCX; with --vram).
+    #[arg(long, requires = "vram", value_name = "PATH")]
+    pub ucx_library: Option<std::path::PathBuf>,
+}
+
+/// Run the demo `args` ask for.
+pub fn run(args: &DemoArgs) -> Result<(), String> {
+    if args.vram {
+        return vram(args);
+    }
+    dram(args.mib as usize, args.block_kib as usize)
+}
+
+/// The demo in GPU memory: VRAM → VRAM both ways through UCX (`ferry_gpu::demo`).
+#[cfg(feature = "cuda")]
+fn vram(args: &DemoArgs) -> Result<(), String> {
+    let setup = ferry_gpu::GpuSetup {
+        dev: u64::from(args.dev.unwrap_or(0)),
+        ucx_library: args.ucx_library.clone(),
+    };
+    let report = ferry_gpu::demo::run(&setup, args.mib as usize)?;
+    println!(
+        "VRAM demo on device {}: {} MiB each way, write {:.2} GB/s, read {:.2} GB/s, every byte checked",
+        setup.dev, args.mib, report.write_gbps, report.read_gbps
+    );
+    Ok(())
+}
+
+/// Without the `cuda` feature there is no GPU code in this binary.
+#[cfg(not(feature = "cuda"))]
+fn vram(_args: &DemoArgs) -> Result<(), String> {
+    Err(
+        "VRAM demo needs a GPU backend: this ferry was built without the `cuda` feature \
+         (cargo build -p ferry-tools --features cuda)"
+            .into(),
+    )
+}
+
+/// The host-memory demo: `mib` MiB each way in blocks of `block_kib` KiB.
+fn dram(mib: usize, block_kib: usize) -> Result<(), String> {
     let total = mib << 20;
     let block = block_kib << 10;
-    if total == 0 || block == 0 || !total.is_multiple_of(block) {
-        return Err("--mib must be a positive multiple of --block-kib".into());
+    if !total.is_multiple_of(block) {
+        return Err(format!(
+            "--mib {mib} must be a multiple of --block-kib {block_kib} (in bytes)"
+        ));
     }
     let blocks = total / block;
     let err = |e: ferry::Error| e.to_string();

@@ -1,5 +1,5 @@
-//! The backend contract: what a transport (today loopback, UCX and POSIX/io_uring; a
-//! GDS backend is planned) must do for the Ferry executor, and what it may rely on.
+//! The backend contract: what a transport (loopback, UCX, POSIX/io_uring and GDS/cuFile)
+//! must do for the Ferry executor, and what it may rely on.
 //!
 //! # State machine
 //!
@@ -82,6 +82,7 @@
 //! OS or transport failures. Asynchronous outcomes arrive as [`Completion`]s; a failed
 //! transfer reports a [`Failure`] with the errno and the range index.
 
+pub mod trace;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -224,6 +225,27 @@ impl Post<'_> {
     }
 }
 
+/// How an estimate of a request's duration was made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CostMethod {
+    /// The transport's own performance model (UCX: `ucp_ep_evaluate_perf`).
+    Analytical,
+    /// A fit of the durations this agent measured for the backend's completed requests.
+    Measured,
+}
+
+/// An estimate of a request's duration.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CostEstimate {
+    /// Expected time from post to completion.
+    pub duration: std::time::Duration,
+    /// How far off it may be (one standard deviation of the fit's residuals; zero when
+    /// the method gives none).
+    pub margin: std::time::Duration,
+    /// How it was made.
+    pub method: CostMethod,
+}
+
 /// Why an asynchronous transfer failed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FailureKind {
@@ -351,6 +373,20 @@ pub trait BackendFactory: Send + Sync {
     fn available(&self) -> std::result::Result<(), String> {
         Ok(())
     }
+    /// Whether it can work with these (effective) parameters, e.g. a library named by a
+    /// parameter instead of the default one. The default follows
+    /// [`BackendFactory::available`].
+    fn available_with(&self, params: &Params) -> std::result::Result<(), String> {
+        let _ = params;
+        self.available()
+    }
+    /// Whether one of its memory kinds works on this machine (e.g. VRAM needs a CUDA
+    /// driver and, for UCX, a UCX built with CUDA); the reason when not. The default
+    /// follows [`BackendFactory::available`].
+    fn kind_available(&self, kind: MemKind) -> std::result::Result<(), String> {
+        let _ = kind;
+        self.available()
+    }
     /// Make a backend instance.
     fn create(&self, init: &BackendInit<'_>) -> Result<Box<dyn Backend>>;
 }
@@ -442,6 +478,17 @@ pub trait Backend: Send {
         Ok(())
     }
 
+    /// Whether this backend can move bytes to and from the peer's region named by
+    /// `remote_token` (the token [`PeerRegions::public_md`] takes). Asked when a remote
+    /// descriptor list is prepared: a backend that says no leaves that list's
+    /// candidates, so another backend common to both agents serves it (SHM says no for
+    /// a peer's ordinary memory where the kernel refuses cross-memory attach). The
+    /// default reaches every region of a loaded peer.
+    fn reaches(&self, peer: PeerId, remote_token: u64) -> bool {
+        let _ = (peer, remote_token);
+        true
+    }
+
     /// Check a request when it is built (before any post): ranges the backend can never
     /// serve (O_DIRECT misalignment, unsupported kinds, ranges past a region) are
     /// refused here with an error naming the range, so they fail their own `make`
@@ -480,6 +527,14 @@ pub trait Backend: Send {
 
     /// Advance outstanding work and push completions. Never blocks.
     fn progress(&mut self, done: &mut Completions);
+
+    /// The backend's own estimate of how long a request of `ranges` (merged, to
+    /// `endpoint`) takes (NIXL's `estimateXferCost`), or `None` when it has no model
+    /// of its own (the engine then uses what it measured; see `Agent::estimate`).
+    fn estimate(&mut self, endpoint: Endpoint, op: Op, ranges: &[Range]) -> Option<CostEstimate> {
+        let _ = (endpoint, op, ranges);
+        None
+    }
 
     /// Cancel an in-flight request. Returns `Ok(true)` if it was canceled (no
     /// completion will follow, and the backend no longer touches its buffers),

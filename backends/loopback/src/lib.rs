@@ -851,6 +851,7 @@ impl Backend for Loopback {
         batch: &[Post<'_>],
         done: &mut Completions,
     ) -> Result<()> {
+        let _span = ferry_backend_api::trace_span!("ferry-loopback::post");
         if self.faults.panic_next_post.swap(false, Ordering::SeqCst) {
             panic!("loopback fault injection: panic inside post");
         }
@@ -925,6 +926,7 @@ impl Backend for Loopback {
     }
 
     fn progress(&mut self, done: &mut Completions) {
+        let _span = ferry_backend_api::trace_span!("ferry-loopback::progress");
         for _ in 0..self.held.len() {
             let Some(mut held) = self.held.pop_front() else {
                 break;

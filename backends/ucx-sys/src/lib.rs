@@ -35,6 +35,42 @@ pub mod bindings;
 
 pub use bindings::*;
 
+/// `ucp_ep_evaluate_perf_param_t` (declared in `ucp.h` of 1.13 too, but not part of
+/// the generated function table: the function is looked up optionally, so a build
+/// without it still loads).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+#[allow(non_camel_case_types)]
+pub struct ucp_ep_evaluate_perf_param_t {
+    /// Which fields are set (`UCP_EP_PERF_PARAM_FIELD_*`).
+    pub field_mask: u64,
+    /// The message size to evaluate, in bytes.
+    pub message_size: usize,
+}
+
+/// `ucp_ep_evaluate_perf_attr_t`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+#[allow(non_camel_case_types)]
+pub struct ucp_ep_evaluate_perf_attr_t {
+    /// Which fields to fill (`UCP_EP_PERF_ATTR_FIELD_*`).
+    pub field_mask: u64,
+    /// Estimated time of the operation, in seconds.
+    pub estimated_time: f64,
+}
+
+/// `UCP_EP_PERF_PARAM_FIELD_MESSAGE_SIZE`.
+pub const UCP_EP_PERF_PARAM_FIELD_MESSAGE_SIZE: u64 = 1;
+/// `UCP_EP_PERF_ATTR_FIELD_ESTIMATED_TIME`.
+pub const UCP_EP_PERF_ATTR_FIELD_ESTIMATED_TIME: u64 = 1;
+
+/// `ucp_ep_evaluate_perf`, looked up optionally.
+pub type EvaluatePerfFn = unsafe extern "C" fn(
+    ucp_ep_h,
+    *const ucp_ep_evaluate_perf_param_t,
+    *mut ucp_ep_evaluate_perf_attr_t,
+) -> ucs_status_t;
+
 /// The file name of the UCP library in a system install (Debian `libucx0`).
 pub const DEFAULT_LIBRARY: &str = "libucp.so.0";
 
@@ -158,6 +194,10 @@ pub struct Ucp {
     api: UcpApi,
     library: PathBuf,
     version: UcxVersion,
+    /// Functions newer than the bindings, found where the library has them (declared
+    /// before `_optional` so the pointers never outlive the handle that keeps them).
+    evaluate_perf: Option<EvaluatePerfFn>,
+    _optional: Option<libloading::Library>,
 }
 
 impl fmt::Debug for Ucp {
@@ -185,7 +225,13 @@ impl Ucp {
         // SAFETY: loading libucp runs its ELF constructors, which only initialize UCX's
         // own global state; every symbol is then looked up with the exact signature
         // bindgen derived from the matching header.
-        let api = unsafe { UcpApi::new(OsStr::new(library)) }.map_err(|e| fail(e.to_string()))?;
+        let api = unsafe { UcpApi::new(OsStr::new(library)) }.map_err(|e| {
+            // libloading's own message is only "dlopen failed"; the loader's is the cause.
+            fail(match std::error::Error::source(&e) {
+                Some(cause) => cause.to_string(),
+                None => e.to_string(),
+            })
+        })?;
         let (mut major, mut minor, mut release) = (0u32, 0u32, 0u32);
         // SAFETY: ucp_get_version writes three unsigned ints through valid pointers.
         unsafe { api.ucp_get_version(&mut major, &mut minor, &mut release) };
@@ -197,11 +243,28 @@ impl Ucp {
         if version < MIN_VERSION {
             return Err(fail(format!("UCX {version} is older than {MIN_VERSION}")));
         }
+        // SAFETY: the library is already loaded (this takes one more reference to it);
+        // the symbol, where present, has the signature of `ucp.h`, which
+        // `EvaluatePerfFn` spells out.
+        let optional = unsafe { libloading::Library::new(OsStr::new(library)) }.ok();
+        // SAFETY: as above; the pointer is used only while `optional` is held.
+        let evaluate_perf = optional.as_ref().and_then(|lib| unsafe {
+            lib.get::<EvaluatePerfFn>(b"ucp_ep_evaluate_perf\0")
+                .ok()
+                .map(|symbol| *symbol)
+        });
         Ok(Ucp {
             api,
             library: library.to_path_buf(),
             version,
+            evaluate_perf,
+            _optional: optional,
         })
+    }
+
+    /// `ucp_ep_evaluate_perf`, where the loaded library has it.
+    pub fn evaluate_perf(&self) -> Option<EvaluatePerfFn> {
+        self.evaluate_perf
     }
 
     /// The function table.

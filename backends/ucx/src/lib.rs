@@ -23,10 +23,12 @@
 //!   `ucp_worker_progress` (no thread). With `progress_thread=true` a thread progresses
 //!   the workers and, when there is nothing to do, **sleeps on the workers' event fds**
 //!   (`ucp_worker_arm` + `poll`), so it costs ~0% CPU when idle.
-//! - **Failure**: when UCX reports a peer's endpoint dead, its requests complete with
+//! - **Failure**: when UCX reports a peer's endpoint dead, or the peer's requests made
+//!   no progress for `peer_timeout_ms` (default 10 s; a link that silently went down —
+//!   see `state/deadline.rs`), its requests complete with
 //!   [`FailureKind::RemoteDisconnect`](ferry_backend_api::FailureKind), later posts to
-//!   it fail with [`Error::RemoteDisconnect`] until its metadata is reloaded with new
-//!   connection info.
+//!   it fail with [`Error::RemoteDisconnect`] until a reconnect ([`Backend::connect`])
+//!   or its metadata is reloaded with new connection info.
 //! - **Unloading** a peer force-closes its endpoint: its in-flight requests are canceled
 //!   by UCX and reported, once each, from their callbacks; the endpoint's callback state
 //!   and rkeys live until UCX confirms the close (see `state/peers.rs`).
@@ -71,10 +73,14 @@ use crate::thread::ProgressThread;
 /// The backend's type name.
 pub const BACKEND: &str = "UCX";
 
+/// Tracy plot: UCX requests (and standalone notifications) in flight.
+static IN_FLIGHT: ferry_backend_api::trace::Plot =
+    ferry_backend_api::trace::Plot::new("ferry-ucx in-flight");
+
 /// Largest notification payload this backend carries.
 pub const NOTIF_LEN_MAX: usize = state::NOTIF_LEN_MAX;
 
-const MEM_KINDS: &[MemKind] = &[MemKind::Dram];
+const MEM_KINDS: &[MemKind] = state::MEM_KINDS;
 
 /// Parameters of the UCX backend.
 pub const PARAMS: &[ParamSpec] = &[
@@ -153,6 +159,14 @@ pub const PARAMS: &[ParamSpec] = &[
               close still pending then finishes in the background (0 = always)",
     },
     ParamSpec {
+        name: "peer_timeout_ms",
+        default: "10000",
+        doc: "a peer whose requests make no progress for this long (progressed time) is \
+              declared unreachable: its requests fail with remote-disconnect, and so do later \
+              posts until a reconnect (make_connection) or new metadata; 0 = never. A batch \
+              completes as a whole: raise it above the longest batch (bytes / link rate)",
+    },
+    ParamSpec {
         name: "max_requests",
         default: "8192",
         doc: "requests (and standalone notifications) in flight at once",
@@ -185,6 +199,9 @@ pub struct Config {
     pub progress_thread: bool,
     /// Requests in flight at once.
     pub max_requests: usize,
+    /// How long a peer's requests may make no progress before the peer is declared
+    /// unreachable (`None` = never).
+    pub peer_timeout: Option<std::time::Duration>,
     /// Largest single put/get in bytes.
     pub chunk_bytes: u64,
     /// Notifications the inbox holds until drained.
@@ -313,6 +330,13 @@ impl Config {
             .ok()
             .filter(|n| *n <= 65536)
             .ok_or_else(|| bad("close_progress_rounds", "expected 0..=65536"))?;
+        let peer_timeout_ms: u64 = get("peer_timeout_ms")
+            .parse()
+            .ok()
+            .filter(|n| *n <= 86_400_000)
+            .ok_or_else(|| bad("peer_timeout_ms", "expected 0..=86400000"))?;
+        let peer_timeout =
+            (peer_timeout_ms > 0).then(|| std::time::Duration::from_millis(peer_timeout_ms));
         let chunk_bytes: u64 = get("chunk_bytes")
             .parse()
             .ok()
@@ -354,6 +378,7 @@ impl Config {
             library,
             progress_thread,
             max_requests,
+            peer_timeout,
         })
     }
 }
@@ -401,6 +426,23 @@ impl BackendFactory for UcxFactory {
 
     fn available(&self) -> std::result::Result<(), String> {
         load_library(None).map(|_| ())
+    }
+
+    fn available_with(&self, params: &Params) -> std::result::Result<(), String> {
+        match params.get("ucx_library").map(|s| s.trim()) {
+            Some(path) if !path.is_empty() => load_library(Some(Path::new(path))).map(|_| ()),
+            _ => self.available(),
+        }
+    }
+
+    fn kind_available(&self, kind: MemKind) -> std::result::Result<(), String> {
+        static VRAM: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+        let ucp = load_library(None)?;
+        match kind {
+            MemKind::Dram => Ok(()),
+            MemKind::Vram => VRAM.get_or_init(|| state::vram_available(&ucp)).clone(),
+            other => Err(format!("UCX does not move {other}")),
+        }
     }
 
     fn create(&self, init: &BackendInit<'_>) -> Result<Box<dyn Backend>> {
@@ -510,6 +552,11 @@ impl UcxBackend {
         self.core().closing_endpoints()
     }
 
+    /// Whether the loaded UCX offers its performance model (`ucp_ep_evaluate_perf`), which [`Backend::estimate`] then uses.
+    pub fn has_perf_model(&self) -> bool {
+        self.core().has_perf_model()
+    }
+
     /// Whether a progress thread runs.
     pub fn has_progress_thread(&self) -> bool {
         self.thread.is_some()
@@ -535,7 +582,7 @@ impl Backend for UcxBackend {
     }
 
     unsafe fn register(&mut self, region: &RegionSpec<'_>) -> Result<Registered> {
-        if region.kind != MemKind::Dram {
+        if region.kind != MemKind::Dram && region.kind != MemKind::Vram {
             return Err(Error::NotSupported {
                 backend: BACKEND.into(),
                 what: format!("{} memory", region.kind).into(),
@@ -553,18 +600,24 @@ impl Backend for UcxBackend {
                 "a UCX region needs a non-null address and a non-zero length",
             ));
         }
-        let (token, public_md) = self.core().register(desc.addr, desc.len)?;
+        let (token, public_md) = if region.kind == MemKind::Vram {
+            self.core().register_vram(desc.addr, desc.len, desc.dev)?
+        } else {
+            self.core().register(desc.addr, desc.len)?
+        };
         Ok(Registered { token, public_md })
     }
 
     unsafe fn deregister(&mut self, kind: MemKind, token: u64) -> Result<()> {
-        if kind != MemKind::Dram {
+        if kind != MemKind::Dram && kind != MemKind::Vram {
             return Err(Error::NotSupported {
                 backend: BACKEND.into(),
                 what: format!("{kind} memory").into(),
             });
         }
-        self.core().deregister(token)
+        let mut core = self.core();
+        core.vram_bind();
+        core.deregister(token)
     }
 
     fn conn_info(&self) -> Vec<u8> {
@@ -599,20 +652,35 @@ impl Backend for UcxBackend {
         batch: &[Post<'_>],
         done: &mut Completions,
     ) -> Result<()> {
+        let _span = ferry_backend_api::trace_span!("ferry-ucx::post");
         let mut core = self.core();
+        core.vram_bind();
         let result = core.post(endpoint, batch);
         core.drain_ready(done);
+        IN_FLIGHT.value(core.in_flight() as f64);
         result
     }
 
     fn progress(&mut self, done: &mut Completions) {
+        let _span = ferry_backend_api::trace_span!("ferry-ucx::progress");
         let mut core = self.core();
+        core.vram_bind();
         core.pump();
         core.drain_ready(done);
+        IN_FLIGHT.value(core.in_flight() as f64);
     }
 
     fn notify(&mut self, endpoint: Endpoint, payload: &[u8]) -> Result<()> {
         self.core().notify(endpoint, payload)
+    }
+
+    fn estimate(
+        &mut self,
+        endpoint: Endpoint,
+        _op: ferry_backend_api::Op,
+        ranges: &[ferry_backend_api::Range],
+    ) -> Option<ferry_backend_api::CostEstimate> {
+        self.core().estimate(endpoint, ranges)
     }
 
     fn drain_notifications(&mut self, sink: &mut dyn NotifSink) -> usize {
@@ -663,6 +731,8 @@ mod tests {
             ("notif_queue_bytes", "10"),
             ("ep_close", "gently"),
             ("close_progress_rounds", "-1"),
+            ("peer_timeout_ms", "soon"),
+            ("peer_timeout_ms", "-5"),
         ] {
             let mut params = defaults.clone();
             params.insert(key.into(), value.into());

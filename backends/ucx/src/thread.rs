@@ -77,6 +77,7 @@ fn run(core: Arc<Mutex<Core>>, efds: Vec<i32>, wake_fd: i32, stop: Arc<AtomicBoo
     while !stop.load(Ordering::Acquire) {
         let armed = {
             let mut core = core.lock().unwrap_or_else(|e| e.into_inner());
+            core.vram_bind();
             core.pump();
             core.arm()
         };

@@ -8,7 +8,7 @@
 
 mod common;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::*;
 use ferry_backend_api::{
@@ -34,7 +34,16 @@ struct Pair {
 }
 
 fn pair(transports: &str, len: usize, extra_b: &[(&str, &str)]) -> Pair {
-    let mut a = backend("agent-a", transports, &[]);
+    pair_with(transports, len, &[], extra_b)
+}
+
+fn pair_with(
+    transports: &str,
+    len: usize,
+    extra_a: &[(&str, &str)],
+    extra_b: &[(&str, &str)],
+) -> Pair {
+    let mut a = backend("agent-a", transports, extra_a);
     let mut b = backend("agent-b", transports, extra_b);
     let a_buf = Buffer::new(len);
     let b_buf = Buffer::new(len);
@@ -377,7 +386,7 @@ fn bad_input_gets_typed_errors() {
         &mut done,
     );
     assert!(matches!(e, Err(Error::NotFound { .. })), "{e:?}");
-    // VRAM is not supported (yet).
+    // VRAM with a UCX that has no CUDA support (the system's here) is refused.
     let mut x = post(1, Op::Write, std::slice::from_ref(&good), None);
     x.remote_kind = MemKind::Vram;
     let e = p.a.post_t(Endpoint::Peer(p.peer_b), &[x], &mut done);
@@ -435,6 +444,79 @@ fn bad_input_gets_typed_errors() {
     assert_eq!(p.a.in_flight(), 0);
     // The good path still works afterwards.
     run(&mut p, &[post(3, Op::Write, &[good], None)]);
+}
+
+#[test]
+fn a_silent_peer_fails_its_requests_within_the_deadline_and_a_reconnect_recovers() {
+    if !setup() {
+        return;
+    }
+    // Without and with the initiator's progress thread (which then runs the deadline).
+    for thread in ["false", "true"] {
+        silent_peer(thread);
+    }
+}
+
+fn silent_peer(progress_thread: &str) {
+    // UCX_TLS=tcp: the target must progress for RMA to advance. It stays silent (as
+    // behind a link that went down), so only the initiator's deadline can end the wait.
+    let bound = Duration::from_millis(1000);
+    let mut p = pair_with(
+        "tcp",
+        16 << 20,
+        &[
+            ("peer_timeout_ms", "1000"),
+            ("progress_thread", progress_thread),
+        ],
+        &[],
+    );
+    let ranges = [range(&p, 0, 0, 16 << 20)];
+    let mut done = Completions::with_capacity(4);
+    let start = Instant::now();
+    p.a.post_t(
+        Endpoint::Peer(p.peer_b),
+        &[
+            post(21, Op::Write, &ranges, Some(b"n")),
+            post(22, Op::Read, &ranges, None),
+        ],
+        &mut done,
+    )
+    .unwrap();
+    let mut failed = Vec::new();
+    while failed.len() < 2 {
+        p.a.progress(&mut done);
+        failed.extend(done.as_slice().iter().copied());
+        done.clear();
+        assert!(start.elapsed() < TIMEOUT, "no deadline: {failed:?}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let elapsed = start.elapsed();
+    assert!(elapsed >= bound, "failed before the bound: {elapsed:?}");
+    for c in &failed {
+        let f = c.result.expect_err("a request to a silent peer succeeded");
+        assert_eq!(f.kind, FailureKind::RemoteDisconnect, "{f:?}");
+    }
+    assert_eq!(p.a.peer_down(p.peer_b), Some(true));
+    // Later posts fail at once, with the same typed error.
+    let e = p.a.post_t(
+        Endpoint::Peer(p.peer_b),
+        &[post(23, Op::Write, &ranges, None)],
+        &mut done,
+    );
+    assert!(matches!(e, Err(Error::RemoteDisconnect { .. })), "{e:?}");
+    // The peer answers again: a reconnect makes a fresh endpoint and transfers work.
+    p.a.connect(p.peer_b).expect("reconnect");
+    assert_eq!(p.a.peer_down(p.peer_b), Some(false));
+    // (1 MiB requests: each must finish within the bound even on a loaded machine.)
+    let small = [range(&p, 0, 0, 1 << 20)];
+    Rng::new(5).fill(&mut p.a_buf.0[..1 << 20]);
+    run(&mut p, &[post(24, Op::Write, &small, None)]);
+    assert!(p.a_buf.0[..1 << 20] == p.b_buf.0[..1 << 20]);
+    // An answering peer never trips it: requests back to back over the new endpoint.
+    for tag in 25..30 {
+        run(&mut p, &[post(tag, Op::Read, &small, None)]);
+    }
+    assert_eq!(p.a.peer_down(p.peer_b), Some(false));
 }
 
 #[test]

@@ -162,6 +162,10 @@ pub struct World {
     pub(crate) arena: bumpalo::Bump,
     /// Regions deregistered so far (part of the published metadata generation).
     pub(crate) deregistrations: u64,
+    /// Counters and histograms (`crate::metrics`), shared with readers.
+    pub(crate) metrics: std::sync::Arc<crate::metrics::Metrics>,
+    /// Measured cost model per backend slot (`crate::cost`).
+    pub(crate) costs: [crate::cost::CostModel; MAX_BACKENDS],
 }
 
 impl World {
@@ -185,8 +189,15 @@ impl World {
             completions: Completions::with_capacity(xfers),
             arena: bumpalo::Bump::with_capacity(64 * 1024),
             deregistrations: 0,
+            metrics: Default::default(),
+            costs: Default::default(),
             bounds,
         }
+    }
+
+    /// The agent's metrics (counters recorded by the phases; readable from any thread).
+    pub fn metrics(&self) -> &std::sync::Arc<crate::metrics::Metrics> {
+        &self.metrics
     }
 
     /// Put a backend in the first free slot.
@@ -203,6 +214,7 @@ impl World {
         let id = self.backends.keys.insert(slot as u8);
         self.backends.ids[slot] = Some(id);
         self.backends.caps[slot] = Some(backend.capabilities());
+        self.metrics.set_backend(slot, backend.name());
         self.backends.backends[slot] = Some(backend);
         Ok(id)
     }

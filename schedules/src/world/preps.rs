@@ -228,8 +228,15 @@ impl World {
                 mask.insert(slot);
             }
         }
+        let backends = &self.backends.backends;
         let mask = resolve_descs(descs, mask, out, |slot, d| {
-            view.find_bounds(slot_map[slot]?, kind, d)
+            let found = view.find_bounds(slot_map[slot]?, kind, d)?;
+            // A backend that cannot reach this region of the peer drops out here, so a
+            // list naming it goes to another common backend.
+            backends[slot]
+                .as_ref()
+                .is_some_and(|b| b.reaches(peer, found.0))
+                .then_some(found)
         })
         .map_err(|e| {
             e.unwrap_or_else(|| Error::NotFound {

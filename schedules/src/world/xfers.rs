@@ -464,6 +464,10 @@ impl World {
                 if let XferState::Draining(error) = std::mem::replace(state, XferState::NotPosted) {
                     *state = XferState::Failed(error);
                 }
+                if let XferState::Failed(error) = &self.xfers.states[row] {
+                    self.metrics
+                        .completed(usize::from(self.xfers.slots[row]), None, Some(error));
+                }
                 return true;
             }
             _ => return false,
@@ -509,9 +513,22 @@ impl World {
                 })
             }
         };
+        let mut latency = None;
         if let (Some(now), Some(start)) = (now, self.xfers.telemetry[row].start) {
-            self.xfers.telemetry[row].xfer_duration = now.saturating_duration_since(start);
+            let d = now.saturating_duration_since(start);
+            self.xfers.telemetry[row].xfer_duration = d;
+            latency = Some(d);
         }
+        let error = match &self.xfers.states[row] {
+            XferState::Failed(e) => Some(e),
+            _ => None,
+        };
+        if let (None, Some(d)) = (error, latency) {
+            let slot = usize::from(self.xfers.slots[row]);
+            self.costs[slot].record(self.xfers.telemetry[row].total_bytes, d);
+        }
+        self.metrics
+            .completed(usize::from(self.xfers.slots[row]), latency, error);
         true
     }
 }
@@ -606,6 +623,33 @@ impl World {
             .row(xfer)
             .ok_or_else(|| Error::not_found(Subject::Xfer(xfer)))?;
         Ok(&self.xfers.states[row])
+    }
+
+    /// How long request `xfer` is expected to take: its backend's own estimate where
+    /// it has one, else the fit of what this agent measured for the backend's completed
+    /// requests ([`Error::NoTelemetry`] before any, or with telemetry off).
+    pub fn estimate(&mut self, xfer: XferId) -> Result<ferry_backend_api::CostEstimate, Error> {
+        let row = self
+            .xfers
+            .row(xfer)
+            .ok_or_else(|| Error::not_found(Subject::Xfer(xfer)))?;
+        let slot = usize::from(self.xfers.slots[row]);
+        let (endpoint, op) = (self.xfers.endpoints[row], self.xfers.ops[row]);
+        let backend = self.backends.backends[slot]
+            .as_mut()
+            .expect("request slot is filled");
+        if let Some(estimate) = backend.estimate(endpoint, op, &self.xfers.ranges[row]) {
+            return Ok(estimate);
+        }
+        let bytes = self.xfers.telemetry[row].total_bytes;
+        let p = self.costs[slot]
+            .predict(bytes)
+            .ok_or(Error::NoTelemetry { xfer })?;
+        Ok(ferry_backend_api::CostEstimate {
+            duration: p.duration,
+            margin: p.margin,
+            method: ferry_backend_api::CostMethod::Measured,
+        })
     }
 
     /// Number of merged ranges of a request.

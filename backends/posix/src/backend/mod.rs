@@ -268,11 +268,13 @@ impl Backend for PosixBackend {
         batch: &[Post<'_>],
         done: &mut Completions,
     ) -> Result<()> {
+        let _span = ferry_backend_api::trace_span!("ferry-posix::post");
         // SAFETY: the same promise, passed on (see `requests`).
         unsafe { self.post_batch(endpoint, batch, done) }
     }
 
     fn progress(&mut self, done: &mut Completions) {
+        let _span = ferry_backend_api::trace_span!("ferry-posix::progress");
         self.drain_engine(done);
         if let Err(e) = self.feed(done) {
             self.fail_queued(errno_of(&e), done);

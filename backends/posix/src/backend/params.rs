@@ -78,8 +78,8 @@ impl PosixBackend {
             "auto" => match uring() {
                 Ok(e) => Engine::Uring(Box::new(e)),
                 Err(e) => {
-                    eprintln!(
-                        "ferry[posix]: io_uring unavailable ({e}); falling back to the thread engine"
+                    log::warn!(
+                        "posix: io_uring unavailable ({e}); falling back to the thread engine"
                     );
                     Engine::Threads(threads()?)
                 }
@@ -92,14 +92,14 @@ impl PosixBackend {
             }
         };
         match &engine {
-            Engine::Uring(e) => eprintln!(
-                "ferry[posix]: engine io_uring (queue depth {}, fixed buffers {}, fixed files {})",
+            Engine::Uring(e) => log::info!(
+                "posix: engine io_uring (queue depth {}, fixed buffers {}, fixed files {})",
                 e.depth(),
                 if e.fixed_buffers { "on" } else { "off" },
                 if e.fixed_files { "on" } else { "off" },
             ),
-            Engine::Threads(e) => eprintln!(
-                "ferry[posix]: engine threads ({workers} workers, queue depth {})",
+            Engine::Threads(e) => log::info!(
+                "posix: engine threads ({workers} workers, queue depth {})",
                 e.depth()
             ),
         }

@@ -13,6 +13,16 @@ pub(super) struct MemEntry {
 
 impl Core {
     pub(crate) fn register(&mut self, addr: u64, len: u64) -> Result<(u64, Vec<u8>)> {
+        self.register_typed(addr, len, None)
+    }
+
+    /// Map a region, declaring its memory type when given (VRAM: `vram.rs`).
+    pub(super) fn register_typed(
+        &mut self,
+        addr: u64,
+        len: u64,
+        memory_type: Option<ucs_memory_type_t>,
+    ) -> Result<(u64, Vec<u8>)> {
         let api = self.ucp.api();
         // SAFETY: plain C struct, zero = no fields.
         let mut params: ucp_mem_map_params_t = unsafe { std::mem::zeroed() };
@@ -20,6 +30,10 @@ impl Core {
             u64::from(UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH);
         params.address = addr as *mut c_void;
         params.length = len as usize;
+        if let Some(memory_type) = memory_type {
+            params.field_mask |= u64::from(UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE);
+            params.memory_type = memory_type;
+        }
         let mut memh: ucp_mem_h = ptr::null_mut();
         // SAFETY: the caller owns the range (BackendApi contract: it stays valid until
         // deregistered); UCX only pins/registers it.

@@ -25,11 +25,14 @@
 
 mod callbacks;
 mod config;
+mod cost;
+mod deadline;
 mod diagnostics;
 mod memory;
 mod notifications;
 mod peers;
 mod requests;
+mod vram;
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -50,6 +53,7 @@ use crate::{Config, ErrorMode, BACKEND};
 pub(crate) use callbacks::Events;
 use callbacks::{on_ep_error, on_notif, on_op_done, CompletionQueue, OpCell, PeerLink};
 use config::{may_use_shared_memory, zcopy_thresh_override};
+use deadline::{Deadline, Watch};
 pub(crate) use diagnostics::errno_of;
 #[cfg(test)]
 pub(crate) use diagnostics::summarize_lanes;
@@ -58,6 +62,8 @@ use memory::MemEntry;
 use notifications::Inbox;
 use peers::{Grave, PeerState};
 use requests::{Slot, SlotState};
+use vram::VramState;
+pub(crate) use vram::{vram_available, MEM_KINDS};
 
 /// Active-message id of Ferry notifications.
 const NOTIF_AM_ID: u32 = 0x4652;
@@ -104,6 +110,10 @@ pub(crate) struct Core {
     pub(crate) ready: Completions,
     /// Largest single put/get; longer ranges are split.
     chunk_bytes: u64,
+    /// The progress deadline of peer endpoints (`deadline.rs`).
+    deadline: Deadline,
+    /// VRAM support and the device context to bind (`vram.rs`).
+    vram: VramState,
 }
 
 // SAFETY: the raw UCX handles in Core are only used by whichever thread holds the core
@@ -257,6 +267,8 @@ impl Core {
             graves: Vec::new(),
             close_rounds: config.close_rounds,
             close_force: config.close_force,
+            deadline: Deadline::new(config.peer_timeout),
+            vram: VramState::new(&ucp, context),
         };
         for index in 0..config.workers {
             core.add_worker(index, config.progress_thread)?;

@@ -176,6 +176,7 @@ impl Core {
         slot.notif.extend_from_slice(payload);
         slot.next = NONE;
         slot.state = SlotState::WaitNotif;
+        self.watch_started(peer, 1);
         self.send_notif(index);
         Ok(())
     }

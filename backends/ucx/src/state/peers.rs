@@ -39,6 +39,8 @@ pub(super) struct PeerState {
     /// Set once UCX reported the endpoint dead; cleared by a reload with new info.
     pub(super) down: Option<ucs_status_t>,
     pub(super) transports: String,
+    /// The endpoint's progress deadline (`deadline.rs`).
+    pub(super) watch: Watch,
 }
 
 impl Core {
@@ -83,6 +85,7 @@ impl Core {
                 rkeys: HashMap::new(),
                 down: None,
                 transports: String::new(),
+                watch: Watch::default(),
             },
         );
         Ok(())
@@ -168,7 +171,9 @@ impl Core {
             return;
         }
         self.teardown_peer(peer);
-        self.peers.remove(&peer);
+        if let Some(state) = self.peers.remove(&peer) {
+            self.watch_forget(state.watch);
+        }
         // Callbacks of the canceled requests have been queued; turn them into
         // completions now (they map to RemoteDisconnect: the peer is gone).
         self.handle_events();
@@ -280,6 +285,7 @@ impl Core {
         );
         state.ep = ep;
         state.transports = transports;
+        self.watch_new_endpoint(peer);
         Ok((ep, worker))
     }
 
@@ -296,7 +302,19 @@ impl Core {
         Ok(self.self_ep)
     }
 
+    /// Make the endpoint to `peer`. A peer declared down (UCX reported its endpoint
+    /// dead, or its deadline passed) is reconnected: a fresh endpoint to the same
+    /// address, so requests work again once the peer is reachable.
     pub(crate) fn connect(&mut self, peer: PeerId) -> Result<()> {
+        if let Some(state) = self.peers.get_mut(&peer) {
+            if let Some(status) = state.down.take() {
+                log::info!(
+                    "UCX: reconnecting to '{}' (down: {})",
+                    state.name,
+                    self.ucp.status_string(status)
+                );
+            }
+        }
         self.peer_ep(peer).map(|_| ())
     }
 

@@ -36,7 +36,7 @@ impl Core {
         let mut last_remote: Option<u64> = None;
         for post in batch {
             for kind in [post.local_kind, post.remote_kind] {
-                if kind != MemKind::Dram {
+                if !self.vram.may_move(kind) {
                     return Err(Error::NotSupported {
                         backend: BACKEND.into(),
                         what: format!("{kind} memory").into(),
@@ -191,6 +191,9 @@ impl Core {
             tail = slot_index;
         }
 
+        if let Some(peer) = peer {
+            self.watch_started(peer, batch.len() as u32);
+        }
         // One flush for the whole batch: when it completes, every put/get above has.
         let mut param = request_param();
         param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -244,6 +247,9 @@ impl Core {
 
     /// Report the slot's outcome (if it has a tag) and free it.
     pub(super) fn finish(&mut self, index: u32) {
+        if let Some(peer) = self.slots[index as usize].peer {
+            self.watch_ended(peer);
+        }
         let slot = &mut self.slots[index as usize];
         debug_assert!(slot.state != SlotState::Free);
         if let Some(tag) = slot.tag {
@@ -263,6 +269,7 @@ impl Core {
     /// Progress every worker (bounded) and turn callback events into completions.
     /// Returns whether anything happened.
     pub(crate) fn pump(&mut self) -> bool {
+        self.watch_tick();
         let api = self.ucp.api();
         let mut progressed = false;
         for worker in &self.workers {
@@ -275,7 +282,8 @@ impl Core {
             }
         }
         let buried = !self.graves.is_empty() && self.reap_graves() > 0;
-        progressed | self.handle_events() | buried
+        let handled = self.handle_events();
+        progressed | handled | buried | self.watch_expire()
     }
 
     pub(super) fn handle_events(&mut self) -> bool {

@@ -225,6 +225,25 @@ impl TcpStoreClient {
         self.read("COMPARE_SET", |r| proto::read_bytes(r, max))
     }
 
+    /// LIST_KEYS (torch >= 2.10 servers and Ferry's): every key the server holds, raw
+    /// (torch's `/` prefix included), at most `max_keys` of them and each at most the
+    /// value limit long; a longer reply is an error.
+    pub fn list_keys(&mut self, max_keys: usize) -> Result<Vec<Vec<u8>>, Error> {
+        self.begin(op::LIST_KEYS);
+        self.send("LIST_KEYS")?;
+        let max = self.options.max_value_bytes;
+        self.read("LIST_KEYS", |r| {
+            let n = proto::read_i64(r)?;
+            if n < 0 || n as u64 > max_keys as u64 {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("key count {n} is outside 0..={max_keys}"),
+                ));
+            }
+            (0..n).map(|_| proto::read_bytes(r, max)).collect()
+        })
+    }
+
     fn begin(&mut self, opcode: u8) {
         self.request.clear();
         self.request.push(opcode);

@@ -1,0 +1,545 @@
+//! CUDA for Ferry, through cudarc's driver API loaded at run time.
+//!
+//! Nothing here links against CUDA: cudarc is built with `dynamic-loading`, so a build
+//! needs no toolkit and a machine without a GPU runs everything else. cudarc panics when
+//! asked for a library it cannot find, so every entry point first checks, once per
+//! process, that the driver library ([`DRIVER_LIBRARY`]) can be opened and initialized;
+//! a missing driver is [`CudaError::NoDriver`], a device the driver does not have is
+//! [`CudaError::NoDevice`] — typed errors, never a panic.
+//!
+//! What the backends need: [`Device`] (a device's primary context, made current on the
+//! thread that registers or moves its memory), [`pointer_device`] (which device owns
+//! an address). What tests, demos and benchmarks need: [`DeviceBuffer`] (device memory
+//! with host copies in and out), [`IpcBuffer`] (another process's buffer opened through
+//! a CUDA IPC handle) and [`copy_dtod`] (the plain device-to-device copy Ferry's numbers
+//! are compared with).
+// Reason: an FFI crate over the CUDA driver; raw device pointers cross the boundary.
+// Every unsafe block states why it is sound.
+#![allow(unsafe_code)]
+
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::{result, sys, CudaContext, DriverError};
+use ferry_storage::{Error, Subject};
+
+/// The CUDA driver library every CUDA call goes through.
+pub const DRIVER_LIBRARY: &str = "libcuda.so.1";
+
+/// Why CUDA cannot be used.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CudaError {
+    /// The driver library is absent or does not initialize.
+    #[error("VRAM needs a CUDA driver: {library} not found ({reason})")]
+    NoDriver {
+        /// The library looked for.
+        library: &'static str,
+        /// What the loader (or `cuInit`) said.
+        reason: String,
+    },
+    /// The driver is there but has no device with this ordinal.
+    #[error("no CUDA device {ordinal}: the driver reports {count} device(s)")]
+    NoDevice {
+        /// The device asked for.
+        ordinal: u64,
+        /// How many devices the driver has.
+        count: usize,
+    },
+    /// A driver call failed.
+    #[error("CUDA call {call} failed: {detail}")]
+    Driver {
+        /// Which call.
+        call: &'static str,
+        /// The driver's error name and text.
+        detail: String,
+    },
+    /// An address is not device memory of the expected device.
+    #[error("address {addr:#x}: {reason}")]
+    NotDeviceMemory {
+        /// The address.
+        addr: u64,
+        /// What it is instead.
+        reason: String,
+    },
+}
+
+impl CudaError {
+    /// The engine error for this, on behalf of `backend`: no driver or device is
+    /// `NotSupported` (the machine cannot do it), a bad address `InvalidParam`, a failed
+    /// call `Backend`.
+    pub fn into_error(self, backend: &'static str) -> Error {
+        match self {
+            CudaError::NoDriver { .. } | CudaError::NoDevice { .. } => Error::NotSupported {
+                backend: backend.into(),
+                what: self.to_string().into(),
+            },
+            CudaError::NotDeviceMemory { .. } => {
+                Error::invalid(Subject::Named("VRAM region".into()), self.to_string())
+            }
+            CudaError::Driver { .. } => Error::backend(backend, self.to_string()),
+        }
+    }
+}
+
+fn driver_error(call: &'static str, e: DriverError) -> CudaError {
+    let name = e
+        .error_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| format!("{:?}", e.0));
+    let text = e
+        .error_string()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    CudaError::Driver {
+        call,
+        detail: format!("{name}: {text}"),
+    }
+}
+
+/// Check, once per process, that the driver library opens and `cuInit` succeeds. Every
+/// other function calls this first; call it to ask "is there a CUDA driver here".
+pub fn driver() -> Result<(), CudaError> {
+    static STATE: OnceLock<Result<(), CudaError>> = OnceLock::new();
+    STATE
+        .get_or_init(|| {
+            // SAFETY: opening the driver library runs its constructors, which only set up
+            // the driver's own state. The handle is leaked on purpose: cudarc opens the
+            // same library by name, and keeping ours open keeps it loaded for good.
+            let library = unsafe { libloading::Library::new(DRIVER_LIBRARY) }.map_err(|e| {
+                CudaError::NoDriver {
+                    library: DRIVER_LIBRARY,
+                    reason: std::error::Error::source(&e)
+                        .map(|s| s.to_string())
+                        .unwrap_or_else(|| e.to_string()),
+                }
+            })?;
+            std::mem::forget(library);
+            result::init().map_err(|e| match e.0 {
+                sys::CUresult::CUDA_ERROR_NO_DEVICE => CudaError::NoDevice {
+                    ordinal: 0,
+                    count: 0,
+                },
+                _ => CudaError::NoDriver {
+                    library: DRIVER_LIBRARY,
+                    reason: driver_error("cuInit", e).to_string(),
+                },
+            })
+        })
+        .clone()
+}
+
+/// Number of CUDA devices.
+pub fn device_count() -> Result<usize, CudaError> {
+    driver()?;
+    result::device::get_count()
+        .map(|n| n.max(0) as usize)
+        .map_err(|e| driver_error("cuDeviceGetCount", e))
+}
+
+/// One device's primary context. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct Device {
+    ctx: Arc<CudaContext>,
+}
+
+impl Device {
+    /// Open device `ordinal` (retains its primary context and makes it current on this
+    /// thread).
+    pub fn open(ordinal: u64) -> Result<Device, CudaError> {
+        let count = match device_count() {
+            Err(CudaError::NoDevice { .. }) => 0,
+            other => other?,
+        };
+        if ordinal >= count as u64 {
+            return Err(CudaError::NoDevice { ordinal, count });
+        }
+        let ctx = CudaContext::new(ordinal as usize).map_err(|e| driver_error("cuCtx", e))?;
+        Ok(Device { ctx })
+    }
+
+    /// The device's ordinal.
+    pub fn ordinal(&self) -> u64 {
+        self.ctx.ordinal() as u64
+    }
+
+    /// The device's name.
+    pub fn name(&self) -> String {
+        self.ctx.name().unwrap_or_default()
+    }
+
+    /// Make this device's context current on the calling thread (`cuCtxSetCurrent`):
+    /// what UCX's CUDA transports and cuFile need on the thread that registers or moves
+    /// device memory.
+    pub fn bind(&self) -> Result<(), CudaError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver_error("cuCtxSetCurrent", e))
+    }
+
+    /// Wait for all work on the device.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.bind()?;
+        result::ctx::synchronize().map_err(|e| driver_error("cuCtxSynchronize", e))
+    }
+}
+
+/// The device that owns `addr` if it is device memory, `None` if it is host memory
+/// the driver does not know (plain `malloc`).
+pub fn pointer_device(addr: u64) -> Result<Option<u64>, CudaError> {
+    driver()?;
+    let mut mem_type: u32 = 0;
+    // SAFETY: cuPointerGetAttribute writes one unsigned int for MEMORY_TYPE; any address
+    // is accepted (an unknown one is an error code, not a fault).
+    let rc = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut mem_type as *mut u32).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            addr,
+        )
+    };
+    if rc != sys::CUresult::CUDA_SUCCESS {
+        return Ok(None);
+    }
+    if mem_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+        return Ok(None);
+    }
+    let mut ordinal: i32 = -1;
+    // SAFETY: DEVICE_ORDINAL writes one int; the address is device memory (above).
+    let rc = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut ordinal as *mut i32).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            addr,
+        )
+    };
+    rc.result()
+        .map_err(|e| driver_error("cuPointerGetAttribute", e))?;
+    Ok(Some(ordinal.max(0) as u64))
+}
+
+/// Check that `addr..addr+len` is device memory of device `dev`.
+pub fn check_device_range(addr: u64, len: u64, dev: u64) -> Result<(), CudaError> {
+    for probe in [addr, addr + len.saturating_sub(1)] {
+        match pointer_device(probe)? {
+            Some(owner) if owner == dev => {}
+            Some(owner) => {
+                return Err(CudaError::NotDeviceMemory {
+                    addr: probe,
+                    reason: format!("device memory of device {owner}, not of device {dev}"),
+                })
+            }
+            None => {
+                return Err(CudaError::NotDeviceMemory {
+                    addr: probe,
+                    reason: format!("not device memory (expected device {dev})"),
+                })
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Device memory allocated with `cuMemAlloc`, freed on drop.
+#[derive(Debug)]
+pub struct DeviceBuffer {
+    dev: Device,
+    ptr: u64,
+    len: usize,
+}
+
+impl DeviceBuffer {
+    /// Allocate `len` bytes on `dev`.
+    pub fn alloc(dev: &Device, len: usize) -> Result<DeviceBuffer, CudaError> {
+        dev.bind()?;
+        // SAFETY: a plain allocation in the context made current above.
+        let ptr = unsafe { result::malloc_sync(len.max(1)) }
+            .map_err(|e| driver_error("cuMemAlloc", e))?;
+        Ok(DeviceBuffer {
+            dev: dev.clone(),
+            ptr,
+            len,
+        })
+    }
+
+    /// The device address.
+    pub fn addr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        &self.dev
+    }
+
+    fn fits(&self, len: usize) -> Result<(), CudaError> {
+        if len > self.len {
+            return Err(CudaError::NotDeviceMemory {
+                addr: self.ptr + self.len as u64,
+                reason: format!(
+                    "a copy of {len} bytes runs past the {}-byte buffer",
+                    self.len
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Copy `src` to the start of the buffer (synchronous).
+    pub fn write(&self, src: &[u8]) -> Result<(), CudaError> {
+        self.fits(src.len())?;
+        self.dev.bind()?;
+        // SAFETY: the destination holds at least src.len() bytes (checked above).
+        unsafe { result::memcpy_htod_sync(self.ptr, src) }
+            .map_err(|e| driver_error("cuMemcpyHtoD", e))
+    }
+
+    /// Copy the start of the buffer into `dst` (synchronous).
+    pub fn read(&self, dst: &mut [u8]) -> Result<(), CudaError> {
+        self.fits(dst.len())?;
+        self.dev.bind()?;
+        // SAFETY: the source holds at least dst.len() bytes (checked above).
+        unsafe { result::memcpy_dtoh_sync(dst, self.ptr) }
+            .map_err(|e| driver_error("cuMemcpyDtoH", e))
+    }
+
+    /// A CUDA IPC handle another process can open with [`IpcBuffer::open`].
+    pub fn ipc_handle(&self) -> Result<[u8; 64], CudaError> {
+        self.dev.bind()?;
+        // SAFETY: plain data; zero is a valid bit pattern.
+        let mut handle: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
+        // SAFETY: the pointer is our allocation; the handle is writable.
+        unsafe { sys::cuIpcGetMemHandle(&mut handle, self.ptr) }
+            .result()
+            .map_err(|e| driver_error("cuIpcGetMemHandle", e))?;
+        Ok(handle.reserved.map(|c| c as u8))
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.dev.bind().is_ok() {
+            // SAFETY: our allocation; nothing uses it after drop.
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+/// Another process's device buffer, opened from its CUDA IPC handle; closed on drop.
+#[derive(Debug)]
+pub struct IpcBuffer {
+    dev: Device,
+    ptr: u64,
+    len: usize,
+}
+
+impl IpcBuffer {
+    /// Open `handle` (from [`DeviceBuffer::ipc_handle`] in another process) on `dev`.
+    pub fn open(dev: &Device, handle: &[u8; 64], len: usize) -> Result<IpcBuffer, CudaError> {
+        dev.bind()?;
+        // SAFETY: plain data; zero is a valid bit pattern.
+        let mut raw: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
+        for (cell, byte) in raw.reserved.iter_mut().zip(handle) {
+            *cell = *byte as _;
+        }
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: the handle is plain bytes; the driver validates it and writes the
+        // mapped address through a valid pointer.
+        unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut ptr,
+                raw,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        }
+        .result()
+        .map_err(|e| driver_error("cuIpcOpenMemHandle", e))?;
+        Ok(IpcBuffer {
+            dev: dev.clone(),
+            ptr,
+            len,
+        })
+    }
+
+    /// The mapped device address in this process.
+    pub fn addr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Bytes (as the exporting process said).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for IpcBuffer {
+    fn drop(&mut self) {
+        if self.dev.bind().is_ok() {
+            // SAFETY: mapped by us in open; nothing uses it after drop.
+            let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+        }
+    }
+}
+
+/// Copy `len` bytes from device address `src` to device address `dst` on `dev` and wait
+/// for it (`cuMemcpyDtoD`): the plain copy Ferry's VRAM numbers are compared with.
+///
+/// # Safety
+/// Both ranges are device memory (of any device with unified addressing) that stays
+/// allocated during the call, and they do not overlap.
+pub unsafe fn copy_dtod(dev: &Device, dst: u64, src: u64, len: usize) -> Result<(), CudaError> {
+    dev.bind()?;
+    // SAFETY: the caller's promise (above).
+    unsafe { result::memcpy_dtod_sync(dst, src, len) }.map_err(|e| driver_error("cuMemcpyDtoD", e))
+}
+
+/// Copy each `(dst, src, len)` device range, queued on the default stream and waited
+/// for once at the end (`cuMemcpyDtoDAsync` per range, then `cuCtxSynchronize`): the
+/// fastest plain way to copy many ranges, Ferry's reference for batches.
+///
+/// # Safety
+/// As [`copy_dtod`], for every range.
+pub unsafe fn copy_dtod_ranges(
+    dev: &Device,
+    ranges: &[(u64, u64, usize)],
+) -> Result<(), CudaError> {
+    dev.bind()?;
+    let stream = result::stream::null();
+    for &(dst, src, len) in ranges {
+        // SAFETY: the caller's promise, per range.
+        unsafe { result::memcpy_dtod_async(dst, src, len, stream) }
+            .map_err(|e| driver_error("cuMemcpyDtoDAsync", e))?;
+    }
+    result::ctx::synchronize().map_err(|e| driver_error("cuCtxSynchronize", e))
+}
+
+/// Copy host bytes to device address `dst` (synchronous, `cuMemcpyHtoD`).
+///
+/// # Safety
+/// `dst..dst+src.len()` is device memory that stays allocated during the call.
+pub unsafe fn copy_htod(dev: &Device, dst: u64, src: &[u8]) -> Result<(), CudaError> {
+    dev.bind()?;
+    // SAFETY: the caller's promise.
+    unsafe { result::memcpy_htod_sync(dst, src) }.map_err(|e| driver_error("cuMemcpyHtoD", e))
+}
+
+/// Copy device bytes at `src` into `dst` (synchronous, `cuMemcpyDtoH`).
+///
+/// # Safety
+/// `src..src+dst.len()` is device memory that stays allocated during the call.
+pub unsafe fn copy_dtoh(dev: &Device, dst: &mut [u8], src: u64) -> Result<(), CudaError> {
+    dev.bind()?;
+    // SAFETY: the caller's promise.
+    unsafe { result::memcpy_dtoh_sync(dst, src) }.map_err(|e| driver_error("cuMemcpyDtoH", e))
+}
+
+/// Whether GPU tests are asked for (`FERRY_TEST_GPU=1`): then a missing driver or
+/// device fails them; otherwise they say why they skip.
+pub fn gpu_tests_requested() -> bool {
+    std::env::var("FERRY_TEST_GPU").is_ok_and(|v| v == "1")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_driver_is_a_typed_error_and_device_checks_follow_it() {
+        match driver() {
+            Ok(()) => {
+                // A machine with a driver: a device far past the count is NoDevice.
+                let count = device_count().unwrap();
+                let err = Device::open(1 << 20).unwrap_err();
+                assert_eq!(
+                    err,
+                    CudaError::NoDevice {
+                        ordinal: 1 << 20,
+                        count
+                    }
+                );
+            }
+            Err(err) => {
+                assert!(!gpu_tests_requested(), "FERRY_TEST_GPU=1 but {err}");
+                eprintln!("no CUDA driver here (checked): {err}");
+                match &err {
+                    CudaError::NoDriver { library, .. } => {
+                        assert_eq!(*library, DRIVER_LIBRARY);
+                        assert!(err
+                            .to_string()
+                            .starts_with("VRAM needs a CUDA driver: libcuda.so.1 not found"));
+                    }
+                    CudaError::NoDevice { .. } => {}
+                    other => panic!("unexpected {other}"),
+                }
+                // Every entry point gives the same error instead of panicking.
+                assert_eq!(Device::open(0).unwrap_err(), err);
+                assert_eq!(device_count().unwrap_err(), err);
+                assert_eq!(pointer_device(0x1000).unwrap_err(), err);
+                let engine = err.clone().into_error("UCX");
+                assert!(matches!(engine, Error::NotSupported { .. }), "{engine:?}");
+                assert!(engine.to_string().contains("libcuda.so.1"), "{engine}");
+            }
+        }
+    }
+
+    #[test]
+    fn error_kinds_map_to_engine_errors() {
+        let no_device = CudaError::NoDevice {
+            ordinal: 3,
+            count: 1,
+        };
+        assert_eq!(
+            no_device.to_string(),
+            "no CUDA device 3: the driver reports 1 device(s)"
+        );
+        assert!(matches!(
+            no_device.into_error("GDS"),
+            Error::NotSupported { .. }
+        ));
+        let bad = CudaError::NotDeviceMemory {
+            addr: 0x10,
+            reason: "not device memory".into(),
+        };
+        assert!(matches!(bad.into_error("UCX"), Error::InvalidParam { .. }));
+        let call = CudaError::Driver {
+            call: "cuMemAlloc",
+            detail: "CUDA_ERROR_OUT_OF_MEMORY".into(),
+        };
+        assert!(matches!(call.into_error("UCX"), Error::Backend { .. }));
+    }
+
+    #[test]
+    fn gpu_present_when_requested() {
+        if !gpu_tests_requested() {
+            eprintln!("skipping: GPU tests run with FERRY_TEST_GPU=1 (none requested here)");
+            return;
+        }
+        let dev = Device::open(0).expect("FERRY_TEST_GPU=1 needs device 0");
+        let buf = DeviceBuffer::alloc(&dev, 1 << 20).unwrap();
+        let pattern: Vec<u8> = (0..1 << 20).map(|i| (i * 7 + 3) as u8).collect();
+        buf.write(&pattern).unwrap();
+        let copy = DeviceBuffer::alloc(&dev, 1 << 20).unwrap();
+        // SAFETY: two separate live allocations of 1 MiB.
+        unsafe { copy_dtod(&dev, copy.addr(), buf.addr(), 1 << 20) }.unwrap();
+        let mut back = vec![0u8; 1 << 20];
+        copy.read(&mut back).unwrap();
+        assert_eq!(back, pattern);
+        assert_eq!(pointer_device(buf.addr()).unwrap(), Some(0));
+        check_device_range(buf.addr(), 1 << 20, 0).unwrap();
+        let host = [0u8; 64];
+        assert_eq!(pointer_device(host.as_ptr() as u64).unwrap(), None);
+    }
+}

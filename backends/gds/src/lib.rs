@@ -1,0 +1,1062 @@
+//! Ferry's GDS backend: FILE ↔ VRAM and FILE ↔ DRAM through NVIDIA cuFile (GPUDirect
+//! Storage), within one agent.
+//!
+//! # How it maps onto cuFile
+//!
+//! - **Library**: cuFile is loaded at run time (`libcufile.so.0`, or the file named by
+//!   the `cufile_library` parameter, e.g. the `nvidia-cufile` wheel's), so the default
+//!   build needs neither CUDA nor cuFile; without them `ferry backends` says why GDS is
+//!   unavailable. The driver is opened once per library and process.
+//! - **Mode**: with the nvidia-fs kernel module, cuFile DMAs between storage and GPU
+//!   memory; without it (*compatibility mode*) cuFile does POSIX I/O through bounce
+//!   buffers. [`GdsBackend::io_mode`] says which, and it is logged at creation.
+//! - **Regions**: FILE by descriptor (`desc.dev`) or by path + [`FileMode`] (opened at
+//!   registration, closed at deregistration; `O_DIRECT` as the mode says), registered
+//!   with `cuFileHandleRegister`; length 0 = unbounded. DRAM and VRAM buffers are
+//!   registered with `cuFileBufRegister` (parameter `register_buffers`); VRAM needs the
+//!   `cuda` feature and a CUDA driver, the device is `desc.dev` and its context is made
+//!   current on every thread that moves its bytes.
+//! - **Requests**: the local side is DRAM or VRAM, the target a FILE region of the same
+//!   agent ([`Endpoint::Local`]); `Op::Read` = file → memory, `Op::Write` = memory →
+//!   file. Each merged range is cut into operations of at most `chunk_bytes`.
+//! - **Engines**: `threads` — a bounded pool of workers calling `cuFileRead` /
+//!   `cuFileWrite` (short transfers continue where they stopped); `batch` — cuFile's
+//!   batch API: operations are submitted in batches of up to `batch_entries`
+//!   (`cuFileBatchIOSubmit`) on a fixed set of batch handles set up at creation, and
+//!   polled with a zero timeout (`cuFileBatchIOGetStatus`) in `progress`, never
+//!   blocking. `auto` picks `batch` in GDS mode when the library has it, else `threads`
+//!   (older cuFile refuses batches in compatibility mode).
+//! - **Bounds**: request and operation slots are fixed slabs (`max_requests`,
+//!   `max_ops`); a batch that does not fit is refused whole with a `Capacity` error
+//!   before anything starts, so nothing grows and nothing is allocated per post.
+//! - **Deregistration** of a region that a queued or running operation uses is refused
+//!   (`NotAllowed`); the count is taken when an operation is made and released with it.
+// Reason: a backend over a C library: raw buffers, file handles and function pointers
+// cross the FFI boundary. Every unsafe block states why it is sound.
+#![allow(unsafe_code)]
+
+pub mod cufile;
+mod engine;
+mod slots;
+
+use std::collections::VecDeque;
+use std::fs::OpenOptions;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use ferry_backend_api::{
+    Backend, BackendFactory, BackendInit, Capabilities, Completions, Endpoint, Error, Failure,
+    FailureKind, FileMode, MemKind, Op, ParamSpec, Params, PeerId, Post, RegionSpec, Registered,
+    RemoteAgent, Result, Subject,
+};
+
+use crate::cufile::{CUfileDescr, CUfileDescrHandle, CUfileHandle, CuFile, IoMode};
+use crate::engine::{BatchEngine, IoJob, IoOutcome, ThreadEngine};
+use crate::slots::Slots;
+
+/// The backend's type name.
+pub const NAME: &str = "GDS";
+
+const MEM_KINDS: &[MemKind] = &[MemKind::Dram, MemKind::Vram, MemKind::File];
+
+/// Parameters of the GDS backend.
+pub const PARAMS: &[ParamSpec] = &[
+    ParamSpec {
+        name: "cufile_library",
+        default: "",
+        doc: "path of the libcufile to load; empty = libcufile.so.0 from the loader's path",
+    },
+    ParamSpec {
+        name: "engine",
+        default: "auto",
+        doc: "'threads' (worker pool calling cuFileRead/cuFileWrite), 'batch' (cuFile batch \
+              API, polled), or 'auto' (batch in GDS mode when available, else threads)",
+    },
+    ParamSpec {
+        name: "threads",
+        default: "4",
+        doc: "worker threads of the threads engine (1..=64)",
+    },
+    ParamSpec {
+        name: "batch_entries",
+        default: "128",
+        doc: "operations per cuFile batch (1..=1024, and at most the driver's max_batch_io_size)",
+    },
+    ParamSpec {
+        name: "batches",
+        default: "8",
+        doc: "cuFile batch handles in flight at once (1..=64), set up at creation",
+    },
+    ParamSpec {
+        name: "chunk_bytes",
+        default: "16777216",
+        doc: "largest single cuFile operation; longer ranges are cut into pieces of this size",
+    },
+    ParamSpec {
+        name: "max_requests",
+        default: "1024",
+        doc: "requests in flight at once (1..=65536)",
+    },
+    ParamSpec {
+        name: "max_ops",
+        default: "8192",
+        doc: "operations (pieces of ranges) queued or in flight at once (1..=1048576)",
+    },
+    ParamSpec {
+        name: "register_buffers",
+        default: "true",
+        doc: "register DRAM/VRAM regions with cuFileBufRegister (false: cuFile stages \
+              through its own bounce buffers)",
+    },
+];
+
+/// Which engine moves the bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EngineKind {
+    /// Worker threads calling `cuFileRead` / `cuFileWrite`.
+    Threads,
+    /// cuFile's batch API, polled in `progress`.
+    Batch,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum EngineChoice {
+    Auto,
+    Only(EngineKind),
+}
+
+/// Parsed parameters.
+#[derive(Clone, Debug)]
+struct Config {
+    library: PathBuf,
+    engine: EngineChoice,
+    threads: usize,
+    batch_entries: usize,
+    batches: usize,
+    chunk_bytes: u64,
+    max_requests: usize,
+    max_ops: usize,
+    register_buffers: bool,
+}
+
+fn bad_param(params: &Params, key: &str, why: &str) -> Error {
+    Error::invalid(
+        Subject::BackendName(NAME.into()),
+        format!(
+            "parameter {key}='{}': {why}",
+            params.get(key).map(String::as_str).unwrap_or("")
+        ),
+    )
+}
+
+fn number<T: std::str::FromStr + PartialOrd>(
+    params: &Params,
+    key: &str,
+    range: std::ops::RangeInclusive<T>,
+    why: &str,
+) -> Result<T> {
+    params
+        .get(key)
+        .and_then(|v| v.trim().parse::<T>().ok())
+        .filter(|n| range.contains(n))
+        .ok_or_else(|| bad_param(params, key, why))
+}
+
+impl Config {
+    fn from_params(params: &Params) -> Result<Config> {
+        let library = match params.get("cufile_library").map(|s| s.trim()) {
+            Some(path) if !path.is_empty() => PathBuf::from(path),
+            _ => PathBuf::from(cufile::DEFAULT_LIBRARY),
+        };
+        let engine = match params.get("engine").map(String::as_str) {
+            Some("auto") => EngineChoice::Auto,
+            Some("threads") => EngineChoice::Only(EngineKind::Threads),
+            Some("batch") => EngineChoice::Only(EngineKind::Batch),
+            _ => {
+                return Err(bad_param(
+                    params,
+                    "engine",
+                    "expected auto, threads or batch",
+                ))
+            }
+        };
+        let register_buffers = match params.get("register_buffers").map(String::as_str) {
+            Some("true" | "1" | "yes") => true,
+            Some("false" | "0" | "no") => false,
+            _ => {
+                return Err(bad_param(
+                    params,
+                    "register_buffers",
+                    "expected true or false",
+                ))
+            }
+        };
+        Ok(Config {
+            library,
+            engine,
+            threads: number(params, "threads", 1..=64, "expected 1..=64")?,
+            batch_entries: number(params, "batch_entries", 1..=1024, "expected 1..=1024")?,
+            batches: number(params, "batches", 1..=64, "expected 1..=64")?,
+            chunk_bytes: number(
+                params,
+                "chunk_bytes",
+                4096..=(1 << 30),
+                "expected 4096..=1073741824",
+            )?,
+            max_requests: number(params, "max_requests", 1..=65536, "expected 1..=65536")?,
+            max_ops: number(params, "max_ops", 1..=1 << 20, "expected 1..=1048576")?,
+            register_buffers,
+        })
+    }
+}
+
+/// Why GDS cannot work here with the default library, or `Ok`.
+fn availability() -> std::result::Result<Arc<CuFile>, String> {
+    let cufile = cufile::load(Path::new(cufile::DEFAULT_LIBRARY))?;
+    Ok(cufile)
+}
+
+/// How cuFile from `library` (`None` = `libcufile.so.0`) would move bytes here: GDS or
+/// compatibility mode, and why — without making a backend.
+pub fn probe_mode(library: Option<&Path>) -> std::result::Result<IoMode, String> {
+    let cufile = cufile::load(library.unwrap_or(Path::new(cufile::DEFAULT_LIBRARY)))?;
+    Ok(cufile::detect_mode(&cufile))
+}
+
+/// Creates GDS backends. Registered under the name `GDS`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GdsFactory;
+
+impl BackendFactory for GdsFactory {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn params(&self) -> &'static [ParamSpec] {
+        PARAMS
+    }
+
+    fn mem_kinds(&self) -> &'static [MemKind] {
+        MEM_KINDS
+    }
+
+    fn available(&self) -> std::result::Result<(), String> {
+        availability().map(|_| ())
+    }
+
+    fn available_with(&self, params: &Params) -> std::result::Result<(), String> {
+        match params.get("cufile_library").map(|s| s.trim()) {
+            Some(path) if !path.is_empty() => cufile::load(Path::new(path)).map(|_| ()),
+            _ => self.available(),
+        }
+    }
+
+    fn kind_available(&self, kind: MemKind) -> std::result::Result<(), String> {
+        availability()?;
+        match kind {
+            MemKind::Vram => vram_available(),
+            MemKind::Dram | MemKind::File => Ok(()),
+            other => Err(format!("GDS does not move {other}")),
+        }
+    }
+
+    fn create(&self, init: &BackendInit<'_>) -> Result<Box<dyn Backend>> {
+        Ok(Box::new(GdsBackend::new(init)?))
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn vram_available() -> std::result::Result<(), String> {
+    ferry_cuda::device_count()
+        .map_err(|e| e.to_string())
+        .and_then(|n| {
+            if n == 0 {
+                Err("the CUDA driver reports no device".to_string())
+            } else {
+                Ok(())
+            }
+        })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn vram_available() -> std::result::Result<(), String> {
+    Err("this build of ferry-gds has no VRAM support (feature `cuda`)".into())
+}
+
+/// A device context to make current on the thread that moves a VRAM region's bytes.
+#[derive(Clone, Debug)]
+pub(crate) struct DeviceCtx {
+    #[cfg(feature = "cuda")]
+    device: ferry_cuda::Device,
+}
+
+impl DeviceCtx {
+    /// Make it current on this thread.
+    pub(crate) fn bind(&self) -> std::result::Result<(), String> {
+        #[cfg(feature = "cuda")]
+        {
+            self.device.bind().map_err(|e| e.to_string())
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            Ok(())
+        }
+    }
+}
+
+struct FileEntry {
+    handle: CUfileHandle,
+    fd: RawFd,
+    _owned: Option<OwnedFd>,
+    path: Option<PathBuf>,
+    start: u64,
+    /// 0 = unbounded.
+    len_bytes: u64,
+    in_use: u32,
+}
+
+struct BufEntry {
+    kind: MemKind,
+    addr: u64,
+    len_bytes: u64,
+    registered: bool,
+    ctx: Option<DeviceCtx>,
+    in_use: u32,
+}
+
+struct Request {
+    tag: u64,
+    outstanding: u32,
+    failure: Option<Failure>,
+}
+
+/// One piece of a range.
+struct OpEntry {
+    request: u64,
+    range: u32,
+    file: u64,
+    buf: u64,
+    job: IoJob,
+}
+
+/// The GDS backend. See the crate docs.
+pub struct GdsBackend {
+    params: Params,
+    config: Config,
+    cufile: Arc<CuFile>,
+    mode: IoMode,
+    files: Slots<FileEntry>,
+    bufs: Slots<BufEntry>,
+    requests: Slots<Request>,
+    ops: Slots<OpEntry>,
+    /// Operation tokens waiting for the engine (capacity = `max_ops`, never grows).
+    pending: VecDeque<u64>,
+    /// Finished or refused operations of one drain (capacity = `max_ops`).
+    scratch: Vec<(u64, IoOutcome)>,
+    engine: Engine,
+}
+
+enum Engine {
+    Threads(ThreadEngine),
+    Batch(BatchEngine),
+}
+
+// SAFETY: the raw cuFile handles are owned by this backend and used only through
+// `&mut self` (or by workers, which cuFile allows: its calls are thread-safe).
+unsafe impl Send for GdsBackend {}
+
+fn descriptor(index: usize, addr: u64, len: u64, dev: u64) -> Subject {
+    Subject::Descriptor {
+        index: index as u32,
+        addr,
+        len,
+        dev,
+    }
+}
+
+fn cufile_error(what: &str, err: cufile::CUfileError) -> Error {
+    Error::Backend {
+        backend: NAME.into(),
+        errno: libc::EIO,
+        desc: None,
+        detail: format!("{what}: {}", cufile::describe(err)).into(),
+    }
+}
+
+impl GdsBackend {
+    /// Create a backend (what [`GdsFactory::create`] does, with the concrete type).
+    pub fn new(init: &BackendInit<'_>) -> Result<GdsBackend> {
+        let params = ferry_backend_api::effective_params(NAME, PARAMS, init.params)?;
+        let config = Config::from_params(&params)?;
+        let cufile = cufile::load(&config.library).map_err(|reason| Error::Backend {
+            backend: NAME.into(),
+            errno: libc::ENOENT,
+            desc: None,
+            detail: reason.into(),
+        })?;
+        let mode = cufile::detect_mode(&cufile);
+        let max_batch = cufile.props.max_batch_io_size as usize;
+        if max_batch != 0 && config.batch_entries > max_batch {
+            return Err(bad_param(
+                &params,
+                "batch_entries",
+                &format!("the driver takes at most {max_batch} entries per batch"),
+            ));
+        }
+        let kind = match config.engine {
+            EngineChoice::Only(kind) => kind,
+            EngineChoice::Auto
+                if cufile.api.batch.is_some() && matches!(mode, IoMode::Direct { .. }) =>
+            {
+                EngineKind::Batch
+            }
+            EngineChoice::Auto => EngineKind::Threads,
+        };
+        let engine = match kind {
+            EngineKind::Threads => Engine::Threads(
+                ThreadEngine::new(cufile.api, config.threads, config.max_ops).map_err(|e| {
+                    Error::Backend {
+                        backend: NAME.into(),
+                        errno: e.raw_os_error().unwrap_or(libc::EAGAIN),
+                        desc: None,
+                        detail: format!("cannot start worker threads: {e}").into(),
+                    }
+                })?,
+            ),
+            EngineKind::Batch => {
+                let Some(batch) = cufile.api.batch else {
+                    return Err(Error::NotSupported {
+                        backend: NAME.into(),
+                        what: format!(
+                            "engine=batch: {} has no batch API (cuFileBatchIOSetUp)",
+                            cufile.library.display()
+                        )
+                        .into(),
+                    });
+                };
+                Engine::Batch(
+                    BatchEngine::new(batch, config.batches, config.batch_entries)
+                        .map_err(|e| cufile_error("cuFileBatchIOSetUp", e))?,
+                )
+            }
+        };
+        log::info!(
+            "GDS: cuFile from {}, {mode}, engine {kind:?}",
+            cufile.library.display()
+        );
+        Ok(GdsBackend {
+            params,
+            files: Slots::with_capacity(64),
+            bufs: Slots::with_capacity(64),
+            requests: Slots::with_capacity(config.max_requests),
+            ops: Slots::with_capacity(config.max_ops),
+            pending: VecDeque::with_capacity(config.max_ops),
+            scratch: Vec::with_capacity(config.max_ops),
+            config,
+            cufile,
+            mode,
+            engine,
+        })
+    }
+
+    /// How cuFile moves bytes here (GDS or compatibility mode, and why).
+    pub fn io_mode(&self) -> &IoMode {
+        &self.mode
+    }
+
+    /// The engine in use.
+    pub fn engine(&self) -> EngineKind {
+        match self.engine {
+            Engine::Threads(_) => EngineKind::Threads,
+            Engine::Batch(_) => EngineKind::Batch,
+        }
+    }
+
+    /// The cuFile library in use.
+    pub fn library(&self) -> &Path {
+        &self.cufile.library
+    }
+
+    /// Requests and operations in flight (queued or running).
+    pub fn in_flight(&self) -> (usize, usize) {
+        (self.requests.len(), self.ops.len())
+    }
+
+    fn register_file(&mut self, region: &RegionSpec<'_>) -> Result<Registered> {
+        let desc = region.desc;
+        if desc.addr.checked_add(desc.len).is_none() || desc.addr > i64::MAX as u64 {
+            return Err(Error::invalid(
+                descriptor(0, desc.addr, desc.len, desc.dev),
+                "file region wraps the offset space",
+            ));
+        }
+        let (fd, owned, path) = match region.path {
+            Some((path, mode)) => {
+                let fd = open_file(path, mode)?;
+                (fd.as_raw_fd(), Some(fd), Some(path.to_path_buf()))
+            }
+            None => {
+                let fd = RawFd::try_from(desc.dev).map_err(|_| {
+                    Error::invalid(
+                        descriptor(0, desc.addr, desc.len, desc.dev),
+                        "device id is not a file descriptor",
+                    )
+                })?;
+                // SAFETY: F_GETFL only reads the descriptor's status flags.
+                if unsafe { libc::fcntl(fd, libc::F_GETFL) } < 0 {
+                    let e = std::io::Error::last_os_error();
+                    return Err(Error::Backend {
+                        backend: NAME.into(),
+                        errno: e.raw_os_error().unwrap_or(libc::EBADF),
+                        desc: Some(0),
+                        detail: format!("file descriptor {fd} is not usable: {e}").into(),
+                    });
+                }
+                (fd, None, None)
+            }
+        };
+        let mut descr = CUfileDescr {
+            type_: cufile::CU_FILE_HANDLE_TYPE_OPAQUE_FD,
+            handle: CUfileDescrHandle { fd },
+            fs_ops: std::ptr::null(),
+        };
+        let mut handle: CUfileHandle = std::ptr::null_mut();
+        // SAFETY: descr names an open descriptor (owned above, or promised by the caller
+        // to stay open until deregistration); both pointers are valid for the call.
+        let status = unsafe { (self.cufile.api.handle_register)(&mut handle, &mut descr) };
+        if status.err != cufile::CU_FILE_SUCCESS {
+            let name = path
+                .as_ref()
+                .map(|p| format!("file '{}'", p.display()))
+                .unwrap_or_else(|| format!("file descriptor {fd}"));
+            return Err(cufile_error(
+                &format!("cuFileHandleRegister({name})"),
+                status,
+            ));
+        }
+        let token = self.files.insert(FileEntry {
+            handle,
+            fd,
+            _owned: owned,
+            path,
+            start: desc.addr,
+            len_bytes: desc.len,
+            in_use: 0,
+        });
+        Ok(Registered {
+            token,
+            public_md: Vec::new(),
+        })
+    }
+
+    fn register_buf(&mut self, region: &RegionSpec<'_>) -> Result<Registered> {
+        let desc = region.desc;
+        if desc.addr == 0 || desc.len == 0 || desc.end().is_none() {
+            return Err(Error::invalid(
+                descriptor(0, desc.addr, desc.len, desc.dev),
+                "a GDS buffer needs a non-null address and a non-zero length",
+            ));
+        }
+        let ctx = if region.kind == MemKind::Vram {
+            Some(self.device_ctx(desc.addr, desc.len, desc.dev)?)
+        } else {
+            None
+        };
+        let mut registered = false;
+        if self.config.register_buffers {
+            // SAFETY: the caller promises the range stays valid until deregistration
+            // (Backend::register); cuFile pins or maps it for that long.
+            let status = unsafe {
+                (self.cufile.api.buf_register)(desc.addr as *const _, desc.len as usize, 0)
+            };
+            if status.err != cufile::CU_FILE_SUCCESS {
+                return Err(cufile_error(
+                    &format!(
+                        "cuFileBufRegister({} at {:#x}, {} bytes)",
+                        region.kind, desc.addr, desc.len
+                    ),
+                    status,
+                ));
+            }
+            registered = true;
+        }
+        let token = self.bufs.insert(BufEntry {
+            kind: region.kind,
+            addr: desc.addr,
+            len_bytes: desc.len,
+            registered,
+            ctx,
+            in_use: 0,
+        });
+        Ok(Registered {
+            token,
+            public_md: Vec::new(),
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn device_ctx(&self, addr: u64, len: u64, dev: u64) -> Result<DeviceCtx> {
+        let device = ferry_cuda::Device::open(dev).map_err(|e| e.into_error(NAME))?;
+        device.bind().map_err(|e| e.into_error(NAME))?;
+        ferry_cuda::check_device_range(addr, len, dev).map_err(|e| e.into_error(NAME))?;
+        Ok(DeviceCtx { device })
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn device_ctx(&self, _addr: u64, _len: u64, _dev: u64) -> Result<DeviceCtx> {
+        Err(Error::NotSupported {
+            backend: NAME.into(),
+            what: "VRAM: this build of ferry-gds has no CUDA support (feature `cuda`)".into(),
+        })
+    }
+
+    fn check_post(&self, endpoint: Endpoint, post: &Post<'_>) -> Result<()> {
+        if let Endpoint::Peer(_) = endpoint {
+            return Err(Error::NotSupported {
+                backend: NAME.into(),
+                what: "transfers to other agents (GDS is local only)".into(),
+            });
+        }
+        if !matches!(post.local_kind, MemKind::Dram | MemKind::Vram)
+            || post.remote_kind != MemKind::File
+        {
+            return Err(Error::NotSupported {
+                backend: NAME.into(),
+                what: format!(
+                    "{} ↔ {} transfers (only DRAM/VRAM ↔ FILE)",
+                    post.local_kind, post.remote_kind
+                )
+                .into(),
+            });
+        }
+        for (i, range) in post.ranges.iter().enumerate() {
+            let subject = || descriptor(i, range.local_addr, range.len, range.local_dev);
+            let buf = self
+                .bufs
+                .get(range.local_token)
+                .ok_or_else(|| Error::not_found(subject()))?;
+            if buf.kind != post.local_kind {
+                return Err(Error::invalid(
+                    subject(),
+                    format!("region is {}, request says {}", buf.kind, post.local_kind),
+                ));
+            }
+            let end = range.local_addr.checked_add(range.len);
+            if range.local_addr < buf.addr || end.is_none_or(|e| e > buf.addr + buf.len_bytes) {
+                return Err(Error::invalid(subject(), "range outside its buffer region"));
+            }
+            let file = self.files.get(range.remote_token).ok_or_else(|| {
+                Error::not_found(descriptor(
+                    i,
+                    range.remote_addr,
+                    range.len,
+                    range.remote_dev,
+                ))
+            })?;
+            let file_end = range.remote_addr.checked_add(range.len);
+            let inside = range.remote_addr >= file.start
+                && file_end.is_some_and(|e| {
+                    e <= i64::MAX as u64
+                        && (file.len_bytes == 0 || e <= file.start + file.len_bytes)
+                });
+            if !inside {
+                return Err(Error::invalid(
+                    descriptor(i, range.remote_addr, range.len, range.remote_dev),
+                    "range outside its file region",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Operations `post` would make (pieces of `chunk_bytes`).
+    fn ops_of(&self, post: &Post<'_>) -> usize {
+        post.ranges
+            .iter()
+            .map(|r| r.len.div_ceil(self.config.chunk_bytes) as usize)
+            .sum()
+    }
+
+    fn complete_op(&mut self, token: u64, outcome: IoOutcome, done: &mut Completions) {
+        let Some(op) = self.ops.get_mut(token) else {
+            log::error!("GDS: completion for unknown operation {token:#x}");
+            return;
+        };
+        let failure = match outcome {
+            IoOutcome::Done(bytes) if bytes >= op.job.len => None,
+            IoOutcome::Done(bytes) if bytes > 0 => {
+                // Partial: continue where it stopped (the batch engine reports these).
+                op.job.buf_offset += bytes as i64;
+                op.job.file_offset += bytes as i64;
+                op.job.len -= bytes;
+                self.pending.push_front(token);
+                return;
+            }
+            IoOutcome::Done(_) => Some(Failure {
+                kind: if op.job.write {
+                    FailureKind::Backend
+                } else {
+                    FailureKind::ShortRead
+                },
+                errno: if op.job.write { libc::EIO } else { 0 },
+                range: Some(op.range),
+            }),
+            IoOutcome::Short => Some(Failure {
+                kind: FailureKind::ShortRead,
+                errno: 0,
+                range: Some(op.range),
+            }),
+            IoOutcome::Errno(errno) => Some(Failure {
+                kind: FailureKind::Backend,
+                errno,
+                range: Some(op.range),
+            }),
+            IoOutcome::CuFile(code) => {
+                log::warn!(
+                    "GDS: operation on range #{} failed: {} ({code})",
+                    op.range,
+                    cufile::error_name(code)
+                );
+                Some(Failure {
+                    kind: FailureKind::Backend,
+                    errno: libc::EIO,
+                    range: Some(op.range),
+                })
+            }
+        };
+        let op = self.ops.remove(token).expect("checked above");
+        if let Some(file) = self.files.get_mut(op.file) {
+            file.in_use -= 1;
+        }
+        if let Some(buf) = self.bufs.get_mut(op.buf) {
+            buf.in_use -= 1;
+        }
+        let Some(request) = self.requests.get_mut(op.request) else {
+            log::error!("GDS: operation of unknown request {:#x}", op.request);
+            return;
+        };
+        if request.failure.is_none() {
+            request.failure = failure;
+        }
+        request.outstanding -= 1;
+        if request.outstanding == 0 {
+            let request = self.requests.remove(op.request).expect("checked above");
+            match request.failure {
+                None => done.success(request.tag),
+                Some(failure) => done.failure(request.tag, failure),
+            }
+        }
+    }
+
+    /// Hand queued operations to the engine as far as it has room; operations whose
+    /// submission the engine refused fail here.
+    fn feed(&mut self, done: &mut Completions) {
+        let mut refused = std::mem::take(&mut self.scratch);
+        match &mut self.engine {
+            Engine::Threads(threads) => {
+                while let Some(token) = self.pending.pop_front() {
+                    let op = self.ops.get(token).expect("queued operations exist");
+                    threads.push(token, op.job.clone());
+                }
+                threads.wake();
+            }
+            Engine::Batch(batch) => {
+                while !self.pending.is_empty() {
+                    let Some(slot) = batch.idle_slot() else { break };
+                    let n = self.pending.len().min(batch.entries());
+                    for _ in 0..n {
+                        let token = self.pending.pop_front().expect("counted");
+                        let op = self.ops.get(token).expect("queued operations exist");
+                        batch.add(slot, token, &op.job);
+                    }
+                    batch.launch(slot, &mut refused);
+                }
+            }
+        }
+        for (token, outcome) in refused.drain(..) {
+            self.complete_op(token, outcome, done);
+        }
+        self.scratch = refused;
+    }
+
+    fn drain_engine(&mut self, done: &mut Completions) {
+        let mut finished = std::mem::take(&mut self.scratch);
+        match &mut self.engine {
+            Engine::Threads(t) => t.reap(&mut finished),
+            Engine::Batch(b) => b.poll(&mut finished),
+        }
+        for (token, outcome) in finished.drain(..) {
+            self.complete_op(token, outcome, done);
+        }
+        self.scratch = finished;
+    }
+}
+
+fn open_file(path: &Path, mode: FileMode) -> Result<OwnedFd> {
+    if mode.create && !mode.write {
+        return Err(Error::invalid(
+            Subject::Named(format!("file '{}'", path.display()).into()),
+            "create needs write mode",
+        ));
+    }
+    let mut flags = libc::O_CLOEXEC;
+    if mode.direct {
+        flags |= libc::O_DIRECT;
+    }
+    if mode.sync {
+        flags |= libc::O_SYNC;
+    }
+    let file = OpenOptions::new()
+        .read(true)
+        .write(mode.write)
+        .create(mode.create)
+        .mode(0o644)
+        .custom_flags(flags)
+        .open(path)
+        .map_err(|e| Error::Backend {
+            backend: NAME.into(),
+            errno: e.raw_os_error().unwrap_or(libc::EIO),
+            desc: None,
+            detail: format!("cannot open file '{}': {e}", path.display()).into(),
+        })?;
+    Ok(file.into())
+}
+
+impl Backend for GdsBackend {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            remote: false,
+            local: true,
+            notifications: false,
+            mem_kinds: MEM_KINDS,
+        }
+    }
+
+    fn params(&self) -> &Params {
+        &self.params
+    }
+
+    unsafe fn register(&mut self, region: &RegionSpec<'_>) -> Result<Registered> {
+        match region.kind {
+            MemKind::File => self.register_file(region),
+            MemKind::Dram | MemKind::Vram => self.register_buf(region),
+            other => Err(Error::NotSupported {
+                backend: NAME.into(),
+                what: format!("memory kind {other}").into(),
+            }),
+        }
+    }
+
+    unsafe fn deregister(&mut self, kind: MemKind, token: u64) -> Result<()> {
+        let subject = || Subject::Named(format!("GDS {kind} region token {token:#x}").into());
+        match kind {
+            MemKind::File => {
+                let entry = self
+                    .files
+                    .get(token)
+                    .ok_or_else(|| Error::not_found(subject()))?;
+                if entry.in_use > 0 {
+                    return Err(Error::NotAllowed {
+                        subject: subject(),
+                        reason: format!("in use by {} operation(s)", entry.in_use).into(),
+                    });
+                }
+                let entry = self.files.remove(token).expect("checked above");
+                // SAFETY: registered by us; no operation uses it (checked above).
+                unsafe { (self.cufile.api.handle_deregister)(entry.handle) };
+                let _ = entry.fd;
+                Ok(())
+            }
+            MemKind::Dram | MemKind::Vram => {
+                let entry = self
+                    .bufs
+                    .get(token)
+                    .filter(|b| b.kind == kind)
+                    .ok_or_else(|| Error::not_found(subject()))?;
+                if entry.in_use > 0 {
+                    return Err(Error::NotAllowed {
+                        subject: subject(),
+                        reason: format!("in use by {} operation(s)", entry.in_use).into(),
+                    });
+                }
+                let entry = self.bufs.remove(token).expect("checked above");
+                if entry.registered {
+                    if let Some(ctx) = &entry.ctx {
+                        let _ = ctx.bind();
+                    }
+                    // SAFETY: registered by us at this base; no operation uses it.
+                    let status =
+                        unsafe { (self.cufile.api.buf_deregister)(entry.addr as *const _) };
+                    if status.err != cufile::CU_FILE_SUCCESS {
+                        return Err(cufile_error("cuFileBufDeregister", status));
+                    }
+                }
+                Ok(())
+            }
+            other => Err(Error::NotSupported {
+                backend: NAME.into(),
+                what: format!("memory kind {other}").into(),
+            }),
+        }
+    }
+
+    fn conn_info(&self) -> Vec<u8> {
+        Vec::new()
+    }
+
+    fn load_remote(&mut self, _peer: PeerId, _remote: RemoteAgent<'_>) -> Result<()> {
+        // Local only: nothing of a peer is usable, but knowing it does no harm.
+        Ok(())
+    }
+
+    fn unload_remote(&mut self, _peer: PeerId) {}
+
+    fn validate(&self, endpoint: Endpoint, post: &Post<'_>) -> Result<()> {
+        self.check_post(endpoint, post)
+    }
+
+    fn describe_target(&self, kind: MemKind, token: u64) -> Option<String> {
+        (kind == MemKind::File)
+            .then(|| self.files.get(token)?.path.as_ref())
+            .flatten()
+            .map(|p| format!("file '{}'", p.display()))
+    }
+
+    unsafe fn post(
+        &mut self,
+        endpoint: Endpoint,
+        batch: &[Post<'_>],
+        done: &mut Completions,
+    ) -> Result<()> {
+        let _span = ferry_backend_api::trace_span!("ferry-gds::post");
+        for post in batch {
+            self.check_post(endpoint, post)?;
+        }
+        let ops_needed: usize = batch.iter().map(|p| self.ops_of(p)).sum();
+        if batch.len() > self.requests.vacant() {
+            return Err(Error::Capacity {
+                what: "GDS requests in flight (parameter max_requests)",
+                limit: self.config.max_requests,
+            });
+        }
+        if ops_needed > self.ops.vacant() {
+            return Err(Error::Capacity {
+                what: "GDS operations in flight (parameter max_ops)",
+                limit: self.config.max_ops,
+            });
+        }
+        let chunk = self.config.chunk_bytes;
+        for post in batch {
+            let request = self.requests.insert(Request {
+                tag: post.tag,
+                outstanding: 0,
+                failure: None,
+            });
+            let mut count = 0u32;
+            for (i, range) in post.ranges.iter().enumerate() {
+                if range.len == 0 {
+                    continue;
+                }
+                let (buf_base, ctx, registered) = {
+                    let buf = self.bufs.get(range.local_token).expect("validated");
+                    (buf.addr, buf.ctx.clone(), buf.registered)
+                };
+                let handle = self
+                    .files
+                    .get(range.remote_token)
+                    .expect("validated")
+                    .handle;
+                let mut offset = 0u64;
+                loop {
+                    let len = (range.len - offset).min(chunk);
+                    // A registered buffer is named by its base plus an offset (cuFile
+                    // looks the base up); an unregistered one by its address.
+                    let (base, buf_offset) = if registered {
+                        (buf_base, (range.local_addr - buf_base + offset) as i64)
+                    } else {
+                        (range.local_addr + offset, 0)
+                    };
+                    let job = IoJob {
+                        handle: handle as usize,
+                        buf_base: base,
+                        buf_offset,
+                        file_offset: (range.remote_addr + offset) as i64,
+                        len,
+                        write: post.op == Op::Write,
+                        ctx: ctx.clone(),
+                    };
+                    let token = self.ops.insert(OpEntry {
+                        request,
+                        range: i as u32,
+                        file: range.remote_token,
+                        buf: range.local_token,
+                        job,
+                    });
+                    self.pending.push_back(token);
+                    self.bufs
+                        .get_mut(range.local_token)
+                        .expect("validated")
+                        .in_use += 1;
+                    self.files
+                        .get_mut(range.remote_token)
+                        .expect("validated")
+                        .in_use += 1;
+                    count += 1;
+                    offset += len;
+                    if offset >= range.len {
+                        break;
+                    }
+                }
+            }
+            if count == 0 {
+                self.requests.remove(request);
+                done.success(post.tag);
+            } else {
+                self.requests
+                    .get_mut(request)
+                    .expect("just made")
+                    .outstanding = count;
+            }
+        }
+        self.feed(done);
+        self.drain_engine(done);
+        Ok(())
+    }
+
+    fn progress(&mut self, done: &mut Completions) {
+        let _span = ferry_backend_api::trace_span!("ferry-gds::progress");
+        self.drain_engine(done);
+        self.feed(done);
+    }
+}
+
+impl Drop for GdsBackend {
+    fn drop(&mut self) {
+        // Let every operation that names caller memory finish before handles and
+        // buffers are deregistered; queued ones never started.
+        match &mut self.engine {
+            Engine::Threads(t) => t.shutdown(),
+            Engine::Batch(b) => b.shutdown(),
+        }
+        let api = self.cufile.api;
+        for entry in self.files.drain() {
+            // SAFETY: registered by us; the engine is stopped, nothing uses it.
+            unsafe { (api.handle_deregister)(entry.handle) };
+        }
+        for entry in self.bufs.drain() {
+            if entry.registered {
+                if let Some(ctx) = &entry.ctx {
+                    let _ = ctx.bind();
+                }
+                // SAFETY: registered by us; nothing uses it any more.
+                unsafe { (api.buf_deregister)(entry.addr as *const _) };
+            }
+        }
+    }
+}

@@ -1,0 +1,566 @@
+//! The measurements of `tools/gpu-check.sh`. Each one moves blocks to shuffled places
+//! (so the engine cannot merge them into one range) at the two shapes of [`SHAPES`],
+//! verifies every byte, and times the same movement with a plain CUDA copy between the
+//! same buffers. Times are medians of `iters` passes after one warm-up pass.
+
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use ferry::{Agent, AgentConfig, CommandBuffer, Desc, FileMode, MemKind, Op, Params, Side, XferId};
+use ferry_cuda::{Device, DeviceBuffer, IpcBuffer};
+
+use crate::{gbps, median, pattern, run_once, shuffled, GpuSetup};
+
+/// Blocks of one measurement.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shape {
+    /// Bytes per block.
+    pub block: usize,
+    /// Blocks.
+    pub count: usize,
+}
+
+impl std::fmt::Display for Shape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.block >= 1 << 20 {
+            write!(f, "{} MiB x {}", self.block >> 20, self.count)
+        } else {
+            write!(f, "{} KiB x {}", self.block >> 10, self.count)
+        }
+    }
+}
+
+/// The shapes every measurement runs: 1 MiB × 32 and 64 KiB × 1024.
+pub const SHAPES: [Shape; 2] = [
+    Shape {
+        block: 1 << 20,
+        count: 32,
+    },
+    Shape {
+        block: 64 << 10,
+        count: 1024,
+    },
+];
+
+/// Bytes of every buffer (the larger shape: 64 MiB).
+pub const BUFFER_BYTES: usize = 64 << 20;
+
+/// One line of the summary.
+#[derive(Clone, Debug)]
+pub struct Row {
+    /// What moved, and how.
+    pub what: String,
+    /// The blocks.
+    pub shape: Shape,
+    /// Ferry's median GB/s.
+    pub ferry_gbps: f64,
+    /// The plain copy's median GB/s and what it was, if there is one.
+    pub plain: Option<(&'static str, f64)>,
+    /// Every byte checked and right.
+    pub verified: bool,
+    /// A note (mode, engine).
+    pub note: String,
+}
+
+fn cuda(e: ferry_cuda::CudaError) -> String {
+    e.to_string()
+}
+
+fn ferry_err(e: ferry::Error) -> String {
+    e.to_string()
+}
+
+fn time_median(
+    iters: usize,
+    mut once: impl FnMut() -> Result<Duration, String>,
+) -> Result<Duration, String> {
+    once()?;
+    let mut samples = Vec::with_capacity(iters.max(1));
+    for _ in 0..iters.max(1) {
+        samples.push(once()?);
+    }
+    Ok(median(&mut samples))
+}
+
+/// Wait for `path`; a `target.err` next to it (the target's failure) ends the wait.
+fn wait_for_file(path: &Path, timeout: Duration) -> Result<Vec<u8>, String> {
+    let deadline = Instant::now() + timeout;
+    let err = path.with_file_name("target.err");
+    loop {
+        if let Ok(bytes) = std::fs::read(path) {
+            return Ok(bytes);
+        }
+        if let Ok(why) = std::fs::read_to_string(&err) {
+            return Err(format!("the target process failed: {why}"));
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "{} did not appear within {timeout:?}",
+                path.display()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn publish(path: &Path, bytes: &[u8]) -> Result<(), String> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, bytes)
+        .and_then(|_| std::fs::rename(&tmp, path))
+        .map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// The target process of the two-process measurement: a VRAM buffer registered with
+/// UCX, its metadata, address and CUDA IPC handle published in `dir`; it progresses
+/// until `dir/done` appears (or 7 minutes pass).
+pub fn ipc_target(setup: &GpuSetup, dir: &Path) -> Result<(), String> {
+    let result = ipc_target_inner(setup, dir);
+    if let Err(why) = &result {
+        let _ = publish(&dir.join("target.err"), why.as_bytes());
+    }
+    result
+}
+
+fn ipc_target_inner(setup: &GpuSetup, dir: &Path) -> Result<(), String> {
+    let dev = Device::open(setup.dev).map_err(cuda)?;
+    let buf = DeviceBuffer::alloc(&dev, BUFFER_BYTES).map_err(cuda)?;
+    buf.write(&vec![0u8; BUFFER_BYTES]).map_err(cuda)?;
+    let agent = setup.ucx_agent("gpu-check-target")?;
+    // SAFETY: `buf` is declared before the agent and outlives it.
+    unsafe {
+        agent.register(
+            MemKind::Vram,
+            Desc::new(buf.addr(), BUFFER_BYTES as u64, setup.dev),
+        )
+    }
+    .map_err(ferry_err)?;
+    publish(&dir.join("target.addr"), &buf.addr().to_le_bytes())?;
+    publish(&dir.join("target.ipc"), &buf.ipc_handle().map_err(cuda)?)?;
+    publish(
+        &dir.join("target.md"),
+        &agent.local_md().map_err(ferry_err)?,
+    )?;
+    let deadline = Instant::now() + Duration::from_secs(420);
+    while !dir.join("done").exists() {
+        if Instant::now() > deadline {
+            return Err("the initiator did not finish within 7 minutes".into());
+        }
+        agent.progress();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    drop(agent);
+    drop(buf);
+    Ok(())
+}
+
+/// Local and remote descriptor lists of `shape`: local block i ↔ remote block order[i].
+fn lists(
+    local_base: u64,
+    remote_base: u64,
+    shape: Shape,
+    order: &[usize],
+    dev: u64,
+) -> (Vec<Desc>, Vec<Desc>) {
+    let b = shape.block as u64;
+    let local = (0..shape.count)
+        .map(|i| Desc::new(local_base + i as u64 * b, b, dev))
+        .collect();
+    let remote = order
+        .iter()
+        .map(|&j| Desc::new(remote_base + j as u64 * b, b, dev))
+        .collect();
+    (local, remote)
+}
+
+/// Two requests (write from `src`, read into `back`) of `shape` to `remote` descriptors.
+fn make_pair(
+    agent: &Agent,
+    kind: MemKind,
+    src: &[Desc],
+    back: &[Desc],
+    remote_side: Side,
+    remote_kind: MemKind,
+    remote: &[Desc],
+) -> Result<(XferId, XferId), String> {
+    let mut cmds = CommandBuffer::with_capacity(8);
+    let l = cmds.prep(Side::Local, kind, src);
+    let lb = cmds.prep(Side::Local, kind, back);
+    let r = cmds.prep(remote_side, remote_kind, remote);
+    let write = cmds.make(Op::Write, l, &[], r, &[]).ticket();
+    let read = cmds.make(Op::Read, lb, &[], r, &[]).ticket();
+    agent.flush(&mut cmds);
+    if let Some((i, e)) = cmds.errors().next() {
+        return Err(format!("set-up command #{i}: {e}"));
+    }
+    Ok((
+        cmds.created(write).map_err(ferry_err)?,
+        cmds.created(read).map_err(ferry_err)?,
+    ))
+}
+
+/// Whether block i of `src` sits at block order[i] of `dst`, for every i < count.
+fn placed(src: &[u8], dst: &[u8], shape: Shape, order: &[usize]) -> bool {
+    order.iter().enumerate().all(|(i, &j)| {
+        dst[j * shape.block..][..shape.block] == src[i * shape.block..][..shape.block]
+    })
+}
+
+fn prefix_equal(a: &[u8], b: &[u8], shape: Shape) -> bool {
+    let n = shape.block * shape.count;
+    a[..n] == b[..n]
+}
+
+/// The initiator of the two-process measurement: VRAM → VRAM (write) and VRAM ← VRAM
+/// (read) to the target started with [`ipc_target`] on the same GPU, beside
+/// `cuMemcpyDtoDAsync` between the same buffers (the target's opened through its IPC
+/// handle). Touches `dir/done` at the end, also on failure.
+pub fn ipc_initiator(setup: &GpuSetup, dir: &Path, iters: usize) -> Result<Vec<Row>, String> {
+    let result = ipc_initiator_inner(setup, dir, iters);
+    let _ = std::fs::write(dir.join("done"), b"");
+    result
+}
+
+fn ipc_initiator_inner(setup: &GpuSetup, dir: &Path, iters: usize) -> Result<Vec<Row>, String> {
+    let md = wait_for_file(&dir.join("target.md"), Duration::from_secs(60))?;
+    let handle: [u8; 64] = wait_for_file(&dir.join("target.ipc"), Duration::from_secs(5))?
+        .try_into()
+        .map_err(|_| "target.ipc is not 64 bytes".to_string())?;
+    let remote_base = u64::from_le_bytes(
+        wait_for_file(&dir.join("target.addr"), Duration::from_secs(5))?
+            .try_into()
+            .map_err(|_| "target.addr is not 8 bytes".to_string())?,
+    );
+    let dev = Device::open(setup.dev).map_err(cuda)?;
+    let src = DeviceBuffer::alloc(&dev, BUFFER_BYTES).map_err(cuda)?;
+    let back = DeviceBuffer::alloc(&dev, BUFFER_BYTES).map_err(cuda)?;
+    let target = IpcBuffer::open(&dev, &handle, BUFFER_BYTES).map_err(cuda)?;
+    let agent = setup.ucx_agent("gpu-check-initiator")?;
+    let vram = |b: &DeviceBuffer| Desc::new(b.addr(), BUFFER_BYTES as u64, setup.dev);
+    // SAFETY: the buffers are declared before the agent and outlive it; they are read
+    // only after the transfers that touch them completed.
+    unsafe {
+        agent
+            .register(MemKind::Vram, vram(&src))
+            .map_err(ferry_err)?;
+        agent
+            .register(MemKind::Vram, vram(&back))
+            .map_err(ferry_err)?;
+    }
+    let peer = agent.load_remote_md(&md).map_err(ferry_err)?;
+    let mut rows = Vec::new();
+    let mut host = vec![0u8; BUFFER_BYTES];
+    for (k, shape) in SHAPES.into_iter().enumerate() {
+        let bytes = pattern(BUFFER_BYTES, 100 + k as u64);
+        src.write(&bytes).map_err(cuda)?;
+        back.write(&vec![0u8; BUFFER_BYTES]).map_err(cuda)?;
+        let order = shuffled(shape.count, 7 + k as u64);
+        let (local, remote) = lists(src.addr(), remote_base, shape, &order, setup.dev);
+        let (local_back, _) = lists(back.addr(), remote_base, shape, &order, setup.dev);
+        let (write, read) = make_pair(
+            &agent,
+            MemKind::Vram,
+            &local,
+            &local_back,
+            peer.into(),
+            MemKind::Vram,
+            &remote,
+        )?;
+        let total = shape.block * shape.count;
+        let t_write = time_median(iters, || run_once(&agent, write))?;
+        // SAFETY: the IPC mapping covers BUFFER_BYTES of the target's buffer.
+        unsafe { ferry_cuda::copy_dtoh(&dev, &mut host, target.addr()) }.map_err(cuda)?;
+        let write_ok = placed(&bytes, &host, shape, &order);
+        let t_read = time_median(iters, || run_once(&agent, read))?;
+        back.read(&mut host).map_err(cuda)?;
+        let read_ok = prefix_equal(&bytes, &host, shape);
+        let to_target: Vec<(u64, u64, usize)> = order
+            .iter()
+            .enumerate()
+            .map(|(i, &j)| {
+                (
+                    target.addr() + (j * shape.block) as u64,
+                    src.addr() + (i * shape.block) as u64,
+                    shape.block,
+                )
+            })
+            .collect();
+        let from_target: Vec<(u64, u64, usize)> = to_target
+            .iter()
+            .map(|&(t, s, n)| (s - src.addr() + back.addr(), t, n))
+            .collect();
+        let plain = |ranges: &[(u64, u64, usize)]| {
+            time_median(iters, || {
+                let start = Instant::now();
+                // SAFETY: every range lies in one of our live buffers or the IPC mapping;
+                // source and destination are different buffers.
+                unsafe { ferry_cuda::copy_dtod_ranges(&dev, ranges) }.map_err(cuda)?;
+                Ok(start.elapsed())
+            })
+        };
+        let p_write = plain(&to_target)?;
+        let p_read = plain(&from_target)?;
+        rows.push(Row {
+            what: "VRAM->VRAM write, 2 processes, UCX".into(),
+            shape,
+            ferry_gbps: gbps(total, t_write),
+            plain: Some(("cuMemcpyDtoDAsync", gbps(total, p_write))),
+            verified: write_ok,
+            note: String::new(),
+        });
+        rows.push(Row {
+            what: "VRAM<-VRAM read, 2 processes, UCX".into(),
+            shape,
+            ferry_gbps: gbps(total, t_read),
+            plain: Some(("cuMemcpyDtoDAsync", gbps(total, p_read))),
+            verified: read_ok,
+            note: String::new(),
+        });
+        agent.release(write).map_err(ferry_err)?;
+        agent.release(read).map_err(ferry_err)?;
+    }
+    drop(agent);
+    Ok(rows)
+}
+
+/// VRAM ↔ DRAM between two agents of this process (UCX): DRAM → VRAM (write) and
+/// VRAM → DRAM (read), beside `cuMemcpyHtoD` / `cuMemcpyDtoH` per block.
+pub fn vram_dram(setup: &GpuSetup, iters: usize) -> Result<Vec<Row>, String> {
+    let dev = Device::open(setup.dev).map_err(cuda)?;
+    let vram = DeviceBuffer::alloc(&dev, BUFFER_BYTES).map_err(cuda)?;
+    let mut dram = vec![0u8; BUFFER_BYTES];
+    let mut dram_back = vec![0u8; BUFFER_BYTES];
+    let a = setup.ucx_agent("gpu-check-dram")?;
+    let b = setup.ucx_agent("gpu-check-vram")?;
+    let host = |v: &[u8]| Desc::new(v.as_ptr() as u64, v.len() as u64, 0);
+    // SAFETY: the buffers are declared before the agents and outlive them; they are
+    // read or written only while no transfer touches them.
+    unsafe {
+        a.register(MemKind::Dram, host(&dram)).map_err(ferry_err)?;
+        a.register(MemKind::Dram, host(&dram_back))
+            .map_err(ferry_err)?;
+        b.register(
+            MemKind::Vram,
+            Desc::new(vram.addr(), BUFFER_BYTES as u64, setup.dev),
+        )
+        .map_err(ferry_err)?;
+    }
+    let peer = a
+        .load_remote_md(&b.local_md().map_err(ferry_err)?)
+        .map_err(ferry_err)?;
+    let mut rows = Vec::new();
+    let mut landed = vec![0u8; BUFFER_BYTES];
+    for (k, shape) in SHAPES.into_iter().enumerate() {
+        let bytes = pattern(BUFFER_BYTES, 200 + k as u64);
+        dram.copy_from_slice(&bytes);
+        dram_back.fill(0);
+        let order = shuffled(shape.count, 17 + k as u64);
+        let (local, remote) = lists(dram.as_ptr() as u64, vram.addr(), shape, &order, setup.dev);
+        let local: Vec<Desc> = local.iter().map(|d| Desc::new(d.addr, d.len, 0)).collect();
+        let local_back: Vec<Desc> = (0..shape.count)
+            .map(|i| {
+                Desc::new(
+                    dram_back.as_ptr() as u64 + (i * shape.block) as u64,
+                    shape.block as u64,
+                    0,
+                )
+            })
+            .collect();
+        let mut cmds = CommandBuffer::with_capacity(8);
+        let l = cmds.prep(Side::Local, MemKind::Dram, &local);
+        let lb = cmds.prep(Side::Local, MemKind::Dram, &local_back);
+        let r = cmds.prep(peer, MemKind::Vram, &remote);
+        let write = cmds.make(Op::Write, l, &[], r, &[]).ticket();
+        let read = cmds.make(Op::Read, lb, &[], r, &[]).ticket();
+        a.flush(&mut cmds);
+        if let Some((i, e)) = cmds.errors().next() {
+            return Err(format!("set-up command #{i}: {e}"));
+        }
+        let write = cmds.created(write).map_err(ferry_err)?;
+        let read = cmds.created(read).map_err(ferry_err)?;
+        let total = shape.block * shape.count;
+        let t_write = time_median(iters, || run_once(&a, write))?;
+        vram.read(&mut landed).map_err(cuda)?;
+        let write_ok = placed(&bytes, &landed, shape, &order);
+        let t_read = time_median(iters, || run_once(&a, read))?;
+        let read_ok = prefix_equal(&bytes, &dram_back, shape);
+        let p_write = time_median(iters, || {
+            let start = Instant::now();
+            for (i, &j) in order.iter().enumerate() {
+                // SAFETY: block j of our live device buffer.
+                unsafe {
+                    ferry_cuda::copy_htod(
+                        &dev,
+                        vram.addr() + (j * shape.block) as u64,
+                        &dram[i * shape.block..][..shape.block],
+                    )
+                }
+                .map_err(cuda)?;
+            }
+            Ok(start.elapsed())
+        })?;
+        let mut scratch = vec![0u8; BUFFER_BYTES];
+        let p_read = time_median(iters, || {
+            let start = Instant::now();
+            for (i, &j) in order.iter().enumerate() {
+                // SAFETY: block j of our live device buffer.
+                unsafe {
+                    ferry_cuda::copy_dtoh(
+                        &dev,
+                        &mut scratch[i * shape.block..][..shape.block],
+                        vram.addr() + (j * shape.block) as u64,
+                    )
+                }
+                .map_err(cuda)?;
+            }
+            Ok(start.elapsed())
+        })?;
+        rows.push(Row {
+            what: "DRAM->VRAM write, 2 agents, UCX".into(),
+            shape,
+            ferry_gbps: gbps(total, t_write),
+            plain: Some(("cuMemcpyHtoD per block", gbps(total, p_write))),
+            verified: write_ok,
+            note: String::new(),
+        });
+        rows.push(Row {
+            what: "VRAM->DRAM read, 2 agents, UCX".into(),
+            shape,
+            ferry_gbps: gbps(total, t_read),
+            plain: Some(("cuMemcpyDtoH per block", gbps(total, p_read))),
+            verified: read_ok,
+            note: String::new(),
+        });
+        a.release(write).map_err(ferry_err)?;
+        a.release(read).map_err(ferry_err)?;
+    }
+    drop(a);
+    drop(b);
+    Ok(rows)
+}
+
+/// Where and how GDS runs.
+#[derive(Clone, Debug, Default)]
+pub struct GdsSetup {
+    /// The cuFile library (`None` = `libcufile.so.0`).
+    pub cufile_library: Option<PathBuf>,
+    /// Directory of the test file (a local file system; GDS proper needs one that
+    /// nvidia-fs supports, otherwise cuFile runs in compatibility mode).
+    pub dir: PathBuf,
+}
+
+/// FILE ↔ VRAM through GDS with `engine` (`threads` or `batch`): VRAM → FILE (write)
+/// and FILE → VRAM (read), verified against the source through host copies. No plain
+/// reference: the row's note says cuFile's mode.
+pub fn gds(
+    setup: &GpuSetup,
+    gds: &GdsSetup,
+    engine: &str,
+    iters: usize,
+) -> Result<Vec<Row>, String> {
+    let dev = Device::open(setup.dev).map_err(cuda)?;
+    let src = DeviceBuffer::alloc(&dev, BUFFER_BYTES).map_err(cuda)?;
+    let back = DeviceBuffer::alloc(&dev, BUFFER_BYTES).map_err(cuda)?;
+    let mut params = Params::new();
+    if let Some(library) = &gds.cufile_library {
+        params.insert("cufile_library".into(), library.display().to_string());
+    }
+    params.insert("engine".into(), engine.into());
+    // What cuFile does here (GDS or compatibility mode), from a backend of our own.
+    let mode = ferry_gds::probe_mode(gds.cufile_library.as_deref())?.to_string();
+    let agent =
+        Agent::new(AgentConfig::named(format!("gpu-check-gds-{engine}"))).map_err(ferry_err)?;
+    agent
+        .create_backend("GDS", &params)
+        .map_err(|e| format!("GDS backend: {e}"))?;
+    let path = gds.dir.join(format!("gds-check-{engine}.bin"));
+    let _ = std::fs::remove_file(&path);
+    // O_DIRECT where the file system takes it (GDS proper needs it).
+    let direct = FileMode {
+        write: true,
+        create: true,
+        direct: true,
+        sync: false,
+    };
+    let (file_mode, direct_note) = match std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&path)
+    {
+        Ok(_) => (direct, "O_DIRECT"),
+        Err(_) => (
+            FileMode {
+                direct: false,
+                ..direct
+            },
+            "buffered (no O_DIRECT here)",
+        ),
+    };
+    agent
+        .register_file(&path, file_mode, Desc::new(0, 0, 1))
+        .map_err(ferry_err)?;
+    let vram = |b: &DeviceBuffer| Desc::new(b.addr(), BUFFER_BYTES as u64, setup.dev);
+    // SAFETY: the buffers are declared before the agent and outlive it.
+    unsafe {
+        agent
+            .register(MemKind::Vram, vram(&src))
+            .map_err(ferry_err)?;
+        agent
+            .register(MemKind::Vram, vram(&back))
+            .map_err(ferry_err)?;
+    }
+    let mut rows = Vec::new();
+    let mut host = vec![0u8; BUFFER_BYTES];
+    for (k, shape) in SHAPES.into_iter().enumerate() {
+        let bytes = pattern(BUFFER_BYTES, 300 + k as u64);
+        src.write(&bytes).map_err(cuda)?;
+        back.write(&vec![0u8; BUFFER_BYTES]).map_err(cuda)?;
+        let order = shuffled(shape.count, 27 + k as u64);
+        let (local, _) = lists(src.addr(), 0, shape, &order, setup.dev);
+        let (local_back, _) = lists(back.addr(), 0, shape, &order, setup.dev);
+        let remote: Vec<Desc> = order
+            .iter()
+            .map(|&j| Desc::new((j * shape.block) as u64, shape.block as u64, 1))
+            .collect();
+        let (write, read) = make_pair(
+            &agent,
+            MemKind::Vram,
+            &local,
+            &local_back,
+            Side::Local,
+            MemKind::File,
+            &remote,
+        )?;
+        let total = shape.block * shape.count;
+        let t_write = time_median(iters, || run_once(&agent, write))?;
+        let on_disk = std::fs::read(&path).map_err(|e| e.to_string())?;
+        let write_ok = on_disk.len() >= total && placed(&bytes, &on_disk, shape, &order);
+        let t_read = time_median(iters, || run_once(&agent, read))?;
+        back.read(&mut host).map_err(cuda)?;
+        let read_ok = prefix_equal(&bytes, &host, shape);
+        let note = format!("{mode}; {direct_note}");
+        rows.push(Row {
+            what: format!("VRAM->FILE write, GDS {engine}"),
+            shape,
+            ferry_gbps: gbps(total, t_write),
+            plain: None,
+            verified: write_ok,
+            note: note.clone(),
+        });
+        rows.push(Row {
+            what: format!("FILE->VRAM read, GDS {engine}"),
+            shape,
+            ferry_gbps: gbps(total, t_read),
+            plain: None,
+            verified: read_ok,
+            note,
+        });
+        agent.release(write).map_err(ferry_err)?;
+        agent.release(read).map_err(ferry_err)?;
+    }
+    drop(agent);
+    let _ = std::fs::remove_file(&path);
+    Ok(rows)
+}

@@ -1,0 +1,777 @@
+//! The initiator side of `ferry bench xfer`: set up workers and targets, run every
+//! case, aggregate the samples into rows.
+
+use std::path::PathBuf;
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
+
+use ferry::{Agent, AgentConfig, Desc, FileMode, MemKind, Op, Params, Side, XferId, XferStatus};
+
+use super::buffer::Buffer;
+use super::{target, BackendArg, Layout, Plan, RequestMode, Scheme};
+use crate::bench::OpArg;
+
+/// The notification that tells a target the initiator is done.
+pub const DONE_NOTIFICATION: &[u8] = b"ferry-bench: done";
+
+/// One measured case, over all its workers.
+#[derive(Clone, Debug)]
+pub struct Row {
+    /// Scheme name.
+    pub scheme: &'static str,
+    /// READ or WRITE.
+    pub op: &'static str,
+    /// prepared or oneshot.
+    pub request: &'static str,
+    /// contiguous or shuffled.
+    pub layout: &'static str,
+    /// Block size in bytes.
+    pub block_bytes: u64,
+    /// Descriptors per request.
+    pub batch: u32,
+    /// Workers that ran the case.
+    pub workers: usize,
+    /// Requests per iteration per worker.
+    pub requests_per_iter: usize,
+    /// Timed iterations per worker.
+    pub iters: u32,
+    /// 1e9 bytes per second over all workers.
+    pub gbps: f64,
+    /// Average wall time of one iteration, µs.
+    pub lat_avg_us: f64,
+    /// Request preparation (prep + make, or create), average and p99, µs.
+    pub prep_avg_us: f64,
+    /// See `prep_avg_us`.
+    pub prep_p99_us: f64,
+    /// The post call (telemetry), µs.
+    pub post_avg_us: f64,
+    /// See `post_avg_us`.
+    pub post_p99_us: f64,
+    /// Post to completion (telemetry), µs.
+    pub xfer_avg_us: f64,
+    /// See `xfer_avg_us`.
+    pub xfer_p99_us: f64,
+    /// Descriptors (before merging) per second over all workers.
+    pub descs_per_s: f64,
+    /// Ranges per request after merging (telemetry).
+    pub ranges: u64,
+    /// Byte check result (None: not asked for).
+    pub check: Option<bool>,
+}
+
+/// Everything a sweep produced.
+pub struct SweepRun {
+    /// Rows in case order.
+    pub rows: Vec<Row>,
+    /// How the run was configured, as (key, value) pairs (printed and written out).
+    pub config: Vec<(String, String)>,
+}
+
+/// A target as one worker sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct Remote {
+    /// The peer (or Local for POSIX's file).
+    pub side: Side,
+    /// Its memory kind.
+    pub kind: MemKind,
+    /// Address (or file offset) of its buffer.
+    pub base: u64,
+    /// Device id of its buffer.
+    pub dev: u64,
+    /// Its buffer's length.
+    pub len: u64,
+}
+
+/// One initiator: its agent, its memory, and the targets it knows. The agent is
+/// declared first so that it is dropped before the memory it registered.
+pub struct Worker {
+    agent: Agent,
+    local: Buffer,
+    remotes: Vec<Remote>,
+}
+
+/// What must outlive the workers: in-process target agents, the target process.
+pub enum Targets {
+    /// LOOPBACK: target agents of this process (each before its buffer).
+    Local {
+        /// Kept for their drop, after the workers'.
+        _agents: Vec<(Agent, Buffer)>,
+    },
+    /// UCX: the targets' process (when spawned here) and the store.
+    Remote(target::Peers),
+    /// POSIX: files to delete at the end.
+    Files(Vec<PathBuf>),
+}
+
+impl Drop for Targets {
+    fn drop(&mut self) {
+        if let Targets::Files(paths) = self {
+            for p in paths {
+                let _ = std::fs::remove_file(p);
+            }
+        }
+    }
+}
+
+/// Workers, then what they depend on (fields drop in this order).
+pub struct Setup {
+    /// The initiators.
+    pub workers: Vec<Worker>,
+    /// The targets.
+    pub targets: Targets,
+}
+
+fn err(e: ferry::Error) -> String {
+    e.to_string()
+}
+
+fn params(plan: &Plan) -> Params {
+    plan.args.params.iter().cloned().collect()
+}
+
+/// An agent with `plan`'s backend, named `name`.
+pub fn agent(plan: &Plan, name: &str) -> Result<Agent, String> {
+    let agent = Agent::new(AgentConfig::named(name)).map_err(err)?;
+    agent
+        .create_backend(plan.args.backend.name(), &params(plan))
+        .map_err(|e| format!("creating the {} backend: {e}", plan.args.backend.name()))?;
+    Ok(agent)
+}
+
+/// A buffer of `len` bytes registered with `agent` as DRAM. The caller keeps the
+/// buffer alive longer than the agent.
+pub fn registered(agent: &Agent, len: u64) -> Result<Buffer, String> {
+    let buffer = Buffer::zeroed(len as usize);
+    // SAFETY: the caller keeps `buffer` alive until `agent` is dropped (Worker and
+    // Targets declare the agent first), and the tool touches its bytes only between
+    // transfers.
+    unsafe { agent.register(MemKind::Dram, buffer.whole()) }.map_err(err)?;
+    Ok(buffer)
+}
+
+/// Worker `i`'s name.
+pub fn initiator_name(plan: &Plan, i: usize) -> String {
+    format!("{}-initiator-{i}", plan.args.run_id)
+}
+
+fn setup(plan: &Plan) -> Result<Setup, String> {
+    let n = plan.threads();
+    let mut workers = Vec::with_capacity(n);
+    let targets = match plan.args.backend {
+        BackendArg::Loopback => {
+            let mut targets = Vec::with_capacity(n);
+            for k in 0..n {
+                let a = agent(plan, &target::target_name(plan, k))?;
+                let b = registered(&a, plan.buffer_bytes(k))?;
+                targets.push((a, b));
+            }
+            for i in 0..n {
+                let a = agent(plan, &initiator_name(plan, i))?;
+                let local = registered(&a, plan.buffer_bytes(i))?;
+                let mut remotes = Vec::with_capacity(n);
+                for (t, buf) in &targets {
+                    let peer = a.load_remote_md(&t.local_md().map_err(err)?).map_err(err)?;
+                    remotes.push(Remote {
+                        side: peer.into(),
+                        kind: MemKind::Dram,
+                        base: buf.addr(),
+                        dev: 0,
+                        len: buf.len() as u64,
+                    });
+                }
+                workers.push(Worker {
+                    agent: a,
+                    local,
+                    remotes,
+                });
+            }
+            Targets::Local { _agents: targets }
+        }
+        BackendArg::Posix => {
+            let dir = plan
+                .args
+                .file_dir
+                .clone()
+                .unwrap_or_else(std::env::temp_dir);
+            let mut files = Vec::with_capacity(n);
+            for i in 0..n {
+                let path = dir.join(format!("ferry-bench-xfer-{}-{i}.bin", std::process::id()));
+                let len = plan.buffer_bytes(i);
+                std::fs::File::create(&path)
+                    .and_then(|f| f.set_len(len))
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                files.push(path.clone());
+                let a = agent(plan, &initiator_name(plan, i))?;
+                let local = registered(&a, len)?;
+                let mode = FileMode {
+                    write: true,
+                    ..FileMode::default()
+                };
+                a.register_file(&path, mode, Desc::new(0, 0, 1))
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                workers.push(Worker {
+                    agent: a,
+                    local,
+                    remotes: vec![Remote {
+                        side: Side::Local,
+                        kind: MemKind::File,
+                        base: 0,
+                        dev: 1,
+                        len,
+                    }],
+                });
+            }
+            Targets::Files(files)
+        }
+        BackendArg::Ucx => {
+            let peers = target::connect(plan)?;
+            for i in 0..n {
+                let a = agent(plan, &initiator_name(plan, i))?;
+                let local = registered(&a, plan.buffer_bytes(i))?;
+                let mut remotes = Vec::with_capacity(n);
+                for t in &peers.targets {
+                    let peer = a.load_remote_md_as(&t.name, &t.blob).map_err(err)?;
+                    remotes.push(Remote {
+                        side: peer.into(),
+                        kind: MemKind::Dram,
+                        base: t.base,
+                        dev: t.dev,
+                        len: t.len,
+                    });
+                }
+                workers.push(Worker {
+                    agent: a,
+                    local,
+                    remotes,
+                });
+            }
+            Targets::Remote(peers)
+        }
+    };
+    Ok(Setup { workers, targets })
+}
+
+/// One case of the sweep.
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    scheme: Scheme,
+    op: OpArg,
+    request: RequestMode,
+    layout: Layout,
+    block: u64,
+    batch: u32,
+    seed: u64,
+}
+
+/// (target index, offset in the worker's buffer, offset in the target's buffer).
+type Link = (usize, u64, u64);
+
+fn links(plan: &Plan, scheme: Scheme, worker: usize) -> Vec<Link> {
+    let n = plan.threads();
+    let area = plan.area_bytes;
+    match scheme {
+        // A POSIX worker's one target is its own file.
+        Scheme::Pairwise if plan.args.backend == BackendArg::Posix => vec![(0, 0, 0)],
+        Scheme::Pairwise => vec![(worker, 0, 0)],
+        Scheme::ManyToOne => vec![(0, 0, worker as u64 * area)],
+        Scheme::OneToMany if worker == 0 => (0..n).map(|j| (j, j as u64 * area, 0)).collect(),
+        Scheme::OneToMany => Vec::new(),
+    }
+}
+
+/// What one worker measured in one case.
+#[derive(Default)]
+struct Samples {
+    bytes: u64,
+    descs: u64,
+    elapsed: Duration,
+    prep: Vec<Duration>,
+    post: Vec<Duration>,
+    xfer: Vec<Duration>,
+    ranges: u64,
+    check: Option<bool>,
+}
+
+/// The descriptor lists of one link: local and remote.
+struct Lists {
+    local: Vec<Desc>,
+    remote: Vec<Desc>,
+    remote_side: Side,
+    remote_kind: MemKind,
+    /// Bytes of the local area the lists cover (for the check).
+    local_off: u64,
+    covered: u64,
+}
+
+fn shuffle(v: &mut [u64], seed: u64) {
+    let mut x = seed | 1;
+    for i in (1..v.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+}
+
+fn lists(w: &Worker, plan: &Plan, case: &Case, link: Link) -> Result<Lists, String> {
+    let (t, local_off, remote_off) = link;
+    let remote = w
+        .remotes
+        .get(t)
+        .ok_or_else(|| format!("target {t} is unknown to the worker"))?;
+    let slots = (plan.area_bytes / case.block).max(1);
+    let n = u64::from(case.batch).min(slots);
+    let mut order: Vec<u64> = (0..n).collect();
+    if case.layout == Layout::Shuffled {
+        shuffle(&mut order, case.seed ^ 0x5eed);
+    }
+    let local = (0..u64::from(case.batch))
+        .map(|i| {
+            Desc::new(
+                w.local.addr() + local_off + (i % n) * case.block,
+                case.block,
+                0,
+            )
+        })
+        .collect();
+    let remote_descs = (0..u64::from(case.batch))
+        .map(|i| {
+            Desc::new(
+                remote.base + remote_off + order[(i % n) as usize] * case.block,
+                case.block,
+                remote.dev,
+            )
+        })
+        .collect();
+    if remote_off + n * case.block > remote.len {
+        return Err(format!(
+            "target {t}'s buffer ({} bytes) is too small for this case",
+            remote.len
+        ));
+    }
+    Ok(Lists {
+        local,
+        remote: remote_descs,
+        remote_side: remote.side,
+        remote_kind: remote.kind,
+        local_off,
+        covered: n * case.block,
+    })
+}
+
+fn wait_all(agent: &Agent, xs: &[XferId], done: &mut [bool]) -> Result<(), String> {
+    loop {
+        let mut left = 0;
+        for (k, &x) in xs.iter().enumerate() {
+            if !done[k] {
+                match agent.check(x).map_err(err)? {
+                    XferStatus::Done => done[k] = true,
+                    _ => left += 1,
+                }
+            }
+        }
+        if left == 0 {
+            return Ok(());
+        }
+    }
+}
+
+/// Post every request and wait for all.
+fn post_all(agent: &Agent, xs: &[XferId], done: &mut [bool]) -> Result<(), String> {
+    for (k, &x) in xs.iter().enumerate() {
+        done[k] = agent.post(x).map_err(err)? == XferStatus::Done;
+    }
+    wait_all(agent, xs, done)
+}
+
+fn one_shot(agent: &Agent, op: Op, l: &Lists) -> Result<(), String> {
+    let x = agent
+        .create(
+            op,
+            MemKind::Dram,
+            &l.local,
+            l.remote_side,
+            l.remote_kind,
+            &l.remote,
+            None,
+        )
+        .map_err(err)?;
+    let mut done = [false];
+    let r = post_all(agent, &[x], &mut done);
+    agent.release(x).map_err(err)?;
+    r
+}
+
+fn run_case(
+    w: &Worker,
+    plan: &Plan,
+    case: &Case,
+    my: &[Link],
+    barrier: &Barrier,
+) -> Result<Samples, String> {
+    // Set-up errors still reach the barrier, so no other worker waits forever.
+    let ready = prepare_case(w, plan, case, my);
+    barrier.wait();
+    let (lists, prepared, prep_once) = ready?;
+    let op = case.op.op();
+    let agent = &w.agent;
+    let mut s = Samples::default();
+    s.prep.extend(prep_once);
+    let mut done = vec![false; lists.len()];
+    let mut xs: Vec<XferId> = prepared.clone();
+    let bytes_per_iter: u64 = lists
+        .iter()
+        .map(|l| l.local.len() as u64 * case.block)
+        .sum();
+    let descs_per_iter: u64 = lists.iter().map(|l| l.local.len() as u64).sum();
+    let total = plan.args.warmup + plan.args.iters;
+    let mut started = Instant::now();
+    for it in 0..total {
+        if it == plan.args.warmup {
+            s.prep.retain(|_| case.request == RequestMode::Prepared);
+            s.post.clear();
+            s.xfer.clear();
+            started = Instant::now();
+        }
+        if case.request == RequestMode::Oneshot {
+            xs.clear();
+            for l in &lists {
+                let t0 = Instant::now();
+                let x = agent
+                    .create(
+                        op,
+                        MemKind::Dram,
+                        &l.local,
+                        l.remote_side,
+                        l.remote_kind,
+                        &l.remote,
+                        None,
+                    )
+                    .map_err(err)?;
+                s.prep.push(t0.elapsed());
+                xs.push(x);
+            }
+        }
+        post_all(agent, &xs, &mut done)?;
+        for &x in &xs {
+            let t = agent.telemetry(x).map_err(err)?;
+            s.post.push(t.post_duration);
+            s.xfer.push(t.xfer_duration);
+            s.ranges = t.desc_count;
+        }
+        if case.request == RequestMode::Oneshot {
+            for &x in &xs {
+                agent.release(x).map_err(err)?;
+            }
+        }
+    }
+    s.elapsed = started.elapsed();
+    s.bytes = bytes_per_iter * u64::from(plan.args.iters);
+    s.descs = descs_per_iter * u64::from(plan.args.iters);
+    for &x in &prepared {
+        agent.release(x).map_err(err)?;
+    }
+    if plan.args.check {
+        let mut ok = true;
+        for l in &lists {
+            if case.op == OpArg::Write {
+                w.local.zero(l.local_off as usize, l.covered as usize);
+                one_shot(agent, Op::Read, l)?;
+            }
+            if let Some(at) = w
+                .local
+                .verify(l.local_off as usize, l.covered as usize, case.seed)
+            {
+                tracing::warn!(
+                    "byte check: {} block {} batch {}: first wrong byte at offset {at} of the worker's area",
+                    case.op.op(),
+                    case.block,
+                    case.batch
+                );
+                ok = false;
+            }
+        }
+        s.check = Some(ok);
+    }
+    Ok(s)
+}
+
+type Prepared = (Vec<Lists>, Vec<XferId>, Vec<Duration>);
+
+fn prepare_case(w: &Worker, plan: &Plan, case: &Case, my: &[Link]) -> Result<Prepared, String> {
+    let lists: Vec<Lists> = my
+        .iter()
+        .map(|&link| lists(w, plan, case, link))
+        .collect::<Result<_, _>>()?;
+    if plan.args.check {
+        for l in &lists {
+            w.local
+                .fill(l.local_off as usize, l.covered as usize, case.seed);
+            if case.op == OpArg::Read {
+                // Put the pattern there first, then clear our copy: the timed reads
+                // must bring it back.
+                one_shot(&w.agent, Op::Write, l)?;
+                w.local.zero(l.local_off as usize, l.covered as usize);
+            }
+        }
+    }
+    let mut prepared = Vec::new();
+    let mut prep = Vec::new();
+    if case.request == RequestMode::Prepared {
+        for l in &lists {
+            let t0 = Instant::now();
+            let lp = w
+                .agent
+                .prep(Side::Local, MemKind::Dram, &l.local)
+                .map_err(err)?;
+            let rp = w
+                .agent
+                .prep(l.remote_side, l.remote_kind, &l.remote)
+                .map_err(err)?;
+            let x = w
+                .agent
+                .make(case.op.op(), lp, &[], rp, &[], None)
+                .map_err(err)?;
+            prep.push(t0.elapsed());
+            // The request keeps what it needs; the lists can go.
+            w.agent.release_prep(lp).map_err(err)?;
+            w.agent.release_prep(rp).map_err(err)?;
+            prepared.push(x);
+        }
+    }
+    Ok((lists, prepared, prep))
+}
+
+fn us(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+fn avg_p99(v: &mut [Duration]) -> (f64, f64) {
+    if v.is_empty() {
+        return (0.0, 0.0);
+    }
+    v.sort_unstable();
+    let sum: Duration = v.iter().sum();
+    let p99 = v[(v.len() * 99).div_ceil(100).saturating_sub(1)];
+    (us(sum) / v.len() as f64, us(p99))
+}
+
+fn name_of_scheme(s: Scheme) -> &'static str {
+    match s {
+        Scheme::Pairwise => "pairwise",
+        Scheme::ManyToOne => "many-to-one",
+        Scheme::OneToMany => "one-to-many",
+    }
+}
+
+fn row(case: &Case, plan: &Plan, samples: Vec<Samples>, requests_per_iter: usize) -> Row {
+    let workers = samples.len();
+    let elapsed = samples
+        .iter()
+        .map(|s| s.elapsed)
+        .max()
+        .unwrap_or_default()
+        .max(Duration::from_nanos(1));
+    let bytes: u64 = samples.iter().map(|s| s.bytes).sum();
+    let descs: u64 = samples.iter().map(|s| s.descs).sum();
+    let lat = samples.iter().map(|s| us(s.elapsed)).sum::<f64>()
+        / workers.max(1) as f64
+        / f64::from(plan.args.iters);
+    let mut prep: Vec<Duration> = samples
+        .iter()
+        .flat_map(|s| s.prep.iter().copied())
+        .collect();
+    let mut post: Vec<Duration> = samples
+        .iter()
+        .flat_map(|s| s.post.iter().copied())
+        .collect();
+    let mut xfer: Vec<Duration> = samples
+        .iter()
+        .flat_map(|s| s.xfer.iter().copied())
+        .collect();
+    let (prep_avg_us, prep_p99_us) = avg_p99(&mut prep);
+    let (post_avg_us, post_p99_us) = avg_p99(&mut post);
+    let (xfer_avg_us, xfer_p99_us) = avg_p99(&mut xfer);
+    let check = if plan.args.check {
+        Some(samples.iter().all(|s| s.check == Some(true)))
+    } else {
+        None
+    };
+    Row {
+        scheme: name_of_scheme(case.scheme),
+        op: match case.op {
+            OpArg::Read => "READ",
+            OpArg::Write => "WRITE",
+        },
+        request: match case.request {
+            RequestMode::Prepared => "prepared",
+            RequestMode::Oneshot => "oneshot",
+        },
+        layout: match case.layout {
+            Layout::Contiguous => "contiguous",
+            Layout::Shuffled => "shuffled",
+        },
+        block_bytes: case.block,
+        batch: case.batch,
+        workers,
+        requests_per_iter,
+        iters: plan.args.iters,
+        gbps: bytes as f64 / elapsed.as_secs_f64() / 1e9,
+        lat_avg_us: lat,
+        prep_avg_us,
+        prep_p99_us,
+        post_avg_us,
+        post_p99_us,
+        xfer_avg_us,
+        xfer_p99_us,
+        descs_per_s: descs as f64 / elapsed.as_secs_f64(),
+        ranges: samples.first().map_or(0, |s| s.ranges),
+        check,
+    }
+}
+
+fn cases(plan: &Plan) -> Vec<Case> {
+    let a = &plan.args;
+    let mut v = Vec::new();
+    for &scheme in &a.scheme {
+        for &op in &a.op {
+            for &request in &a.request {
+                for &layout in &a.layout {
+                    for &block in &plan.blocks {
+                        for &batch in &plan.batches {
+                            let seed = 0x1000 + v.len() as u64;
+                            v.push(Case {
+                                scheme,
+                                op,
+                                request,
+                                layout,
+                                block,
+                                batch,
+                                seed,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+    }
+    v
+}
+
+fn describe(plan: &Plan, setup: &Setup) -> Vec<(String, String)> {
+    let a = &plan.args;
+    let mut c = vec![
+        ("backend".to_string(), a.backend.name().to_string()),
+        (
+            "initiator".to_string(),
+            format!("{} ({} workers)", "DRAM", a.threads),
+        ),
+        ("target".to_string(), plan.target_kind.name().to_string()),
+        (
+            "placement".to_string(),
+            match (&setup.targets, a.backend) {
+                (Targets::Remote(p), _) => p.placement.clone(),
+                (_, BackendArg::Posix) => "files of this process".to_string(),
+                _ => "agents of this process".to_string(),
+            },
+        ),
+        (
+            "iters".to_string(),
+            format!("{} (+{} warm-up)", a.iters, a.warmup),
+        ),
+        (
+            "buffer".to_string(),
+            format!("{} per worker", crate::args::human_bytes(plan.area_bytes)),
+        ),
+    ];
+    if !a.params.is_empty() {
+        let p: Vec<String> = a.params.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        c.push(("params".to_string(), p.join(",")));
+    }
+    if let Some(b) = setup
+        .workers
+        .first()
+        .and_then(|w| w.agent.backends().into_iter().next())
+    {
+        let effective: Vec<String> = b
+            .params
+            .iter()
+            .filter(|(k, _)| {
+                ["transports", "engine", "error_handling", "progress_thread"].contains(&k.as_str())
+            })
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        if !effective.is_empty() {
+            c.push(("backend params".to_string(), effective.join(",")));
+        }
+    }
+    for var in ["UCX_TLS", "UCX_NET_DEVICES"] {
+        if let Ok(v) = std::env::var(var) {
+            if a.backend == BackendArg::Ucx {
+                c.push((var.to_string(), v));
+            }
+        }
+    }
+    c
+}
+
+/// Run the sweep `plan` describes (the initiator side).
+pub fn run(plan: &Plan) -> Result<SweepRun, String> {
+    let setup = setup(plan)?;
+    let config = describe(plan, &setup);
+    let cases = cases(plan);
+    let bar = crate::progress::bar(cases.len() as u64, "bench xfer");
+    let mut rows = Vec::with_capacity(cases.len());
+    let result = (|| -> Result<(), String> {
+        for case in &cases {
+            bar.set_message(format!(
+                "{} {} {}",
+                case.op.op(),
+                crate::args::human_bytes(case.block),
+                case.batch
+            ));
+            let active: Vec<(usize, Vec<Link>)> = (0..plan.threads())
+                .map(|i| (i, links(plan, case.scheme, i)))
+                .filter(|(_, l)| !l.is_empty())
+                .collect();
+            let barrier = Barrier::new(active.len());
+            let samples: Vec<Result<Samples, String>> = std::thread::scope(|s| {
+                let handles: Vec<_> = active
+                    .iter()
+                    .map(|(i, my)| {
+                        let w = &setup.workers[*i];
+                        let barrier = &barrier;
+                        s.spawn(move || run_case(w, plan, case, my, barrier))
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().unwrap_or_else(|_| Err("a worker panicked".into())))
+                    .collect()
+            });
+            let samples: Vec<Samples> = samples.into_iter().collect::<Result<_, _>>()?;
+            let per_iter = active.first().map_or(0, |(_, l)| l.len());
+            rows.push(row(case, plan, samples, per_iter));
+            bar.inc(1);
+        }
+        Ok(())
+    })();
+    bar.finish_and_clear();
+    // Tell the targets (if remote) that we are done, whatever happened.
+    if let Targets::Remote(_) = &setup.targets {
+        if let Some(w) = setup.workers.first() {
+            for r in &w.remotes {
+                if let Err(e) = w.agent.notify(r.side, DONE_NOTIFICATION) {
+                    tracing::warn!("telling a target we are done: {e}");
+                }
+            }
+            // Deliver the notifications before the agents go.
+            let until = Instant::now() + Duration::from_millis(200);
+            while Instant::now() < until {
+                w.agent.progress();
+            }
+        }
+    }
+    result?;
+    Ok(SweepRun { rows, config })
+}

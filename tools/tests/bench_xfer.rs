@@ -1,0 +1,322 @@
+//! `ferry bench xfer` output schema: a short LOOPBACK sweep over every dimension (CSV,
+//! JSON, plot) and a short UCX run with the target in a second process.
+
+use std::process::Command;
+
+const COLUMNS: &str = "scheme,op,request,layout,block_bytes,batch,workers,requests_per_iter,iters,gbps,lat_avg_us,prep_avg_us,prep_p99_us,post_avg_us,post_p99_us,xfer_avg_us,xfer_p99_us,descs_per_s,ranges,check";
+
+fn run(args: &[&str]) -> (String, String) {
+    let o = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args(args)
+        .env(
+            "UCX_NET_DEVICES",
+            std::env::var("UCX_NET_DEVICES").unwrap_or("lo".into()),
+        )
+        .output()
+        .expect("run ferry");
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success(), "{args:?}:\n{out}\n{err}");
+    (out, err)
+}
+
+fn rows(json: &serde_json::Value) -> &Vec<serde_json::Value> {
+    json["rows"].as_array().expect("rows")
+}
+
+/// Every row has every column, with numbers where numbers belong.
+fn check_row(r: &serde_json::Value) {
+    let keys: Vec<&str> = COLUMNS.split(',').collect();
+    let obj = r.as_object().expect("row object");
+    assert_eq!(obj.len(), keys.len(), "{r}");
+    for k in keys {
+        assert!(obj.contains_key(k), "{k} missing in {r}");
+    }
+    for k in [
+        "gbps",
+        "lat_avg_us",
+        "xfer_avg_us",
+        "xfer_p99_us",
+        "descs_per_s",
+    ] {
+        assert!(r[k].as_f64().unwrap() > 0.0, "{k} in {r}");
+    }
+    for k in ["prep_avg_us", "prep_p99_us", "post_avg_us", "post_p99_us"] {
+        assert!(r[k].as_f64().unwrap() >= 0.0, "{k} in {r}");
+    }
+    assert!(
+        r["xfer_p99_us"].as_f64() >= r["xfer_avg_us"].as_f64().map(|v| v * 0.0),
+        "{r}"
+    );
+    assert_eq!(r["check"], true, "{r}");
+    let batch = r["batch"].as_u64().unwrap();
+    let ranges = r["ranges"].as_u64().unwrap();
+    if r["layout"] == "contiguous" {
+        assert_eq!(ranges, 1, "contiguous blocks merge into one range: {r}");
+    } else {
+        assert!((1..=batch).contains(&ranges), "{r}");
+    }
+}
+
+#[test]
+fn loopback_sweep_writes_csv_json_and_a_plot() {
+    let dir = tempfile::tempdir().unwrap();
+    let csv = dir.path().join("x.csv");
+    let json = dir.path().join("x.json");
+    let png = dir.path().join("x.png");
+    let font = std::path::Path::new("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf").exists()
+        || std::env::var("FERRY_PLOT_FONT").is_ok();
+    let mut args = vec![
+        "bench",
+        "xfer",
+        "--iters",
+        "3",
+        "--warmup",
+        "1",
+        "--max-block",
+        "16K",
+        "--op",
+        "read,write",
+        "--layout",
+        "contiguous,shuffled",
+        "--max-batch",
+        "4",
+        "--batch-factor",
+        "4",
+        "--request",
+        "prepared,oneshot",
+        "--threads",
+        "2",
+        "--scheme",
+        "pairwise,many-to-one,one-to-many",
+        "--check",
+    ];
+    let (c, j, p) = (
+        csv.to_str().unwrap(),
+        json.to_str().unwrap(),
+        png.to_str().unwrap(),
+    );
+    args.extend(["--csv", c, "--json", j]);
+    if font {
+        args.extend(["--plot", p]);
+    } else {
+        ferry_testkit::ci::skip(
+            "a TrueType font for --plot",
+            "DejaVuSans.ttf not found (package fonts-dejavu-core)",
+        );
+    }
+    let (out, err) = run(&args);
+    // stderr is not a terminal here: no progress bar.
+    assert!(!err.contains("bench xfer ["), "{err}");
+    // 3 schemes × 2 ops × 2 request modes × 2 layouts × 3 blocks × 2 batches.
+    let n = 3 * 2 * 2 * 2 * 3 * 2;
+    assert!(out.contains("backend: LOOPBACK"), "{out}");
+    let text = std::fs::read_to_string(&csv).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines[0], COLUMNS);
+    assert_eq!(lines.len(), 1 + n, "{text}");
+    for line in &lines[1..] {
+        assert_eq!(
+            line.split(',').count(),
+            COLUMNS.split(',').count(),
+            "{line}"
+        );
+        assert!(line.ends_with(",ok"), "{line}");
+    }
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["config"]["backend"], "LOOPBACK");
+    assert_eq!(v["threads"], 2);
+    assert_eq!(rows(&v).len(), n);
+    for r in rows(&v) {
+        check_row(r);
+        let expect_workers = if r["scheme"] == "one-to-many" { 1 } else { 2 };
+        assert_eq!(r["workers"], expect_workers, "{r}");
+        let per_iter = if r["scheme"] == "one-to-many" { 2 } else { 1 };
+        assert_eq!(r["requests_per_iter"], per_iter, "{r}");
+    }
+    if font {
+        let bytes = std::fs::read(&png).unwrap();
+        assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+    }
+}
+
+#[test]
+fn ucx_sweep_runs_the_target_in_a_second_process() {
+    let ucx = ferry::Agent::available_backends()
+        .into_iter()
+        .find(|b| b.name == "UCX")
+        .map(|b| b.available);
+    match ucx {
+        Some(Ok(())) => {}
+        Some(Err(why)) => return ferry_testkit::ci::skip("UCX", why),
+        None => return ferry_testkit::ci::skip("UCX", "no UCX backend in this build"),
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("u.json");
+    let csv = dir.path().join("u.csv");
+    let (out, _) = run(&[
+        "bench",
+        "xfer",
+        "--backend",
+        "ucx",
+        "--iters",
+        "3",
+        "--warmup",
+        "1",
+        "--max-block",
+        "64K",
+        "--block-factor",
+        "4",
+        "--op",
+        "read,write",
+        "--layout",
+        "contiguous,shuffled",
+        "--max-batch",
+        "4",
+        "--batch-factor",
+        "4",
+        "--check",
+        "--json",
+        json.to_str().unwrap(),
+        "--csv",
+        csv.to_str().unwrap(),
+    ]);
+    assert!(out.contains("target process (pid"), "{out}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["config"]["backend"], "UCX");
+    // 2 ops × 2 layouts × 3 blocks (4K, 16K, 64K) × 2 batches (1, 4).
+    assert_eq!(rows(&v).len(), 24);
+    for r in rows(&v) {
+        check_row(r);
+    }
+    let text = std::fs::read_to_string(&csv).unwrap();
+    assert_eq!(text.lines().next(), Some(COLUMNS));
+    assert_eq!(text.lines().count(), 25);
+}
+
+/// UCX's availability here, or the reason the caller should skip.
+fn ucx_missing() -> Option<String> {
+    match ferry::Agent::available_backends()
+        .into_iter()
+        .find(|b| b.name == "UCX")
+        .map(|b| b.available)
+    {
+        Some(Ok(())) => None,
+        Some(Err(why)) => Some(why),
+        None => Some("no UCX backend in this build".into()),
+    }
+}
+
+/// `--role target` and `--role initiator` as two commands meeting through `store`
+/// (`--tcpstore ADDR` or `--etcd URL`); returns the initiator's JSON, or the
+/// initiator's stderr when it failed.
+fn two_roles(store: &[&str], run_id: &str) -> Result<serde_json::Value, String> {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("roles.json");
+    let sweep = [
+        "--max-block",
+        "16K",
+        "--block-factor",
+        "4",
+        "--iters",
+        "3",
+        "--check",
+    ];
+    let mut target = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args([
+            "bench",
+            "xfer",
+            "--backend",
+            "ucx",
+            "--role",
+            "target",
+            "--run-id",
+            run_id,
+        ])
+        .args(store)
+        .args(sweep)
+        .env("UCX_NET_DEVICES", "lo")
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args([
+            "bench",
+            "xfer",
+            "--backend",
+            "ucx",
+            "--role",
+            "initiator",
+            "--run-id",
+            run_id,
+        ])
+        .args(store)
+        .args(sweep)
+        .args(["--op", "read,write", "--json", json.to_str().unwrap()])
+        .env("UCX_NET_DEVICES", "lo")
+        .output()
+        .unwrap();
+    if !o.status.success() {
+        let _ = target.kill();
+        let _ = target.wait();
+        return Err(String::from_utf8_lossy(&o.stderr).into_owned());
+    }
+    // The target leaves by itself once the initiator said it is done.
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    let status = loop {
+        if let Some(s) = target.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "the target did not leave"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status}");
+    Ok(serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap())
+}
+
+#[test]
+fn initiator_and_target_roles_meet_through_a_tcpstore() {
+    if let Some(why) = ucx_missing() {
+        return ferry_testkit::ci::skip("UCX", why);
+    }
+    let server = ferry::exchange::tcpstore::serve(
+        ([127, 0, 0, 1], 0).into(),
+        ferry::exchange::tcpstore::ServerConfig::default(),
+    )
+    .unwrap();
+    let addr = server.local_addr().to_string();
+    let v = two_roles(&["--tcpstore", &addr], "roles-tcpstore").expect("initiator");
+    assert_eq!(rows(&v).len(), 2 * 2, "{v}");
+    for r in rows(&v) {
+        check_row(r);
+    }
+    server.stop();
+}
+
+#[test]
+fn initiator_and_target_roles_meet_through_etcd() {
+    let Ok(etcd) = std::env::var("FERRY_TEST_ETCD") else {
+        return ferry_testkit::ci::skip("etcd", "FERRY_TEST_ETCD is not set");
+    };
+    if let Some(why) = ucx_missing() {
+        return ferry_testkit::ci::skip("UCX", why);
+    }
+    let run_id = format!("roles-etcd-{}", std::process::id());
+    match two_roles(&["--etcd", &etcd], &run_id) {
+        Ok(v) => {
+            assert_eq!(rows(&v).len(), 2 * 2, "{v}");
+            for r in rows(&v) {
+                check_row(r);
+            }
+        }
+        Err(e) if e.contains("lacks its `etcd` cargo feature") => {
+            ferry_testkit::ci::skip("the etcd feature", e)
+        }
+        Err(e) => panic!("initiator failed: {e}"),
+    }
+}
