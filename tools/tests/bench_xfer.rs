@@ -3,7 +3,7 @@
 
 use std::process::Command;
 
-const COLUMNS: &str = "scheme,op,request,layout,block_bytes,batch,workers,requests_per_iter,iters,gbps,lat_avg_us,prep_avg_us,prep_p99_us,post_avg_us,post_p99_us,xfer_avg_us,xfer_p99_us,descs_per_s,ranges,check";
+const COLUMNS: &str = "scheme,op,request,layout,block_bytes,batch,workers,requests_per_iter,iters,gbps,lat_avg_us,prep_avg_us,prep_p99_us,post_avg_us,post_p99_us,xfer_avg_us,xfer_p99_us,descs_per_s,ranges,est_us,est_margin_us,est_method,check";
 
 fn run(args: &[&str]) -> (String, String) {
     let o = Command::new(env!("CARGO_BIN_EXE_ferry"))
@@ -49,6 +49,17 @@ fn check_row(r: &serde_json::Value) {
         "{r}"
     );
     assert_eq!(r["check"], true, "{r}");
+    // Every case runs after a warm-up (or after an earlier case), so the agent has
+    // completed requests to estimate from.
+    let est = r["est_us"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("est_us in {r}"));
+    assert!(est > 0.0 && est.is_finite(), "{r}");
+    assert!(r["est_margin_us"].as_f64().unwrap() >= 0.0, "{r}");
+    assert!(
+        ["analytical", "measured", "mixed"].contains(&r["est_method"].as_str().unwrap()),
+        "{r}"
+    );
     let batch = r["batch"].as_u64().unwrap();
     let ranges = r["ranges"].as_u64().unwrap();
     if r["layout"] == "contiguous" {

@@ -44,7 +44,7 @@ use crate::md::ExchangeArgs;
     over all workers; lat = wall time per iteration; prep/post/xfer = the time to prepare \
     a request (prep + make; once per case when prepared), the post call, and post to \
     completion (Ferry's per-request telemetry), each as average and p99 in µs; ranges = \
-    ranges per request after merging."
+    ranges per request after merging; est = Agent::estimate of post to completion, made     after the warm-up, to compare with xfer µs, and its method (analytical: the     transport's model, measured: a fit of this agent's completed requests)."
 )]
 pub struct XferArgs {
     /// The backend: LOOPBACK (in-process), UCX (two processes) or POSIX (memory <-> file).
