@@ -139,6 +139,8 @@ pub struct XferArgs {
     /// Also draw GB/s and latency against block size (PNG).
     #[arg(long, value_name = "FILE.png")]
     pub plot: Option<PathBuf>,
+    #[command(flatten)]
+    pub metrics: crate::metrics::MetricsArgs,
     /// (internal) the target exits when its stdin closes: set by the initiator that
     /// spawned it.
     #[arg(long, hide = true)]
@@ -401,6 +403,7 @@ pub fn plan(args: &XferArgs) -> Result<Plan, String> {
 /// Run `ferry bench xfer`.
 pub fn run(args: &XferArgs) -> Result<(), String> {
     let plan = plan(args)?;
+    let _metrics = plan.args.metrics.start()?;
     if plan.args.role == Role::Target {
         return target::serve(&plan);
     }

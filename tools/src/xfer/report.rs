@@ -157,7 +157,8 @@ pub fn write_csv(path: &Path, run: &SweepRun) -> Result<(), String> {
     std::fs::write(path, out).map_err(|e| format!("{}: {e}", path.display()))
 }
 
-/// Write `{"config": {...}, "rows": [...]}`.
+/// Write `{"config": {...}, "rows": [...], "metrics": {agent: {...}}}` (the metrics:
+/// each initiator agent's at the end, in [`crate::metrics::compact`] form).
 pub fn write_json(path: &Path, plan: &Plan, run: &SweepRun) -> Result<(), String> {
     let config: serde_json::Map<String, serde_json::Value> = run
         .config
@@ -195,12 +196,18 @@ pub fn write_json(path: &Path, plan: &Plan, run: &SweepRun) -> Result<(), String
             })
         })
         .collect();
+    let metrics: serde_json::Map<String, serde_json::Value> = run
+        .metrics
+        .iter()
+        .map(|(name, m)| (name.clone(), crate::metrics::compact(m)))
+        .collect();
     let doc = json!({
         "tool": "ferry bench xfer",
         "version": env!("CARGO_PKG_VERSION"),
         "threads": plan.args.threads,
         "config": config,
         "rows": rows,
+        "metrics": metrics,
     });
     let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
     std::fs::write(path, text + "\n").map_err(|e| format!("{}: {e}", path.display()))

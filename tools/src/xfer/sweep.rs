@@ -75,6 +75,8 @@ pub struct SweepRun {
     pub rows: Vec<Row>,
     /// How the run was configured, as (key, value) pairs (printed and written out).
     pub config: Vec<(String, String)>,
+    /// Each initiator agent's metrics at the end of the run, by agent name.
+    pub metrics: Vec<(String, ferry::metrics::MetricsSnapshot)>,
 }
 
 /// A target as one worker sees it.
@@ -846,5 +848,15 @@ pub fn run(plan: &Plan) -> Result<SweepRun, String> {
         }
     }
     result?;
-    Ok(SweepRun { rows, config })
+    let metrics = setup
+        .workers
+        .iter()
+        .enumerate()
+        .map(|(i, w)| (initiator_name(plan, i), w.agent.metrics()))
+        .collect();
+    Ok(SweepRun {
+        rows,
+        config,
+        metrics,
+    })
 }
