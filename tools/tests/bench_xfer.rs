@@ -436,3 +436,66 @@ fn metrics_listen_refuses_a_bad_address() {
         assert!(err.contains("--metrics-listen"), "{bad}: {err}");
     }
 }
+
+#[test]
+fn peer_timeout_ms_is_checked_and_reaches_the_ucx_backend() {
+    let refused = |args: &[&str], code: i32, words: &str| {
+        let o = Command::new(env!("CARGO_BIN_EXE_ferry"))
+            .args(["bench", "xfer"])
+            .args(args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(code), "{args:?}: {err}");
+        assert!(err.contains(words), "{args:?}: {err}");
+    };
+    refused(
+        &["--backend", "ucx", "--peer-timeout-ms", "86400001"],
+        2,
+        "not in 0..=86400000",
+    );
+    refused(&["--backend", "ucx", "--peer-timeout-ms", "-5"], 2, "-5");
+    refused(&["--peer-timeout-ms", "100"], 1, "UCX parameter");
+    refused(
+        &[
+            "--backend",
+            "ucx",
+            "--peer-timeout-ms",
+            "100",
+            "--param",
+            "peer_timeout_ms=200",
+        ],
+        1,
+        "both given",
+    );
+    if let Some(why) = ucx_missing() {
+        return ferry_testkit::ci::skip("UCX", why);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("t.json");
+    run(&[
+        "bench",
+        "xfer",
+        "--backend",
+        "ucx",
+        "--iters",
+        "3",
+        "--warmup",
+        "1",
+        "--max-block",
+        "4K",
+        "--peer-timeout-ms",
+        "2500",
+        "--check",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    // The initiator agent's backend reports the value it runs with.
+    let effective = v["config"]["backend params"].as_str().unwrap_or_default();
+    assert!(effective.contains("peer_timeout_ms=2500"), "{v}");
+    for r in rows(&v) {
+        check_row(r);
+    }
+}

@@ -114,6 +114,12 @@ pub struct XferArgs {
     /// them), e.g. --param transports=tcp.
     #[arg(long = "param", value_name = "KEY=VALUE", value_parser = crate::args::key_value)]
     pub params: Vec<(String, String)>,
+    /// UCX: declare a target unreachable when its requests make no progress for this
+    /// many ms (the backend's `peer_timeout_ms`, 0..=86400000, 0 = never; default
+    /// 10000). Raise it above the longest batch (bytes / link rate). The spawned
+    /// target gets it too.
+    #[arg(allow_negative_numbers = true, long, value_name = "MS", value_parser = clap::value_parser!(u64).range(0..=86_400_000))]
+    pub peer_timeout_ms: Option<u64>,
     /// UCX: auto spawns the target process here; initiator and target run the two
     /// sides on different hosts, meeting through --tcpstore or --etcd.
     #[arg(long, value_enum, default_value_t = Role::Auto)]
@@ -327,6 +333,20 @@ pub fn plan(args: &XferArgs) -> Result<Plan, String> {
         if !from_env {
             return Err("--role initiator|target needs a store where the two sides meet: --tcpstore HOST:PORT or --etcd URL".into());
         }
+    }
+    if let Some(ms) = args.peer_timeout_ms {
+        if args.backend != BackendArg::Ucx {
+            return Err(format!(
+                "--peer-timeout-ms is a UCX parameter: {} has no peer deadline",
+                args.backend.name()
+            ));
+        }
+        if args.params.iter().any(|(k, _)| k == "peer_timeout_ms") {
+            return Err(
+                "--peer-timeout-ms and --param peer_timeout_ms=… both given: use one".into(),
+            );
+        }
+        args.params.push(("peer_timeout_ms".into(), ms.to_string()));
     }
     if args.start_block > args.max_block {
         return Err(format!(

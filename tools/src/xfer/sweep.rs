@@ -772,7 +772,14 @@ fn describe(plan: &Plan, setup: &Setup) -> Vec<(String, String)> {
             .params
             .iter()
             .filter(|(k, _)| {
-                ["transports", "engine", "error_handling", "progress_thread"].contains(&k.as_str())
+                [
+                    "transports",
+                    "engine",
+                    "error_handling",
+                    "progress_thread",
+                    "peer_timeout_ms",
+                ]
+                .contains(&k.as_str())
             })
             .map(|(k, v)| format!("{k}={v}"))
             .collect();
