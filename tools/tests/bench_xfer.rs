@@ -385,7 +385,7 @@ fn metrics_listen_serves_prometheus_while_a_bench_runs() {
             "--batch",
             "16",
             "--seconds",
-            "3",
+            "2",
             "--metrics-listen",
             "127.0.0.1:0",
         ])
