@@ -87,7 +87,7 @@ pub fn print_table(plan: &Plan, run: &SweepRun) {
     let vary_req = plan.args.request.len() > 1;
     let vary_layout = plan.args.layout.len() > 1;
     println!(
-        "{:<5} {}{}{}{:>9} {:>6} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>10} {:>7} {:>10} {:<10}{}",
+        "{:<5} {}{}{}{:>9} {:>6} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>10} {:>7} {:>11} {:<10}{}",
         "op",
         if vary_scheme {
             format!("{:<12}", "scheme")
@@ -122,7 +122,7 @@ pub fn print_table(plan: &Plan, run: &SweepRun) {
     );
     for r in &run.rows {
         println!(
-            "{:<5} {}{}{}{:>9} {:>6} {:>9.3} {:>10.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>10.2} {:>10.2} {:>10.3e} {:>7} {:>10} {:<10}{}",
+            "{:<5} {}{}{}{:>9} {:>6} {:>9.3} {:>10.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>10.2} {:>10.2} {:>10.3e} {:>7} {:>11} {:<10}{}",
             r.op,
             if vary_scheme { format!("{:<12}", r.scheme) } else { String::new() },
             if vary_req { format!("{:<9}", r.request) } else { String::new() },
