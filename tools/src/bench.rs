@@ -36,6 +36,8 @@ pub struct ControlArgs {
     /// How long to measure, in seconds (at least 5 rounds run).
     #[arg(allow_negative_numbers = true, long, default_value = "2", value_parser = crate::args::seconds)]
     seconds: Duration,
+    #[command(flatten)]
+    pub metrics: crate::metrics::MetricsArgs,
 }
 
 /// Which control path `ferry bench control` times.
@@ -80,6 +82,8 @@ pub struct PosixArgs {
     /// Use plain 4 KiB pages for the memory buffer instead of transparent huge pages.
     #[arg(long)]
     no_huge_pages: bool,
+    #[command(flatten)]
+    pub metrics: crate::metrics::MetricsArgs,
 }
 
 /// An operation, as a flag value.
@@ -126,6 +130,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn control(args: &ControlArgs) -> Result<(), String> {
+    let _metrics = args.metrics.start()?;
     let batch = args.batch as usize;
     let shuffled = args.shuffled;
     let path = match args.path {
@@ -224,6 +229,7 @@ fn control(args: &ControlArgs) -> Result<(), String> {
 /// `ferry bench posix`: DRAM ↔ FILE throughput of the POSIX backend on one pattern
 /// (`backends/posix/bench/fio-compare.sh` runs fio side by side).
 fn posix(args: &PosixArgs) -> Result<(), String> {
+    let _metrics = args.metrics.start()?;
     use ferry_posix::bench::{run, BenchConfig};
     let op = args.op.op();
     let block_bytes = args.block_kib << 10;

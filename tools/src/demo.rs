@@ -27,10 +27,13 @@ pub struct DemoArgs {
     /// The libucp to load for the VRAM demo (a CUDA-capable UCX; with --vram).
     #[arg(long, requires = "vram", value_name = "PATH")]
     pub ucx_library: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    pub metrics: crate::metrics::MetricsArgs,
 }
 
 /// Run the demo `args` ask for.
 pub fn run(args: &DemoArgs) -> Result<(), String> {
+    let _metrics = args.metrics.start()?;
     if args.vram {
         return vram(args);
     }

@@ -19,6 +19,7 @@ mod bench;
 mod buffers;
 mod demo;
 mod md;
+mod metrics;
 mod progress;
 mod store;
 mod xfer;

@@ -83,6 +83,8 @@ pub struct FetchArgs {
     /// How long to wait for the agent to publish, in seconds.
     #[arg(allow_negative_numbers = true, long, default_value = "10", value_parser = crate::args::seconds)]
     timeout: Duration,
+    #[command(flatten)]
+    pub metrics: crate::metrics::MetricsArgs,
 }
 
 /// Run one `ferry md` command.
@@ -93,6 +95,7 @@ pub fn run(cmd: MdCmd) -> Result<(), String> {
 }
 
 fn fetch(args: &FetchArgs) -> Result<(), String> {
+    let _metrics = args.metrics.start()?;
     let config = args.exchange.config()?;
     let via = match &args.peer {
         Some(addr) => Via::Peer(crate::store::resolve(addr)?),

@@ -3,7 +3,7 @@
 
 use std::process::Command;
 
-const COLUMNS: &str = "scheme,op,request,layout,block_bytes,batch,workers,requests_per_iter,iters,gbps,lat_avg_us,prep_avg_us,prep_p99_us,post_avg_us,post_p99_us,xfer_avg_us,xfer_p99_us,descs_per_s,ranges,check";
+const COLUMNS: &str = "scheme,op,request,layout,block_bytes,batch,workers,requests_per_iter,iters,gbps,lat_avg_us,prep_avg_us,prep_p99_us,post_avg_us,post_p99_us,xfer_avg_us,xfer_p99_us,descs_per_s,ranges,est_us,est_margin_us,est_method,check";
 
 fn run(args: &[&str]) -> (String, String) {
     let o = Command::new(env!("CARGO_BIN_EXE_ferry"))
@@ -49,6 +49,17 @@ fn check_row(r: &serde_json::Value) {
         "{r}"
     );
     assert_eq!(r["check"], true, "{r}");
+    // Every case runs after a warm-up (or after an earlier case), so the agent has
+    // completed requests to estimate from.
+    let est = r["est_us"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("est_us in {r}"));
+    assert!(est > 0.0 && est.is_finite(), "{r}");
+    assert!(r["est_margin_us"].as_f64().unwrap() >= 0.0, "{r}");
+    assert!(
+        ["analytical", "measured", "mixed"].contains(&r["est_method"].as_str().unwrap()),
+        "{r}"
+    );
     let batch = r["batch"].as_u64().unwrap();
     let ranges = r["ranges"].as_u64().unwrap();
     if r["layout"] == "contiguous" {
@@ -318,5 +329,173 @@ fn initiator_and_target_roles_meet_through_etcd() {
             ferry_testkit::ci::skip("the etcd feature", e)
         }
         Err(e) => panic!("initiator failed: {e}"),
+    }
+}
+
+/// `--metrics-listen 127.0.0.1:0`: the endpoint starts on a free port (printed on
+/// stderr) and `--json` embeds the initiator's metrics with the requests it moved.
+#[test]
+fn json_embeds_the_initiator_metrics_with_an_endpoint_on_a_free_port() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("m.json");
+    let (_, err) = run(&[
+        "bench",
+        "xfer",
+        "--iters",
+        "4",
+        "--warmup",
+        "2",
+        "--max-block",
+        "8K",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let line = err
+        .lines()
+        .find(|l| l.starts_with("ferry: metrics on http://127.0.0.1:"))
+        .unwrap_or_else(|| panic!("no endpoint address on stderr: {err}"));
+    assert!(!line.contains("127.0.0.1:0/"), "{line}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let m = &v["metrics"]["ferry-bench-initiator-0"];
+    let b = &m["backends"][0];
+    assert_eq!(b["name"], "LOOPBACK", "{m}");
+    // 2 blocks (4K, 8K) × (2 warm-up + 4 timed) iterations, one request each.
+    assert_eq!(b["posted"], 12, "{m}");
+    assert_eq!(b["completed"], 12, "{m}");
+    assert_eq!(b["bytes"], 6 * (4096 + 8192), "{m}");
+    assert!(b["latency_count"].as_u64().unwrap() > 0, "{m}");
+    assert!(b["latency_sum_us"].as_f64().unwrap() > 0.0, "{m}");
+    assert_eq!(b["failed"], 0, "{m}");
+    assert!(m["flushes"].as_u64().unwrap() > 0, "{m}");
+    assert_eq!(m["peers"], 1, "{m}");
+    assert_eq!(m["errors"], serde_json::json!({}), "{m}");
+}
+
+/// The endpoint answers a scrape while the command runs, with the command's agents.
+#[test]
+fn metrics_listen_serves_prometheus_while_a_bench_runs() {
+    use std::io::{BufRead, Read, Write};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args([
+            "bench",
+            "control",
+            "--batch",
+            "16",
+            "--seconds",
+            "2",
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    stderr.read_line(&mut line).unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("ferry: metrics on http://")
+        .and_then(|s| s.strip_suffix("/metrics"))
+        .unwrap_or_else(|| panic!("unexpected first stderr line: {line}"))
+        .to_string();
+    let scrape = || -> String {
+        let mut c = std::net::TcpStream::connect(&addr).unwrap();
+        c.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let mut body = String::new();
+        c.read_to_string(&mut body).unwrap();
+        body
+    };
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let body = loop {
+        let body = scrape();
+        if body.contains("ferry_requests_posted_total{agent=\"bench-a\"") {
+            break body;
+        }
+        assert!(std::time::Instant::now() < until, "{body}");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert!(body.starts_with("HTTP/1.1 200"), "{body}");
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status}");
+}
+
+#[test]
+fn metrics_listen_refuses_a_bad_address() {
+    for bad in ["off", "not an address", "127.0.0.1:99999"] {
+        let o = Command::new(env!("CARGO_BIN_EXE_ferry"))
+            .args(["bench", "xfer", "--metrics-listen", bad])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{bad}: {err}");
+        assert!(err.contains("--metrics-listen"), "{bad}: {err}");
+    }
+}
+
+#[test]
+fn peer_timeout_ms_is_checked_and_reaches_the_ucx_backend() {
+    let refused = |args: &[&str], code: i32, words: &str| {
+        let o = Command::new(env!("CARGO_BIN_EXE_ferry"))
+            .args(["bench", "xfer"])
+            .args(args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(code), "{args:?}: {err}");
+        assert!(err.contains(words), "{args:?}: {err}");
+    };
+    refused(
+        &["--backend", "ucx", "--peer-timeout-ms", "86400001"],
+        2,
+        "not in 0..=86400000",
+    );
+    refused(&["--backend", "ucx", "--peer-timeout-ms", "-5"], 2, "-5");
+    refused(&["--peer-timeout-ms", "100"], 1, "UCX parameter");
+    refused(
+        &[
+            "--backend",
+            "ucx",
+            "--peer-timeout-ms",
+            "100",
+            "--param",
+            "peer_timeout_ms=200",
+        ],
+        1,
+        "both given",
+    );
+    if let Some(why) = ucx_missing() {
+        return ferry_testkit::ci::skip("UCX", why);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("t.json");
+    run(&[
+        "bench",
+        "xfer",
+        "--backend",
+        "ucx",
+        "--iters",
+        "3",
+        "--warmup",
+        "1",
+        "--max-block",
+        "4K",
+        "--peer-timeout-ms",
+        "2500",
+        "--check",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    // The initiator agent's backend reports the value it runs with.
+    let effective = v["config"]["backend params"].as_str().unwrap_or_default();
+    assert!(effective.contains("peer_timeout_ms=2500"), "{v}");
+    for r in rows(&v) {
+        check_row(r);
     }
 }

@@ -44,7 +44,7 @@ use crate::md::ExchangeArgs;
     over all workers; lat = wall time per iteration; prep/post/xfer = the time to prepare \
     a request (prep + make; once per case when prepared), the post call, and post to \
     completion (Ferry's per-request telemetry), each as average and p99 in µs; ranges = \
-    ranges per request after merging."
+    ranges per request after merging; est = Agent::estimate of post to completion, made     after the warm-up, to compare with xfer µs, and its method (analytical: the     transport's model, measured: a fit of this agent's completed requests)."
 )]
 pub struct XferArgs {
     /// The backend: LOOPBACK (in-process), UCX (two processes) or POSIX (memory <-> file).
@@ -114,6 +114,12 @@ pub struct XferArgs {
     /// them), e.g. --param transports=tcp.
     #[arg(long = "param", value_name = "KEY=VALUE", value_parser = crate::args::key_value)]
     pub params: Vec<(String, String)>,
+    /// UCX: declare a target unreachable when its requests make no progress for this
+    /// many ms (the backend's `peer_timeout_ms`, 0..=86400000, 0 = never; default
+    /// 10000). Raise it above the longest batch (bytes / link rate). The spawned
+    /// target gets it too.
+    #[arg(allow_negative_numbers = true, long, value_name = "MS", value_parser = clap::value_parser!(u64).range(0..=86_400_000))]
+    pub peer_timeout_ms: Option<u64>,
     /// UCX: auto spawns the target process here; initiator and target run the two
     /// sides on different hosts, meeting through --tcpstore or --etcd.
     #[arg(long, value_enum, default_value_t = Role::Auto)]
@@ -139,6 +145,8 @@ pub struct XferArgs {
     /// Also draw GB/s and latency against block size (PNG).
     #[arg(long, value_name = "FILE.png")]
     pub plot: Option<PathBuf>,
+    #[command(flatten)]
+    pub metrics: crate::metrics::MetricsArgs,
     /// (internal) the target exits when its stdin closes: set by the initiator that
     /// spawned it.
     #[arg(long, hide = true)]
@@ -326,6 +334,20 @@ pub fn plan(args: &XferArgs) -> Result<Plan, String> {
             return Err("--role initiator|target needs a store where the two sides meet: --tcpstore HOST:PORT or --etcd URL".into());
         }
     }
+    if let Some(ms) = args.peer_timeout_ms {
+        if args.backend != BackendArg::Ucx {
+            return Err(format!(
+                "--peer-timeout-ms is a UCX parameter: {} has no peer deadline",
+                args.backend.name()
+            ));
+        }
+        if args.params.iter().any(|(k, _)| k == "peer_timeout_ms") {
+            return Err(
+                "--peer-timeout-ms and --param peer_timeout_ms=… both given: use one".into(),
+            );
+        }
+        args.params.push(("peer_timeout_ms".into(), ms.to_string()));
+    }
     if args.start_block > args.max_block {
         return Err(format!(
             "--start-block ({}) is larger than --max-block ({})",
@@ -401,6 +423,7 @@ pub fn plan(args: &XferArgs) -> Result<Plan, String> {
 /// Run `ferry bench xfer`.
 pub fn run(args: &XferArgs) -> Result<(), String> {
     let plan = plan(args)?;
+    let _metrics = plan.args.metrics.start()?;
     if plan.args.role == Role::Target {
         return target::serve(&plan);
     }

@@ -29,6 +29,9 @@ pub const COLUMNS: &[&str] = &[
     "xfer_p99_us",
     "descs_per_s",
     "ranges",
+    "est_us",
+    "est_margin_us",
+    "est_method",
     "check",
 ];
 
@@ -38,6 +41,10 @@ fn check_text(c: Option<bool>) -> &'static str {
         Some(true) => "ok",
         Some(false) => "FAILED",
     }
+}
+
+fn opt_us(v: Option<f64>) -> String {
+    v.map_or_else(String::new, |v| format!("{v:.3}"))
 }
 
 fn cells(r: &Row) -> Vec<String> {
@@ -61,6 +68,9 @@ fn cells(r: &Row) -> Vec<String> {
         format!("{:.3}", r.xfer_p99_us),
         format!("{:.0}", r.descs_per_s),
         r.ranges.to_string(),
+        opt_us(r.est_us),
+        opt_us(r.est_margin_us),
+        r.est_method.to_string(),
         check_text(r.check).to_string(),
     ]
 }
@@ -77,7 +87,7 @@ pub fn print_table(plan: &Plan, run: &SweepRun) {
     let vary_req = plan.args.request.len() > 1;
     let vary_layout = plan.args.layout.len() > 1;
     println!(
-        "{:<5} {}{}{}{:>9} {:>6} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>10} {:>7}{}",
+        "{:<5} {}{}{}{:>9} {:>6} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>10} {:>7} {:>11} {:<10}{}",
         "op",
         if vary_scheme {
             format!("{:<12}", "scheme")
@@ -106,11 +116,13 @@ pub fn print_table(plan: &Plan, run: &SweepRun) {
         "xfer p99",
         "desc/s",
         "ranges",
+        "est µs",
+        "est by",
         if plan.args.check { "  check" } else { "" }
     );
     for r in &run.rows {
         println!(
-            "{:<5} {}{}{}{:>9} {:>6} {:>9.3} {:>10.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>10.2} {:>10.2} {:>10.3e} {:>7}{}",
+            "{:<5} {}{}{}{:>9} {:>6} {:>9.3} {:>10.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>10.2} {:>10.2} {:>10.3e} {:>7} {:>11} {:<10}{}",
             r.op,
             if vary_scheme { format!("{:<12}", r.scheme) } else { String::new() },
             if vary_req { format!("{:<9}", r.request) } else { String::new() },
@@ -127,6 +139,8 @@ pub fn print_table(plan: &Plan, run: &SweepRun) {
             r.xfer_p99_us,
             r.descs_per_s,
             r.ranges,
+            r.est_us.map_or_else(|| "-".to_string(), |v| format!("{v:.2}")),
+            if r.est_method.is_empty() { "-" } else { r.est_method },
             if plan.args.check { format!("  {}", check_text(r.check)) } else { String::new() }
         );
     }
@@ -143,7 +157,8 @@ pub fn write_csv(path: &Path, run: &SweepRun) -> Result<(), String> {
     std::fs::write(path, out).map_err(|e| format!("{}: {e}", path.display()))
 }
 
-/// Write `{"config": {...}, "rows": [...]}`.
+/// Write `{"config": {...}, "rows": [...], "metrics": {agent: {...}}}` (the metrics:
+/// each initiator agent's at the end, in [`crate::metrics::compact`] form).
 pub fn write_json(path: &Path, plan: &Plan, run: &SweepRun) -> Result<(), String> {
     let config: serde_json::Map<String, serde_json::Value> = run
         .config
@@ -174,9 +189,17 @@ pub fn write_json(path: &Path, plan: &Plan, run: &SweepRun) -> Result<(), String
                 "xfer_p99_us": r.xfer_p99_us,
                 "descs_per_s": r.descs_per_s,
                 "ranges": r.ranges,
+                "est_us": r.est_us,
+                "est_margin_us": r.est_margin_us,
+                "est_method": (!r.est_method.is_empty()).then_some(r.est_method),
                 "check": r.check,
             })
         })
+        .collect();
+    let metrics: serde_json::Map<String, serde_json::Value> = run
+        .metrics
+        .iter()
+        .map(|(name, m)| (name.clone(), crate::metrics::compact(m)))
         .collect();
     let doc = json!({
         "tool": "ferry bench xfer",
@@ -184,6 +207,7 @@ pub fn write_json(path: &Path, plan: &Plan, run: &SweepRun) -> Result<(), String
         "threads": plan.args.threads,
         "config": config,
         "rows": rows,
+        "metrics": metrics,
     });
     let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
     std::fs::write(path, text + "\n").map_err(|e| format!("{}: {e}", path.display()))

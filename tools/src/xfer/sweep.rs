@@ -5,7 +5,10 @@ use std::path::PathBuf;
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
-use ferry::{Agent, AgentConfig, Desc, FileMode, MemKind, Op, Params, Side, XferId, XferStatus};
+use ferry::{
+    Agent, AgentConfig, CostEstimate, CostMethod, Desc, FileMode, MemKind, Op, Params, Side,
+    XferId, XferStatus,
+};
 
 use super::buffer::Buffer;
 use super::{target, BackendArg, Layout, Plan, RequestMode, Scheme};
@@ -55,6 +58,13 @@ pub struct Row {
     pub descs_per_s: f64,
     /// Ranges per request after merging (telemetry).
     pub ranges: u64,
+    /// `Agent::estimate` of the case's requests (post to completion, average over
+    /// them), µs; `None` when no estimate was available.
+    pub est_us: Option<f64>,
+    /// The estimates' margin (average), µs.
+    pub est_margin_us: Option<f64>,
+    /// How they were made: `analytical`, `measured`, `mixed`, or empty (none).
+    pub est_method: &'static str,
     /// Byte check result (None: not asked for).
     pub check: Option<bool>,
 }
@@ -65,6 +75,8 @@ pub struct SweepRun {
     pub rows: Vec<Row>,
     /// How the run was configured, as (key, value) pairs (printed and written out).
     pub config: Vec<(String, String)>,
+    /// Each initiator agent's metrics at the end of the run, by agent name.
+    pub metrics: Vec<(String, ferry::metrics::MetricsSnapshot)>,
 }
 
 /// A target as one worker sees it.
@@ -289,6 +301,7 @@ struct Samples {
     post: Vec<Duration>,
     xfer: Vec<Duration>,
     ranges: u64,
+    estimates: Vec<CostEstimate>,
     check: Option<bool>,
 }
 
@@ -402,6 +415,47 @@ fn one_shot(agent: &Agent, op: Op, l: &Lists) -> Result<(), String> {
     r
 }
 
+/// `Agent::estimate` for every request of one iteration: the prepared ones, or (one-shot)
+/// requests made from the lists for the purpose and released again. Untimed. Empty when
+/// the agent has no estimate yet (no completed request: `NoTelemetry`).
+fn estimates(
+    agent: &Agent,
+    op: Op,
+    lists: &[Lists],
+    prepared: &[XferId],
+) -> Result<Vec<CostEstimate>, String> {
+    let mut out = Vec::with_capacity(lists.len());
+    for (k, l) in lists.iter().enumerate() {
+        let (x, temporary) = match prepared.get(k) {
+            Some(&x) => (x, false),
+            None => {
+                let x = agent
+                    .create(
+                        op,
+                        MemKind::Dram,
+                        &l.local,
+                        l.remote_side,
+                        l.remote_kind,
+                        &l.remote,
+                        None,
+                    )
+                    .map_err(err)?;
+                (x, true)
+            }
+        };
+        let e = agent.estimate(x);
+        if temporary {
+            agent.release(x).map_err(err)?;
+        }
+        match e {
+            Ok(e) => out.push(e),
+            Err(ferry::Error::NoTelemetry { .. }) => return Ok(Vec::new()),
+            Err(e) => return Err(format!("estimating a request: {e}")),
+        }
+    }
+    Ok(out)
+}
+
 fn run_case(
     w: &Worker,
     plan: &Plan,
@@ -428,6 +482,9 @@ fn run_case(
     let mut started = Instant::now();
     for it in 0..total {
         if it == plan.args.warmup {
+            // The estimate, before the timed iterations (the measured model has seen
+            // the earlier cases and this one's warm-up).
+            s.estimates = estimates(agent, op, &lists, &prepared)?;
             s.prep.retain(|_| case.request == RequestMode::Prepared);
             s.post.clear();
             s.xfer.clear();
@@ -466,6 +523,11 @@ fn run_case(
         }
     }
     s.elapsed = started.elapsed();
+    if s.estimates.is_empty() {
+        // Nothing had completed before the timed iterations (no warm-up in the first
+        // case): estimate now.
+        s.estimates = estimates(agent, op, &lists, &prepared)?;
+    }
     s.bytes = bytes_per_iter * u64::from(plan.args.iters);
     s.descs = descs_per_iter * u64::from(plan.args.iters);
     for &x in &prepared {
@@ -597,6 +659,16 @@ fn row(case: &Case, plan: &Plan, samples: Vec<Samples>, requests_per_iter: usize
     } else {
         None
     };
+    let ests: Vec<&CostEstimate> = samples.iter().flat_map(|s| &s.estimates).collect();
+    let mean = |f: fn(&CostEstimate) -> Duration| {
+        (!ests.is_empty()).then(|| ests.iter().map(|e| us(f(e))).sum::<f64>() / ests.len() as f64)
+    };
+    let est_method = match ests.first().map(|e| e.method) {
+        None => "",
+        Some(m) if ests.iter().any(|e| e.method != m) => "mixed",
+        Some(CostMethod::Analytical) => "analytical",
+        Some(CostMethod::Measured) => "measured",
+    };
     Row {
         scheme: name_of_scheme(case.scheme),
         op: match case.op {
@@ -626,6 +698,9 @@ fn row(case: &Case, plan: &Plan, samples: Vec<Samples>, requests_per_iter: usize
         xfer_p99_us,
         descs_per_s: descs as f64 / elapsed.as_secs_f64(),
         ranges: samples.first().map_or(0, |s| s.ranges),
+        est_us: mean(|e| e.duration),
+        est_margin_us: mean(|e| e.margin),
+        est_method,
         check,
     }
 }
@@ -697,7 +772,14 @@ fn describe(plan: &Plan, setup: &Setup) -> Vec<(String, String)> {
             .params
             .iter()
             .filter(|(k, _)| {
-                ["transports", "engine", "error_handling", "progress_thread"].contains(&k.as_str())
+                [
+                    "transports",
+                    "engine",
+                    "error_handling",
+                    "progress_thread",
+                    "peer_timeout_ms",
+                ]
+                .contains(&k.as_str())
             })
             .map(|(k, v)| format!("{k}={v}"))
             .collect();
@@ -773,5 +855,15 @@ pub fn run(plan: &Plan) -> Result<SweepRun, String> {
         }
     }
     result?;
-    Ok(SweepRun { rows, config })
+    let metrics = setup
+        .workers
+        .iter()
+        .enumerate()
+        .map(|(i, w)| (initiator_name(plan, i), w.agent.metrics()))
+        .collect();
+    Ok(SweepRun {
+        rows,
+        config,
+        metrics,
+    })
 }
