@@ -136,6 +136,42 @@ pub struct FileMode {
     pub sync: bool,
 }
 
+impl FileMode {
+    /// Open `path` as this mode says (close-on-exec; `O_DIRECT`/`O_SYNC` as asked;
+    /// created with mode 0644). `backend` names the backend in the error: `InvalidParam`
+    /// for `create` without `write`, `Backend` (with the errno) when the open fails.
+    pub fn open(&self, path: &Path, backend: &'static str) -> Result<std::os::fd::OwnedFd> {
+        use std::os::unix::fs::OpenOptionsExt;
+        if self.create && !self.write {
+            return Err(Error::invalid(
+                Subject::Named(format!("file '{}'", path.display()).into()),
+                "create needs write mode",
+            ));
+        }
+        let mut flags = libc::O_CLOEXEC;
+        if self.direct {
+            flags |= libc::O_DIRECT;
+        }
+        if self.sync {
+            flags |= libc::O_SYNC;
+        }
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(self.write)
+            .create(self.create)
+            .mode(0o644)
+            .custom_flags(flags)
+            .open(path)
+            .map_err(|e| Error::Backend {
+                backend: backend.into(),
+                errno: e.raw_os_error().unwrap_or(libc::EIO),
+                desc: None,
+                detail: format!("cannot open file '{}': {e}", path.display()).into(),
+            })?;
+        Ok(file.into())
+    }
+}
+
 /// A region to register.
 #[derive(Clone, Copy, Debug)]
 pub struct RegionSpec<'a> {

@@ -40,16 +40,14 @@ mod engine;
 mod slots;
 
 use std::collections::VecDeque;
-use std::fs::OpenOptions;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use ferry_backend_api::{
     Backend, BackendFactory, BackendInit, Capabilities, Completions, Endpoint, Error, Failure,
-    FailureKind, FileMode, MemKind, Op, ParamSpec, Params, PeerId, Post, RegionSpec, Registered,
-    RemoteAgent, Result, Subject,
+    FailureKind, MemKind, Op, ParamSpec, Params, PeerId, Post, RegionSpec, Registered, RemoteAgent,
+    Result, Subject,
 };
 
 use crate::cufile::{CUfileDescr, CUfileDescrHandle, CUfileHandle, CuFile, IoMode};
@@ -494,7 +492,7 @@ impl GdsBackend {
         }
         let (fd, owned, path) = match region.path {
             Some((path, mode)) => {
-                let fd = open_file(path, mode)?;
+                let fd = mode.open(path, NAME)?;
                 (fd.as_raw_fd(), Some(fd), Some(path.to_path_buf()))
             }
             None => {
@@ -792,36 +790,6 @@ impl GdsBackend {
         }
         self.scratch = finished;
     }
-}
-
-fn open_file(path: &Path, mode: FileMode) -> Result<OwnedFd> {
-    if mode.create && !mode.write {
-        return Err(Error::invalid(
-            Subject::Named(format!("file '{}'", path.display()).into()),
-            "create needs write mode",
-        ));
-    }
-    let mut flags = libc::O_CLOEXEC;
-    if mode.direct {
-        flags |= libc::O_DIRECT;
-    }
-    if mode.sync {
-        flags |= libc::O_SYNC;
-    }
-    let file = OpenOptions::new()
-        .read(true)
-        .write(mode.write)
-        .create(mode.create)
-        .mode(0o644)
-        .custom_flags(flags)
-        .open(path)
-        .map_err(|e| Error::Backend {
-            backend: NAME.into(),
-            errno: e.raw_os_error().unwrap_or(libc::EIO),
-            desc: None,
-            detail: format!("cannot open file '{}': {e}", path.display()).into(),
-        })?;
-    Ok(file.into())
 }
 
 impl Backend for GdsBackend {

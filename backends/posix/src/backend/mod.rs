@@ -13,10 +13,9 @@ mod validation;
 use registration::{query_fd, query_path};
 
 use std::collections::VecDeque;
-use std::fs::OpenOptions;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::time::Duration;
 

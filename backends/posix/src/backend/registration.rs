@@ -46,33 +46,7 @@ impl PosixBackend {
         };
         let mut entry = match region.path {
             Some((path, mode)) => {
-                if mode.create && !mode.write {
-                    return Err(Error::invalid(
-                        Subject::Named(format!("file '{}'", path.display()).into()),
-                        "create needs write mode",
-                    ));
-                }
-                let mut flags = libc::O_CLOEXEC;
-                if mode.direct {
-                    flags |= libc::O_DIRECT;
-                }
-                if mode.sync {
-                    flags |= libc::O_SYNC;
-                }
-                let file = OpenOptions::new()
-                    .read(true)
-                    .write(mode.write)
-                    .create(mode.create)
-                    .mode(0o644)
-                    .custom_flags(flags)
-                    .open(path)
-                    .map_err(|e| {
-                        os_error(
-                            errno_of(&e),
-                            format!("cannot open file '{}': {e}", path.display()),
-                        )
-                    })?;
-                let fd: std::os::fd::OwnedFd = file.into();
+                let fd = mode.open(path, NAME)?;
                 FileEntry {
                     fd: fd.as_raw_fd(),
                     _owned: Some(fd),
