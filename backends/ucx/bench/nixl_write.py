@@ -25,7 +25,10 @@ BUFFER_LEN = 256 << 20
 
 
 def make_agent(name, err_mode):
-    from nixl._api import nixl_agent, nixl_agent_config
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError:  # the nixl-cu12 wheel alone, without the "nixl" meta-package
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
 
     agent = nixl_agent(name, nixl_agent_config(backends=[]))
     agent.create_backend("UCX", {"ucx_error_handling_mode": err_mode})

@@ -101,7 +101,8 @@ pub const PARAMS: &[ParamSpec] = &[
     ParamSpec {
         name: "ucx_library",
         default: "",
-        doc: "path of the libucp to load; empty = the system's libucp.so.0",
+        doc: "path of the libucp to load; empty = $FERRY_UCX_LIBRARY if set, else the system's \
+              libucp.so.0",
     },
     ParamSpec {
         name: "progress_thread",
@@ -282,7 +283,8 @@ impl Config {
             .map(str::to_string);
         let library = Some(get("ucx_library").trim())
             .filter(|d| !d.is_empty())
-            .map(PathBuf::from);
+            .map(PathBuf::from)
+            .or_else(library_from_env);
         let progress_thread = match get("progress_thread") {
             "true" | "1" | "yes" => true,
             "false" | "0" | "no" => false,
@@ -358,6 +360,17 @@ impl Config {
     }
 }
 
+/// Environment variable naming the libucp to load when `ucx_library` is not given, so
+/// that tests, benchmarks and tools all run on one UCX build without loading the
+/// system's as well.
+pub const LIBRARY_ENV: &str = "FERRY_UCX_LIBRARY";
+
+fn library_from_env() -> Option<PathBuf> {
+    std::env::var_os(LIBRARY_ENV)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+}
+
 /// Libraries loaded so far, by the name they were loaded under. Kept for the life of the
 /// process: unloading UCX while anything might still reference it is not worth the risk.
 fn load_library(library: Option<&Path>) -> std::result::Result<Arc<Ucp>, String> {
@@ -400,7 +413,7 @@ impl BackendFactory for UcxFactory {
     }
 
     fn available(&self) -> std::result::Result<(), String> {
-        load_library(None).map(|_| ())
+        load_library(library_from_env().as_deref()).map(|_| ())
     }
 
     fn create(&self, init: &BackendInit<'_>) -> Result<Box<dyn Backend>> {
@@ -645,7 +658,8 @@ mod tests {
         let config = Config::from_params(&defaults).unwrap();
         assert_eq!(config.workers, 1);
         assert_eq!(config.error_mode, ErrorMode::Peer);
-        assert!(config.devices.is_none() && config.library.is_none());
+        assert!(config.devices.is_none());
+        assert_eq!(config.library, library_from_env());
         assert!(!config.progress_thread);
 
         for (key, value) in [

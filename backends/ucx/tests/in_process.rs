@@ -824,3 +824,40 @@ fn a_full_inbox_refuses_whole_notifications_and_keeps_the_accepted_ones() {
 fn libc_enobufs() -> i32 {
     105
 }
+
+#[test]
+fn a_large_tcp_write_is_posted_without_waiting_for_its_data() {
+    if !setup() {
+        return;
+    }
+    // The target progresses on its own thread, so a post that carried the data itself
+    // would come back with the request already complete. 64 MiB over TCP cannot move
+    // inside a post that only hands the puts to UCX.
+    const LEN: usize = 64 << 20;
+    let mut p = pair("tcp", LEN, &[("progress_thread", "true")]);
+    Rng::new(17).fill(&mut p.a_buf.0);
+    // Warm up: the endpoint and its wire-up (first use) are not the point here.
+    let small = [range(&p, 0, 0, 4096)];
+    run(&mut p, &[post(40, Op::Write, &small, None)]);
+
+    let ranges = [range(&p, 0, 0, LEN)];
+    let mut done = Completions::with_capacity(4);
+    let started = std::time::Instant::now();
+    p.a.post_t(
+        Endpoint::Peer(p.peer_b),
+        &[post(41, Op::Write, &ranges, None)],
+        &mut done,
+    )
+    .expect("post");
+    let post_time = started.elapsed();
+    let in_flight = p.a.in_flight();
+    eprintln!("post of a 64 MiB tcp write took {post_time:?}");
+    assert!(
+        done.is_empty() && in_flight == 1,
+        "post waited for the data: {} completion(s), {in_flight} in flight after post",
+        done.len()
+    );
+    let got = wait_for(&mut [&mut p.a], &[41], TIMEOUT);
+    assert_eq!(got[0].result, Ok(()));
+    assert!(p.a_buf.0 == p.b_buf.0, "data differs after the write");
+}

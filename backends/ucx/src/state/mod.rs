@@ -49,7 +49,7 @@ use crate::{Config, ErrorMode, BACKEND};
 
 pub(crate) use callbacks::Events;
 use callbacks::{on_ep_error, on_notif, on_op_done, CompletionQueue, OpCell, PeerLink};
-use config::{may_use_shared_memory, zcopy_thresh_override};
+use config::{may_use_shared_memory, rndv_thresh_override, zcopy_thresh_override};
 pub(crate) use diagnostics::errno_of;
 #[cfg(test)]
 pub(crate) use diagnostics::summarize_lanes;
@@ -65,6 +65,13 @@ const NOTIF_AM_ID: u32 = 0x4652;
 pub(crate) const NOTIF_LEN_MAX: usize = 64 * 1024;
 /// Bound on `ucp_worker_progress` rounds per pump, so a pump never spins for long.
 const PROGRESS_ROUNDS_MAX: u32 = 256;
+/// Rounds between two looks at the clock inside a pump.
+const PROGRESS_CLOCK_ROUNDS: u32 = 8;
+/// Time after which a pump stops progressing a worker that still has work. Over TCP
+/// every round moves up to a socket buffer of data, so without it one pump (and with
+/// it the `post` whose flush ends in the progress phase) could carry a whole 64 MiB
+/// transfer; the rest is left to the next progress phase or the progress thread.
+const PROGRESS_BUDGET: Duration = Duration::from_micros(100);
 /// How long closing an endpoint may take before it is abandoned.
 const EP_CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Slot link terminator.
@@ -158,6 +165,7 @@ impl Core {
         let fifo_size = config.shm_fifo_size.filter(|_| shm).map(|n| n.to_string());
         let seg_size = config.shm_seg_bytes.filter(|_| shm).map(|n| n.to_string());
         let zcopy_thresh = zcopy_thresh_override(ucp.version());
+        let rndv_thresh = rndv_thresh_override();
         let overrides = [
             (c"NET_DEVICES", &config.devices),
             (c"TLS", &config.transports),
@@ -165,6 +173,7 @@ impl Core {
             (c"MM_FIFO_SIZE", &fifo_size),
             (c"MM_SEG_SIZE", &seg_size),
             (c"ZCOPY_THRESH", &zcopy_thresh),
+            (c"RNDV_THRESH", &rndv_thresh),
         ];
         for (name, value) in overrides {
             let Some(value) = value else { continue };

@@ -265,13 +265,17 @@ impl Core {
     pub(crate) fn pump(&mut self) -> bool {
         let api = self.ucp.api();
         let mut progressed = false;
+        let started = Instant::now();
         for worker in &self.workers {
-            for _ in 0..PROGRESS_ROUNDS_MAX {
+            for round in 1..=PROGRESS_ROUNDS_MAX {
                 // SAFETY: worker live; callbacks only push into `events`.
                 if unsafe { api.ucp_worker_progress(worker.handle) } == 0 {
                     break;
                 }
                 progressed = true;
+                if round % PROGRESS_CLOCK_ROUNDS == 0 && started.elapsed() > PROGRESS_BUDGET {
+                    break;
+                }
             }
         }
         let buried = !self.graves.is_empty() && self.reap_graves() > 0;
