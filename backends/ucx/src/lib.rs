@@ -115,6 +115,13 @@ pub const PARAMS: &[ParamSpec] = &[
         doc: "largest single put/get; longer merged ranges are issued in pieces of this size",
     },
     ParamSpec {
+        name: "post_window_bytes",
+        default: "1048576",
+        doc: "bytes a post hands to UCX at once; the rest of a batch is handed over by later \
+              progress calls, a window each (UCX sends inline, so this bounds the time a post \
+              or one progress call spends moving data); 0 = everything in the post",
+    },
+    ParamSpec {
         name: "shm_fifo_size",
         default: "auto",
         doc: "receive FIFO entries of UCX's shared-memory transports (UCX_MM_FIFO_SIZE), a power \
@@ -188,6 +195,8 @@ pub struct Config {
     pub max_requests: usize,
     /// Largest single put/get in bytes.
     pub chunk_bytes: u64,
+    /// Bytes handed to UCX per post or progress call (`u64::MAX` = no window).
+    pub window_bytes: u64,
     /// Notifications the inbox holds until drained.
     pub notif_entries_max: usize,
     /// Bytes the inbox holds until drained.
@@ -320,6 +329,11 @@ impl Config {
             .ok()
             .filter(|n| *n >= 4096)
             .ok_or_else(|| bad("chunk_bytes", "expected at least 4096"))?;
+        let window_bytes = match get("post_window_bytes").parse::<u64>() {
+            Ok(0) => u64::MAX,
+            Ok(n) if n >= 4096 => n,
+            _ => return Err(bad("post_window_bytes", "expected 0 or at least 4096")),
+        };
         let shm_fifo_size = ucx_tuning(
             get("shm_fifo_size"),
             SHM_FIFO_SIZE_AUTO,
@@ -349,6 +363,7 @@ impl Config {
             shm_fifo_size,
             shm_seg_bytes,
             chunk_bytes,
+            window_bytes,
             workers,
             error_mode,
             devices,
@@ -677,6 +692,7 @@ mod tests {
             ("notif_queue_bytes", "10"),
             ("ep_close", "gently"),
             ("close_progress_rounds", "-1"),
+            ("post_window_bytes", "100"),
         ] {
             let mut params = defaults.clone();
             params.insert(key.into(), value.into());

@@ -31,7 +31,7 @@ mod notifications;
 mod peers;
 mod requests;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
 use std::ptr;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI8, AtomicU64, Ordering};
@@ -57,7 +57,7 @@ use diagnostics::ucx_error;
 use memory::MemEntry;
 use notifications::Inbox;
 use peers::{Grave, PeerState};
-use requests::{Slot, SlotState};
+use requests::{Deferred, Slot, SlotState};
 
 /// Active-message id of Ferry notifications.
 const NOTIF_AM_ID: u32 = 0x4652;
@@ -111,6 +111,10 @@ pub(crate) struct Core {
     pub(crate) ready: Completions,
     /// Largest single put/get; longer ranges are split.
     chunk_bytes: u64,
+    /// Bytes handed to UCX per post or pump (`post_window_bytes`).
+    window_bytes: u64,
+    /// Ranges of posted batches not handed to UCX yet, in post order.
+    deferred: VecDeque<Deferred>,
 }
 
 // SAFETY: the raw UCX handles in Core are only used by whichever thread holds the core
@@ -243,6 +247,8 @@ impl Core {
                 notif: Vec::new(),
                 has_notif: false,
                 next: NONE,
+                ep: ptr::null_mut(),
+                deferred: 0,
             })
             .collect();
         let mut core = Core {
@@ -263,6 +269,8 @@ impl Core {
             self_ep: ptr::null_mut(),
             ready: Completions::with_capacity(slot_count),
             chunk_bytes: config.chunk_bytes,
+            window_bytes: config.window_bytes,
+            deferred: VecDeque::new(),
             graves: Vec::new(),
             close_rounds: config.close_rounds,
             close_force: config.close_force,
