@@ -14,7 +14,9 @@
 //!   with new connection info, or reported dead.
 //! - **Posting** a batch issues one put/get per merged range on the batch's endpoint,
 //!   then one `ucp_ep_flush_nbx`; each request of the batch completes when the flush
-//!   does. A notification attached to a request is sent (active message, eager, header
+//!   does. A post hands at most `post_window_bytes` of the batch to UCX (which sends
+//!   inline where it can); every progress call hands over one more window, and the
+//!   flush goes once the whole batch is with UCX. A notification attached to a request is sent (active message, eager, header
 //!   = sender agent name) only *after* that flush, so the target sees it only once the
 //!   data is there; the request completes when the notification is sent.
 //! - **Local** transfers (both sides registered here) go through an endpoint to our own

@@ -10,6 +10,13 @@
 //!                                        │  slots of a batch linked by `next`) └──────────no notif─────▶ done
 //! ```
 //!
+//! With a window (`post_window_bytes`), the part of a batch beyond the window waits in
+//! `Core::deferred` (pieces of ranges, in post order); each [`Core::pump`] issues one
+//! more window, and the batch's flush is issued when its last piece is (the head slot
+//! counts its pieces). A peer's pieces are cut before its endpoint closes: their
+//! requests fail and their batches are flushed at once, so each is still reported from
+//! its flush's callback.
+//!
 //! A standalone notification takes a slot in `WaitNotif` directly and completes without
 //! a report (it has no tag). UCX callbacks never touch the core: they store their status
 //! in the request's cell and queue the cell's index in a bounded lock-free queue that
