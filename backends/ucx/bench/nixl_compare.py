@@ -95,7 +95,14 @@ def run_nixl(python, variant, block, count, op, seconds):
         "--shuffled", "1", "--err-mode", ERR_MODE[variant],
         "--seconds", str(seconds), "--prog-thread", "0", "--cpus", "0,1",
     ]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600).stdout
+    try:
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        print(f"NIXL {variant} {op} {block} B x {count}: timed out", file=sys.stderr)
+        return None
+    if "transfer failed" in run.stderr:
+        print(f"NIXL {variant} {op} {block} B x {count}: transfer failed", file=sys.stderr)
+    out = run.stdout
     for line in out.splitlines():
         m = NIXL_LINE.match(line.strip())
         if m:

@@ -89,9 +89,11 @@ def main():
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
+    # A daemon: if this side fails, exiting does not wait for the target forever.
     proc = ctx.Process(
         target=target,
         args=(child, args.err_mode, args.hugepage, args.prog_thread, cpus[1]),
+        daemon=True,
     )
     proc.start()
     remote_md, remote_base = parent.recv()
@@ -128,7 +130,8 @@ def main():
         state = agent.transfer(handle)
         while state != "DONE":
             if state == "ERR":
-                raise SystemExit("transfer failed")
+                parent.send("stop")
+                raise SystemExit(f"NIXL {args.op} {args.block} B x {args.count}: transfer failed")
             state = agent.check_xfer_state(handle)
         if not first:
             times.append(time.perf_counter() - t0)
