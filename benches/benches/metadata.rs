@@ -41,14 +41,38 @@ fn regions() -> Vec<Region> {
     regions
 }
 
+/// The public metadata Ferry's UCX backend publishes for a DRAM region on this
+/// machine: its 8-byte frame and the rkey UCX 1.23 (NIXL 1.5.1's wheel) packs with the
+/// shared-memory and TCP transports. UCX 1.13 packs 20 bytes of the same kind. It is
+/// the same for every region (these memory domains put nothing per region in it).
+const UCX_RKEY: [u8; 27] = [
+    0x46, 0x52, 0x4b, 0x31, 0x0b, 0x00, 0x00, 0x00, 0xc1, 0x94, 0x6f, 0xe2, 0xe3, 0xe1, 0xcc, 0x97,
+    0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0xff,
+];
+
+/// 15,000 DRAM regions of 1 MiB, 2 MiB apart, registered in address order, each with
+/// the UCX rkey above: what the UCX backend publishes for a KV cache in host memory.
+fn ucx_regions() -> Vec<Region> {
+    (0..REGION_COUNT as u64)
+        .map(|i| Region {
+            desc: Desc::new(0x7f00_0000_0000 + i * (2 << 20), 1 << 20, 0),
+            public_md: UCX_RKEY.to_vec(),
+        })
+        .collect()
+}
+
 fn encode(regions: &[Region]) -> Vec<u8> {
+    encode_kind(regions, MemKind::Vram)
+}
+
+fn encode_kind(regions: &[Region], kind: MemKind) -> Vec<u8> {
     let mut writer = MdWriter::new("prefill-worker-0", 1);
     let ucx = writer.backend("UCX", Some(&[0xab; 64]));
     // The engine knows its region count and metadata size, and says so.
     let public_md_len_bytes = regions.iter().map(|r| r.public_md.len()).sum();
-    writer.reserve(ucx, MemKind::Vram, regions.len(), public_md_len_bytes);
+    writer.reserve(ucx, kind, regions.len(), public_md_len_bytes);
     for region in regions {
-        writer.region(ucx, MemKind::Vram, region.desc, &region.public_md);
+        writer.region(ucx, kind, region.desc, &region.public_md);
     }
     writer.finish().expect("valid metadata")
 }
@@ -62,6 +86,20 @@ fn bench_metadata(c: &mut Criterion) {
         blob.len(),
         blob.len() as f64 / REGION_COUNT as f64
     );
+
+    let ucx = ucx_regions();
+    let ucx_blob = encode_kind(&ucx, MemKind::Dram);
+    println!(
+        "metadata of {REGION_COUNT} DRAM regions with UCX rkeys: {} bytes ({:.1} bytes/region)",
+        ucx_blob.len(),
+        ucx_blob.len() as f64 / REGION_COUNT as f64
+    );
+    c.bench_function("metadata/ucx_rkeys_encode_load_15k", |b| {
+        b.iter(|| {
+            let blob = encode_kind(black_box(&ucx), MemKind::Dram);
+            PeerMd::from_bytes(&blob).expect("valid")
+        })
+    });
 
     c.bench_function("metadata/encode_15k_regions", |b| {
         b.iter(|| encode(black_box(&regions)))

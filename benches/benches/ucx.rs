@@ -7,7 +7,9 @@
 //! `FERRY_BENCH_UCX_PARAMS` (`key=value;key=value`) adds or replaces backend parameters
 //! of every variant (e.g. `shm_fifo_size=ucx;chunk_bytes=262144`);
 //! `FERRY_BENCH_UCX_TARGET_CPU=1` starts the target under `taskset -c 1` (run the
-//! initiator under `taskset -c 0`).
+//! initiator under `taskset -c 0`); `FERRY_BENCH_UCX_IDLE=0` skips the idle-CPU
+//! measurement. `FERRY_UCX_LIBRARY` names the libucp both processes load (and the only
+//! one: the availability check loads it too).
 
 use std::process::{Command, Stdio};
 
@@ -59,6 +61,9 @@ fn main() {
                 config.params.retain(|(k, _)| *k != key);
                 config.params.push((key, value));
             }
+        }
+        if std::env::var("FERRY_BENCH_UCX_IDLE").is_ok_and(|v| v == "0") {
+            config.idle_cpu = false;
         }
         if std::env::var_os("FERRY_BENCH_UCX_QUICK").is_some() {
             config.blocks = vec![4 << 10, 1 << 20];

@@ -149,8 +149,12 @@ pub struct CaseResult {
     pub merged_ranges: usize,
     /// Timed iterations.
     pub iters: usize,
-    /// Median time per request.
+    /// Median time per request (post until done).
     pub median: Duration,
+    /// Median time `post` itself took (it must return without waiting for the data).
+    pub post_median: Duration,
+    /// Longest time `post` took.
+    pub post_max: Duration,
 }
 
 impl CaseResult {
@@ -168,7 +172,7 @@ impl std::fmt::Display for CaseResult {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{:5} block {:>8} × {:>4} {:10} merged {:>4}  median {:>10.1} µs  {:>7.2} GB/s  {:>6.2} M desc/s  ({} iters)",
+            "{:5} block {:>8} × {:>4} {:10} merged {:>4}  median {:>10.1} µs  {:>7.2} GB/s  {:>6.2} M desc/s  post {:>7.1} µs (max {:.1})  ({} iters)",
             self.op.to_string(),
             human(self.block_bytes),
             self.batch,
@@ -177,6 +181,8 @@ impl std::fmt::Display for CaseResult {
             self.median.as_secs_f64() * 1e6,
             self.bandwidth_bytes_per_s() / 1e9,
             self.descriptors_per_s() / 1e6,
+            self.post_median.as_secs_f64() * 1e6,
+            self.post_max.as_secs_f64() * 1e6,
             self.iters
         )
     }
@@ -359,16 +365,19 @@ fn run_with_target(
                 .map_err(|e| e.to_string())?;
             let merged_ranges = agent.xfer_ranges(x).map_err(|e| e.to_string())?;
             let mut times = Vec::new();
+            let mut post_times = Vec::new();
             let started = Instant::now();
             let mut warm = true;
             while warm || times.len() < config.min_iters || started.elapsed() < config.case_time {
                 let t0 = Instant::now();
                 let mut status = agent.post(x).map_err(|e| e.to_string())?;
+                let posted = t0.elapsed();
                 while status != XferStatus::Done {
                     status = agent.check(x).map_err(|e| e.to_string())?;
                 }
                 if !warm {
                     times.push(t0.elapsed());
+                    post_times.push(posted);
                 }
                 warm = false;
                 if times.len() >= 10_000 {
@@ -376,6 +385,7 @@ fn run_with_target(
                 }
             }
             times.sort_unstable();
+            post_times.sort_unstable();
             let case = CaseResult {
                 op,
                 block_bytes: block,
@@ -384,6 +394,8 @@ fn run_with_target(
                 merged_ranges,
                 iters: times.len(),
                 median: times[times.len() / 2],
+                post_median: post_times[post_times.len() / 2],
+                post_max: post_times[post_times.len() - 1],
             };
             on_case(&case);
             report.cases.push(case);

@@ -49,7 +49,7 @@ median() { sort -g | awk '{a[NR]=$1} END {if (NR%2) print a[(NR+1)/2]; else prin
 
 echo "# $(date -u +%FT%TZ) $(uname -r) $(nproc) cores; file $file ($(df -PT "$(dirname "$file")" | awk 'NR==2 {print $2}')), ${size_mib} MiB per run, ${reps} reps, medians in GB/s"
 echo "# fio $(fio --version): --ioengine=io_uring --fixedbufs=1 --registerfiles=1 --iodepth=<batch> (invalidate=1 default; file fsynced before each run)"
-echo "# ferry: engine=$engine, queue_depth=batch, fixed buffers + fixed files, memory 2 MiB-aligned with MADV_HUGEPAGE, page cache dropped before each rep"
+echo "# ferry: engine=$engine, queue_depth=batch, fixed buffers + fixed files, memory 2 MiB-aligned with 4 KiB pages (--no-huge-pages: fio's buffers are plain malloc'd pages too), page cache dropped before each rep"
 printf "%-6s %-9s %-9s %-6s %10s %10s %7s\n" op mode bs batch ferry fio ratio
 for bs_kib in 1024 64; do
   for op in write read; do
@@ -69,7 +69,8 @@ for bs_kib in 1024 64; do
                     2>/dev/null | awk -F';' -v op="$op" '{print (op=="read") ? $7 : $48}')
           fio_runs+=("$(awk -v k="$kib" 'BEGIN {printf "%.3f", k*1024/1e9}')")
           line=$("$bench" --file "$file" --size-mib "$size_mib" --block-kib "$bs_kib" \
-                    --batch "$batch" --op "$op" $direct_flag --engine "$engine" --reps 1 2>/dev/null)
+                    --batch "$batch" --op "$op" $direct_flag --engine "$engine" --no-huge-pages \
+                    --reps 1 2>/dev/null)
           ferry_runs+=("$(sed -n 's/.*median_gbps=\([0-9.]*\).*/\1/p' <<<"$line")")
         done
         f=$(printf "%s\n" "${ferry_runs[@]}" | median)

@@ -13,9 +13,16 @@ Prints one line per run: median time per transfer, descriptors/s and GB/s.
 
 --err-mode is NIXL's UCX parameter ucx_error_handling_mode ('peer', NIXL's default, or
 'none'; Ferry's shm benchmark variant uses error_handling=none).
+
+--cpus 0,1 pins the initiator to CPU 0 and the target to CPU 1 (as nixl_compare.py does
+for both Ferry and NIXL). --prog-thread 0 (default) turns off NIXL's agent progress thread in both processes (NIXL
+starts one per agent by default; Ferry's benchmark has none): the target then progresses
+its agent itself in a loop, as Ferry's target does, and the initiator progresses in its
+check loop.
 """
 import argparse
 import multiprocessing as mp
+import os
 import random
 import time
 
@@ -24,10 +31,14 @@ import numpy as np
 BUFFER_LEN = 256 << 20
 
 
-def make_agent(name, err_mode):
-    from nixl._api import nixl_agent, nixl_agent_config
+def make_agent(name, err_mode, prog_thread):
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError:  # the nixl-cu12 wheel alone, without the "nixl" meta-package
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
 
-    agent = nixl_agent(name, nixl_agent_config(backends=[]))
+    config = nixl_agent_config(enable_prog_thread=bool(prog_thread), backends=[])
+    agent = nixl_agent(name, config)
     agent.create_backend("UCX", {"ucx_error_handling_mode": err_mode})
     return agent
 
@@ -36,14 +47,26 @@ def set_hugepage(on):
     np.core.multiarray._set_madvise_hugepage(bool(on))
 
 
-def target(conn, err_mode, hugepage):
+def pin(cpu):
+    """Pin this process to `cpu` (None: leave it)."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+
+
+def target(conn, err_mode, hugepage, prog_thread, cpu):
+    pin(cpu)
     set_hugepage(hugepage)
-    agent = make_agent("nixl-target", err_mode)
+    agent = make_agent("nixl-target", err_mode, prog_thread)
     buf = np.zeros(BUFFER_LEN, dtype=np.uint8)
     agent.register_memory([(buf.ctypes.data, BUFFER_LEN, 0, "")], "DRAM")
     conn.send((agent.get_agent_metadata(), buf.ctypes.data))
     initiator_md = conn.recv()
     agent.add_remote_agent(initiator_md)
+    # Progress until told to stop (getting notifications progresses the UCX worker),
+    # as Ferry's benchmark target does; with NIXL's progress thread, just wait.
+    while not conn.poll(0 if not prog_thread else None):
+        for _ in range(256):
+            agent.get_new_notifs()
     conn.recv()  # stop
     del agent
 
@@ -57,16 +80,25 @@ def main():
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--err-mode", default="peer")
     ap.add_argument("--hugepage", type=int, default=1)
+    ap.add_argument("--prog-thread", type=int, default=0)
+    ap.add_argument("--cpus", default="", help="initiator,target CPUs to pin to (e.g. 0,1)")
     args = ap.parse_args()
+    cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else [None, None]
+    pin(cpus[0])
     set_hugepage(args.hugepage)
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(child, args.err_mode, args.hugepage))
+    # A daemon: if this side fails, exiting does not wait for the target forever.
+    proc = ctx.Process(
+        target=target,
+        args=(child, args.err_mode, args.hugepage, args.prog_thread, cpus[1]),
+        daemon=True,
+    )
     proc.start()
     remote_md, remote_base = parent.recv()
 
-    agent = make_agent("nixl-initiator", args.err_mode)
+    agent = make_agent("nixl-initiator", args.err_mode, args.prog_thread)
     buf = np.zeros(BUFFER_LEN, dtype=np.uint8)
     agent.register_memory([(buf.ctypes.data, BUFFER_LEN, 0, "")], "DRAM")
     parent.send(agent.get_agent_metadata())
@@ -98,7 +130,8 @@ def main():
         state = agent.transfer(handle)
         while state != "DONE":
             if state == "ERR":
-                raise SystemExit("transfer failed")
+                parent.send("stop")
+                raise SystemExit(f"NIXL {args.op} {args.block} B x {args.count}: transfer failed")
             state = agent.check_xfer_state(handle)
         if not first:
             times.append(time.perf_counter() - t0)
@@ -107,7 +140,8 @@ def main():
     median = times[len(times) // 2]
     print(
         f"NIXL {args.op} {args.block} B x {args.count} "
-        f"{'shuffled' if args.shuffled else 'contiguous'} err={args.err_mode} thp={args.hugepage}: median {median * 1e6:.1f} us  "
+        f"{'shuffled' if args.shuffled else 'contiguous'} err={args.err_mode} thp={args.hugepage} "
+        f"prog_thread={args.prog_thread}: median {median * 1e6:.1f} us  "
         f"{args.count / median / 1e6:.2f} M desc/s  {args.block * args.count / median / 1e9:.2f} GB/s "
         f"({len(times)} iters)",
         flush=True,

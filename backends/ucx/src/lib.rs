@@ -14,7 +14,9 @@
 //!   with new connection info, or reported dead.
 //! - **Posting** a batch issues one put/get per merged range on the batch's endpoint,
 //!   then one `ucp_ep_flush_nbx`; each request of the batch completes when the flush
-//!   does. A notification attached to a request is sent (active message, eager, header
+//!   does. A post hands at most `post_window_bytes` of the batch to UCX (which sends
+//!   inline where it can); every progress call hands over one more window, and the
+//!   flush goes once the whole batch is with UCX. A notification attached to a request is sent (active message, eager, header
 //!   = sender agent name) only *after* that flush, so the target sees it only once the
 //!   data is there; the request completes when the notification is sent.
 //! - **Local** transfers (both sides registered here) go through an endpoint to our own
@@ -107,7 +109,8 @@ pub const PARAMS: &[ParamSpec] = &[
     ParamSpec {
         name: "ucx_library",
         default: "",
-        doc: "path of the libucp to load; empty = the system's libucp.so.0",
+        doc: "path of the libucp to load; empty = $FERRY_UCX_LIBRARY if set, else the system's \
+              libucp.so.0",
     },
     ParamSpec {
         name: "progress_thread",
@@ -118,6 +121,13 @@ pub const PARAMS: &[ParamSpec] = &[
         name: "chunk_bytes",
         default: "1048576",
         doc: "largest single put/get; longer merged ranges are issued in pieces of this size",
+    },
+    ParamSpec {
+        name: "post_window_bytes",
+        default: "1048576",
+        doc: "bytes a post hands to UCX at once; the rest of a batch is handed over by later \
+              progress calls, a window each (UCX sends inline, so this bounds the time a post \
+              or one progress call spends moving data); 0 = everything in the post",
     },
     ParamSpec {
         name: "shm_fifo_size",
@@ -204,6 +214,8 @@ pub struct Config {
     pub peer_timeout: Option<std::time::Duration>,
     /// Largest single put/get in bytes.
     pub chunk_bytes: u64,
+    /// Bytes handed to UCX per post or progress call (`u64::MAX` = no window).
+    pub window_bytes: u64,
     /// Notifications the inbox holds until drained.
     pub notif_entries_max: usize,
     /// Bytes the inbox holds until drained.
@@ -299,7 +311,8 @@ impl Config {
             .map(str::to_string);
         let library = Some(get("ucx_library").trim())
             .filter(|d| !d.is_empty())
-            .map(PathBuf::from);
+            .map(PathBuf::from)
+            .or_else(library_from_env);
         let progress_thread = match get("progress_thread") {
             "true" | "1" | "yes" => true,
             "false" | "0" | "no" => false,
@@ -342,6 +355,11 @@ impl Config {
             .ok()
             .filter(|n| *n >= 4096)
             .ok_or_else(|| bad("chunk_bytes", "expected at least 4096"))?;
+        let window_bytes = match get("post_window_bytes").parse::<u64>() {
+            Ok(0) => u64::MAX,
+            Ok(n) if n >= 4096 => n,
+            _ => return Err(bad("post_window_bytes", "expected 0 or at least 4096")),
+        };
         let shm_fifo_size = ucx_tuning(
             get("shm_fifo_size"),
             SHM_FIFO_SIZE_AUTO,
@@ -371,6 +389,7 @@ impl Config {
             shm_fifo_size,
             shm_seg_bytes,
             chunk_bytes,
+            window_bytes,
             workers,
             error_mode,
             devices,
@@ -381,6 +400,17 @@ impl Config {
             peer_timeout,
         })
     }
+}
+
+/// Environment variable naming the libucp to load when `ucx_library` is not given, so
+/// that tests, benchmarks and tools all run on one UCX build without loading the
+/// system's as well.
+pub const LIBRARY_ENV: &str = "FERRY_UCX_LIBRARY";
+
+fn library_from_env() -> Option<PathBuf> {
+    std::env::var_os(LIBRARY_ENV)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
 }
 
 /// Libraries loaded so far, by the name they were loaded under. Kept for the life of the
@@ -425,7 +455,7 @@ impl BackendFactory for UcxFactory {
     }
 
     fn available(&self) -> std::result::Result<(), String> {
-        load_library(None).map(|_| ())
+        load_library(library_from_env().as_deref()).map(|_| ())
     }
 
     fn available_with(&self, params: &Params) -> std::result::Result<(), String> {
@@ -713,7 +743,8 @@ mod tests {
         let config = Config::from_params(&defaults).unwrap();
         assert_eq!(config.workers, 1);
         assert_eq!(config.error_mode, ErrorMode::Peer);
-        assert!(config.devices.is_none() && config.library.is_none());
+        assert!(config.devices.is_none());
+        assert_eq!(config.library, library_from_env());
         assert!(!config.progress_thread);
 
         for (key, value) in [
@@ -733,6 +764,7 @@ mod tests {
             ("close_progress_rounds", "-1"),
             ("peer_timeout_ms", "soon"),
             ("peer_timeout_ms", "-5"),
+            ("post_window_bytes", "100"),
         ] {
             let mut params = defaults.clone();
             params.insert(key.into(), value.into());

@@ -906,3 +906,105 @@ fn a_full_inbox_refuses_whole_notifications_and_keeps_the_accepted_ones() {
 fn libc_enobufs() -> i32 {
     105
 }
+
+#[test]
+fn a_large_tcp_write_is_posted_without_waiting_for_its_data() {
+    if !setup() {
+        return;
+    }
+    // The target progresses on its own thread, so a post that carried the data itself
+    // would come back with the request already complete. 64 MiB over TCP cannot move
+    // inside a post that only hands the puts to UCX.
+    const LEN: usize = 64 << 20;
+    let mut p = pair("tcp", LEN, &[("progress_thread", "true")]);
+    Rng::new(17).fill(&mut p.a_buf.0);
+    // Warm up: the endpoint and its wire-up (first use) are not the point here.
+    let small = [range(&p, 0, 0, 4096)];
+    run(&mut p, &[post(40, Op::Write, &small, None)]);
+
+    let ranges = [range(&p, 0, 0, LEN)];
+    let mut done = Completions::with_capacity(4);
+    let started = std::time::Instant::now();
+    p.a.post_t(
+        Endpoint::Peer(p.peer_b),
+        &[post(41, Op::Write, &ranges, None)],
+        &mut done,
+    )
+    .expect("post");
+    let post_time = started.elapsed();
+    let in_flight = p.a.in_flight();
+    eprintln!("post of a 64 MiB tcp write took {post_time:?}");
+    assert!(
+        done.is_empty() && in_flight == 1,
+        "post waited for the data: {} completion(s), {in_flight} in flight after post",
+        done.len()
+    );
+    let got = wait_for(&mut [&mut p.a], &[41], TIMEOUT);
+    assert_eq!(got[0].result, Ok(()));
+    assert!(p.a_buf.0 == p.b_buf.0, "data differs after the write");
+}
+
+#[test]
+fn a_small_post_window_hands_batches_over_in_pieces_byte_for_byte() {
+    if !setup() {
+        return;
+    }
+    // A 4 KiB window: every batch below spans many windows, ranges are cut inside and
+    // between requests, and the notification still comes after all of its data.
+    for &transports in TRANSPORTS {
+        const LEN: usize = 1 << 20;
+        let mut p = pair_with(transports, LEN, &[("post_window_bytes", "4096")], &[]);
+        let mut rng = Rng::new(29 ^ transports.len() as u64);
+        rng.fill(&mut p.a_buf.0);
+        let ranges: Vec<Vec<Range>> = (0..4)
+            .map(|r| {
+                (0..8)
+                    .map(|i| {
+                        let off = (r * 8 + i) * 32 * 1024;
+                        range(&p, off, LEN - off - 5000, 1000 + (i * 3001) % 20_000)
+                    })
+                    .collect()
+            })
+            .collect();
+        let posts: Vec<Post<'_>> = ranges
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                post(
+                    50 + i as u64,
+                    Op::Write,
+                    r,
+                    (i == 3).then_some(&b"done"[..]),
+                )
+            })
+            .collect();
+        let mut done = Completions::with_capacity(8);
+        p.a.post_t(Endpoint::Peer(p.peer_b), &posts, &mut done)
+            .expect("post");
+        let mut inbox = Inbox::default();
+        let seen = wait_notifs(&mut [&mut p.a, &mut p.b], 1, &mut inbox, 1, TIMEOUT);
+        // The notification is sent only after the batch's flush: all data is there.
+        for r in ranges.iter().flatten() {
+            let (lo, ro, len) = (
+                (r.local_addr - p.a_buf.addr()) as usize,
+                (r.remote_addr - p.b_buf.addr()) as usize,
+                r.len as usize,
+            );
+            assert!(
+                p.a_buf.0[lo..lo + len] == p.b_buf.0[ro..ro + len],
+                "[{transports}] range at {lo} differs"
+            );
+        }
+        let tags: Vec<u64> = (50..54)
+            .filter(|t| !seen.iter().chain(done.as_slice()).any(|c| c.tag == *t))
+            .collect();
+        let got = wait_for(&mut [&mut p.a, &mut p.b], &tags, TIMEOUT);
+        let all: Vec<_> = seen.iter().chain(done.as_slice()).chain(&got).collect();
+        assert_eq!(all.len(), 4, "[{transports}] one completion per request");
+        assert!(
+            all.iter().all(|c| c.result.is_ok()),
+            "[{transports}] {all:?}"
+        );
+        assert_eq!(p.a.in_flight(), 0);
+    }
+}

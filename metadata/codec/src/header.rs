@@ -8,7 +8,7 @@ pub const MAGIC: [u8; 4] = *b"FRMD";
 /// Magic of an encoded descriptor list.
 pub const DESCS_MAGIC: [u8; 4] = *b"FRDL";
 /// Version of both wire formats written by this crate (and the only one it reads).
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// Header flag: the metadata is partial (selected regions, maybe no connection info).
 pub const FLAG_PARTIAL: u16 = 1 << 0;
 /// Size of the header in bytes.

@@ -67,9 +67,11 @@ impl PeerMd {
     /// with bytecheck), then every semantic invariant: non-empty agent and backend
     /// names, unique backend names, at most [`BACKENDS_MAX`] backends, sections
     /// strictly ascending by (backend, kind) with valid backend indices and kinds,
-    /// equal column lengths, non-empty sections, regions non-empty, non-wrapping,
-    /// sorted by (device, address) and non-overlapping, metadata offsets starting at 0,
-    /// non-decreasing and ending at the metadata length. Any failure is an
+    /// column lengths that fit (one per region, or one shared value for lengths and
+    /// devices), non-empty sections, regions non-empty, non-wrapping, sorted by
+    /// (device, address) and non-overlapping, metadata offsets starting at 0,
+    /// non-decreasing and ending at the metadata length, metadata references naming
+    /// existing entries. Any failure is an
     /// [`Error::InvalidMetadata`] naming it.
     pub fn from_bytes(bytes: &[u8]) -> Result<PeerMd, Error> {
         let flags = header::check(Format::Metadata, bytes)?;
@@ -157,11 +159,11 @@ impl PeerMd {
         let at_or_before =
             partition_point(section, |dev, addr| (dev, addr) <= (desc.dev, desc.addr));
         let i = at_or_before.checked_sub(1)?;
-        if section.devs[i].to_native() != desc.dev {
+        if dev_at(section, i) != desc.dev {
             return None;
         }
         // Validated: addrs[i] + lens[i] does not wrap.
-        let region_end = section.addrs[i].to_native() + section.lens[i].to_native();
+        let region_end = section.addrs[i].to_native() + len_at(section, i);
         (end <= region_end).then(|| self.section_firsts[position] + i as u32)
     }
 
@@ -171,9 +173,9 @@ impl PeerMd {
         let section = &self.md().sections[position];
         let i = partition_point(section, |dev, addr| (dev, addr) < (desc.dev, desc.addr));
         let hit = i < section.addrs.len()
-            && section.devs[i].to_native() == desc.dev
+            && dev_at(section, i) == desc.dev
             && section.addrs[i].to_native() == desc.addr
-            && section.lens[i].to_native() == desc.len;
+            && len_at(section, i) == desc.len;
         hit.then(|| self.section_firsts[position] + i as u32)
     }
 
@@ -202,7 +204,13 @@ impl PeerMd {
 /// The number of leading regions of the sorted `section` whose (dev, addr) satisfies
 /// `before` (which must hold for a prefix): a binary search in the archived columns.
 fn partition_point(section: &ArchivedWireSection, before: impl Fn(u64, u64) -> bool) -> usize {
-    let (devs, addrs) = (section.devs.as_slice(), section.addrs.as_slice());
+    let addrs = section.addrs.as_slice();
+    if let [dev] = section.devs.as_slice() {
+        // One device for the whole section: search the addresses alone.
+        let dev = dev.to_native();
+        return addrs.partition_point(|addr| before(dev, addr.to_native()));
+    }
+    let devs = section.devs.as_slice();
     // Validated: both columns have the same length.
     let (mut low, mut high) = (0, addrs.len().min(devs.len()));
     while low < high {
@@ -216,18 +224,40 @@ fn partition_point(section: &ArchivedWireSection, before: impl Fn(u64, u64) -> b
     low
 }
 
+/// The length of region `i` of a validated `section` (one per region, or one for all).
+fn len_at(section: &ArchivedWireSection, i: usize) -> u64 {
+    let lens = section.lens.as_slice();
+    lens[if lens.len() == 1 { 0 } else { i }].to_native()
+}
+
+/// The device of region `i` of a validated `section` (one per region, or one for all).
+fn dev_at(section: &ArchivedWireSection, i: usize) -> u64 {
+    let devs = section.devs.as_slice();
+    devs[if devs.len() == 1 { 0 } else { i }].to_native()
+}
+
 /// Region `i` of a validated `section`.
 fn view(section: &ArchivedWireSection, i: usize) -> RegionView<'_> {
-    let md_start = section.md_offsets[i].to_native() as usize;
-    let md_end = section.md_offsets[i + 1].to_native() as usize;
+    let entry = if section.md_refs.is_empty() {
+        // One entry per region, or one for all.
+        if section.md_offsets.len() == 2 {
+            0
+        } else {
+            i
+        }
+    } else {
+        section.md_refs[i].to_native() as usize
+    };
+    let md_start = section.md_offsets[entry].to_native() as usize;
+    let md_end = section.md_offsets[entry + 1].to_native() as usize;
     RegionView {
         backend: section.backend,
         // Validated; DRAM is never returned for a valid blob.
         kind: MemKind::from_u8(section.kind).unwrap_or(MemKind::Dram),
         desc: Desc::new(
             section.addrs[i].to_native(),
-            section.lens[i].to_native(),
-            section.devs[i].to_native(),
+            len_at(section, i),
+            dev_at(section, i),
         ),
         public_md: &section.md_bytes[md_start..md_end],
     }
@@ -320,17 +350,35 @@ fn check_section(
     if count == 0 {
         return Err(invalid(format!("{} has no regions", name())));
     }
-    if section.lens.len() != count
-        || section.devs.len() != count
-        || section.md_offsets.len() != count + 1
+    let per_region_or_one = |len: usize| len == count || len == 1;
+    let entries = section.md_offsets.len().saturating_sub(1);
+    let refs = section.md_refs.len();
+    if !per_region_or_one(section.lens.len())
+        || !per_region_or_one(section.devs.len())
+        || section.md_offsets.is_empty()
+        || (refs == 0 && entries != count && entries != 1)
+        || (refs != 0 && (refs != count || entries > count))
     {
         return Err(invalid(format!(
-            "{}: column lengths differ (addrs {count}, lens {}, devs {}, md offsets {}; \
-             md offsets must have one more entry)",
+            "{}: column lengths differ (addrs {count}, lens {}, devs {}, md offsets {}, md \
+             refs {refs}; lens and devs need one entry per region or a single one, md \
+             offsets one more than the md entries, which are one per region or a single \
+             one without md refs, and at most one per region with one md ref per region)",
             name(),
             section.lens.len(),
             section.devs.len(),
             section.md_offsets.len()
+        )));
+    }
+    if let Some(i) = section
+        .md_refs
+        .iter()
+        .position(|r| r.to_native() as usize >= entries)
+    {
+        return Err(invalid(format!(
+            "{}: region #{i} names md entry {}, but there are {entries}",
+            name(),
+            section.md_refs[i].to_native()
         )));
     }
     let offsets = section.md_offsets.as_slice();
@@ -342,11 +390,11 @@ fn check_section(
             offsets[0].to_native()
         )));
     }
-    if offsets[count].to_native() as usize != md_len_bytes {
+    if offsets[entries].to_native() as usize != md_len_bytes {
         return Err(invalid(format!(
             "{}: last md offset is {}, but the metadata is {md_len_bytes} bytes",
             name(),
-            offsets[count].to_native()
+            offsets[entries].to_native()
         )));
     }
     if let Some(i) = offsets
@@ -361,18 +409,10 @@ fn check_section(
         )));
     }
 
-    let (addrs, lens, devs) = (
-        section.addrs.as_slice(),
-        section.lens.as_slice(),
-        section.devs.as_slice(),
-    );
+    let addrs = section.addrs.as_slice();
     let mut previous: Option<(u64, u64, u64)> = None; // (dev, addr, end)
-    for i in 0..count {
-        let (addr, len, dev) = (
-            addrs[i].to_native(),
-            lens[i].to_native(),
-            devs[i].to_native(),
-        );
+    for (i, addr) in addrs.iter().enumerate() {
+        let (addr, len, dev) = (addr.to_native(), len_at(section, i), dev_at(section, i));
         let end = match addr.checked_add(len) {
             Some(end) if len > 0 => end,
             _ => {

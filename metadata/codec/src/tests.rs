@@ -21,6 +21,7 @@ fn section(backend: u8, kind: u8, regions: &[(u64, u64, u64)]) -> WireSection {
         lens: regions.iter().map(|r| r.1).collect(),
         devs: regions.iter().map(|r| r.2).collect(),
         md_offsets,
+        md_refs: Vec::new(),
         md_bytes,
     }
 }
@@ -137,7 +138,7 @@ fn empty_section_is_refused() {
 #[test]
 fn unequal_columns_are_refused() {
     let mut md = valid();
-    md.sections[0].lens.pop();
+    md.sections[0].lens.push(1);
     refused(md, &["section #0", "column lengths differ"]);
     let mut md = valid();
     md.sections[0].devs.push(0);

@@ -34,9 +34,13 @@ pub(crate) struct WireBackend {
 
 /// All regions of one (backend, memory kind), sorted by (dev, addr), non-overlapping.
 ///
-/// Columns `addrs`, `lens`, `devs` are indexed by position in sort order;
-/// `md_offsets` has one more entry: region `i`'s public metadata is
-/// `md_bytes[md_offsets[i]..md_offsets[i + 1]]`.
+/// Columns `addrs`, `lens`, `devs` are indexed by position in sort order, except that
+/// `lens` and `devs` hold a single value when every region has the same one (the
+/// usual case: equal-sized blocks on one device). Public metadata is a table of
+/// entries: entry `e` is `md_bytes[md_offsets[e]..md_offsets[e + 1]]`. Region `i` uses
+/// entry `md_refs[i]`; when `md_refs` is empty, entry `i`, or the only entry if there is
+/// one. The writer stores a run of identical metadata (a memory domain whose rkeys are
+/// the same for every region) once.
 #[derive(Archive, Serialize, Debug, Clone)]
 pub(crate) struct WireSection {
     /// Index into `WireMd::backends`.
@@ -45,13 +49,17 @@ pub(crate) struct WireSection {
     pub(crate) kind: u8,
     /// Start address of each region.
     pub(crate) addrs: Vec<u64>,
-    /// Length in bytes of each region (non-zero).
+    /// Length in bytes of each region (non-zero), or one length shared by all.
     pub(crate) lens: Vec<u64>,
-    /// Device id of each region.
+    /// Device id of each region, or one device shared by all.
     pub(crate) devs: Vec<u64>,
-    /// Offsets into `md_bytes`, starting at 0, non-decreasing, ending at its length.
+    /// Offsets into `md_bytes`, one per metadata entry plus one: starting at 0,
+    /// non-decreasing, ending at its length; at most one entry per region.
     pub(crate) md_offsets: Vec<u32>,
-    /// Public metadata of all regions, concatenated.
+    /// The metadata entry of each region (each below the entry count), or empty:
+    /// region `i` uses entry `i`, or the single entry.
+    pub(crate) md_refs: Vec<u32>,
+    /// Public metadata entries, concatenated.
     pub(crate) md_bytes: Vec<u8>,
 }
 
@@ -122,6 +130,7 @@ pub(crate) struct WireSectionOut<'a> {
     pub(crate) lens: Gathered<'a>,
     pub(crate) devs: Gathered<'a>,
     pub(crate) md_offsets: GatheredOffsets<'a>,
+    pub(crate) md_refs: U32s<'a>,
     pub(crate) md_bytes: GatheredBytes<'a>,
 }
 
@@ -131,6 +140,7 @@ pub(crate) struct WireSectionOutResolver {
     lens: VecResolver,
     devs: VecResolver,
     md_offsets: VecResolver,
+    md_refs: VecResolver,
     md_bytes: VecResolver,
 }
 
@@ -139,13 +149,14 @@ impl Archive for WireSectionOut<'_> {
     type Resolver = WireSectionOutResolver;
 
     fn resolve(&self, resolver: WireSectionOutResolver, out: Place<ArchivedWireSection>) {
-        munge!(let ArchivedWireSection { backend, kind, addrs, lens, devs, md_offsets, md_bytes } = out);
+        munge!(let ArchivedWireSection { backend, kind, addrs, lens, devs, md_offsets, md_refs, md_bytes } = out);
         self.backend.resolve((), backend);
         self.kind.resolve((), kind);
         self.addrs.resolve(resolver.addrs, addrs);
         self.lens.resolve(resolver.lens, lens);
         self.devs.resolve(resolver.devs, devs);
         self.md_offsets.resolve(resolver.md_offsets, md_offsets);
+        self.md_refs.resolve(resolver.md_refs, md_refs);
         self.md_bytes.resolve(resolver.md_bytes, md_bytes);
     }
 }
@@ -157,6 +168,7 @@ impl<S: Fallible + Writer + ?Sized> Serialize<S> for WireSectionOut<'_> {
             lens: self.lens.serialize(serializer)?,
             devs: self.devs.serialize(serializer)?,
             md_offsets: self.md_offsets.serialize(serializer)?,
+            md_refs: self.md_refs.serialize(serializer)?,
             md_bytes: self.md_bytes.serialize(serializer)?,
         })
     }
@@ -166,10 +178,23 @@ impl<S: Fallible + Writer + ?Sized> Serialize<S> for WireSectionOut<'_> {
 const CHUNK_LEN_BYTES: usize = 4096;
 
 /// A `u64` column written in `order` (position `k` of the output is
-/// `values[order[k]]`; `order` is a permutation of the column's positions).
+/// `values[order[k]]`; `order` is a permutation of the column's positions), or, when
+/// `uniform` (every value is the same), as that one value.
 pub(crate) struct Gathered<'a> {
     pub(crate) values: &'a [u64],
     pub(crate) order: Option<&'a [u32]>,
+    pub(crate) uniform: bool,
+}
+
+impl Gathered<'_> {
+    /// Values written.
+    pub(crate) fn len(&self) -> usize {
+        if self.uniform {
+            self.values.len().min(1)
+        } else {
+            self.values.len()
+        }
+    }
 }
 
 impl Archive for Gathered<'_> {
@@ -177,7 +202,7 @@ impl Archive for Gathered<'_> {
     type Resolver = VecResolver;
 
     fn resolve(&self, resolver: VecResolver, out: Place<Self::Archived>) {
-        ArchivedVec::resolve_from_len(self.values.len(), resolver, out);
+        ArchivedVec::resolve_from_len(self.len(), resolver, out);
     }
 }
 
@@ -186,7 +211,7 @@ impl<S: Fallible + Writer + ?Sized> Serialize<S> for Gathered<'_> {
         let pos = serializer.align_for::<Archived<u64>>()?;
         let mut chunk = [0u8; CHUNK_LEN_BYTES];
         let mut filled = 0;
-        for k in 0..self.values.len() {
+        for k in 0..self.len() {
             let i = self.order.map_or(k, |order| order[k] as usize);
             chunk[filled..filled + 8].copy_from_slice(&self.values[i].to_le_bytes());
             filled += 8;
@@ -200,10 +225,45 @@ impl<S: Fallible + Writer + ?Sized> Serialize<S> for Gathered<'_> {
     }
 }
 
-/// Metadata offsets (`n + 1` of them, in call order) rewritten for `order`.
+/// A `u32` column written as it is.
+pub(crate) struct U32s<'a>(pub(crate) &'a [u32]);
+
+impl Archive for U32s<'_> {
+    type Archived = ArchivedVec<Archived<u32>>;
+    type Resolver = VecResolver;
+
+    fn resolve(&self, resolver: VecResolver, out: Place<Self::Archived>) {
+        ArchivedVec::resolve_from_len(self.0.len(), resolver, out);
+    }
+}
+
+impl<S: Fallible + Writer + ?Sized> Serialize<S> for U32s<'_> {
+    fn serialize(&self, serializer: &mut S) -> Result<VecResolver, S::Error> {
+        let pos = serializer.align_for::<Archived<u32>>()?;
+        let mut chunk = [0u8; CHUNK_LEN_BYTES];
+        for values in self.0.chunks(CHUNK_LEN_BYTES / 4) {
+            for (bytes, value) in chunk.chunks_exact_mut(4).zip(values) {
+                bytes.copy_from_slice(&value.to_le_bytes());
+            }
+            serializer.write(&chunk[..values.len() * 4])?;
+        }
+        Ok(VecResolver::from_pos(pos))
+    }
+}
+
+/// Metadata offsets (`n + 1` of them, in call order) rewritten for the entries
+/// `order` selects (each entry is a call index; `None`: all, in call order).
 pub(crate) struct GatheredOffsets<'a> {
     pub(crate) offsets: &'a [u32],
     pub(crate) order: Option<&'a [u32]>,
+}
+
+impl GatheredOffsets<'_> {
+    /// Offsets written.
+    pub(crate) fn len(&self) -> usize {
+        self.order
+            .map_or(self.offsets.len(), |order| order.len() + 1)
+    }
 }
 
 impl Archive for GatheredOffsets<'_> {
@@ -211,7 +271,7 @@ impl Archive for GatheredOffsets<'_> {
     type Resolver = VecResolver;
 
     fn resolve(&self, resolver: VecResolver, out: Place<Self::Archived>) {
-        ArchivedVec::resolve_from_len(self.offsets.len(), resolver, out);
+        ArchivedVec::resolve_from_len(self.len(), resolver, out);
     }
 }
 
@@ -221,7 +281,7 @@ impl<S: Fallible + Writer + ?Sized> Serialize<S> for GatheredOffsets<'_> {
         let mut chunk = [0u8; CHUNK_LEN_BYTES];
         let mut filled = 4; // the leading 0
         let mut running = 0u32;
-        for k in 0..self.offsets.len().saturating_sub(1) {
+        for k in 0..self.len().saturating_sub(1) {
             let i = self.order.map_or(k, |order| order[k] as usize);
             // The writer keeps offsets non-decreasing and the total within u32.
             running += self.offsets[i + 1] - self.offsets[i];
@@ -238,11 +298,13 @@ impl<S: Fallible + Writer + ?Sized> Serialize<S> for GatheredOffsets<'_> {
 }
 
 /// Concatenated metadata (region `i` is `bytes[offsets[i]..offsets[i + 1]]`, call
-/// order) written in `order`.
+/// order) written for the entries `order` selects (`None`: all, in call order);
+/// `len_bytes` is the length of what that writes.
 pub(crate) struct GatheredBytes<'a> {
     pub(crate) bytes: &'a [u8],
     pub(crate) offsets: &'a [u32],
     pub(crate) order: Option<&'a [u32]>,
+    pub(crate) len_bytes: usize,
 }
 
 impl Archive for GatheredBytes<'_> {
@@ -250,7 +312,7 @@ impl Archive for GatheredBytes<'_> {
     type Resolver = VecResolver;
 
     fn resolve(&self, resolver: VecResolver, out: Place<Self::Archived>) {
-        ArchivedVec::resolve_from_len(self.bytes.len(), resolver, out);
+        ArchivedVec::resolve_from_len(self.len_bytes, resolver, out);
     }
 }
 

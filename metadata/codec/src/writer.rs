@@ -5,7 +5,8 @@ use rkyv::rancor::Error as RkyvError;
 
 use crate::header::{self, Format, FLAG_PARTIAL, HEADER_LEN_BYTES};
 use crate::wire::{
-    Gathered, GatheredBytes, GatheredOffsets, WireBackend, WireMdOut, WireSection, WireSectionOut,
+    Gathered, GatheredBytes, GatheredOffsets, U32s, WireBackend, WireMdOut, WireSection,
+    WireSectionOut,
 };
 use crate::{ARCHIVE_LEN_MAX_BYTES, BACKENDS_MAX};
 
@@ -186,6 +187,7 @@ impl MdWriter {
                         lens: Vec::new(),
                         devs: Vec::new(),
                         md_offsets: vec![0],
+                        md_refs: Vec::new(),
                         md_bytes: Vec::new(),
                     });
                     self.sections.len() - 1
@@ -243,37 +245,52 @@ impl MdWriter {
         for (position, (section, order)) in self.sections.iter().zip(&orders).enumerate() {
             self.check_no_overlap(position, section, order.as_deref())?;
         }
+        // Per section: which call-order region starts each run of identical metadata
+        // (in sorted order), and each region's entry, when that saves anything.
+        let entries = self
+            .sections
+            .iter()
+            .zip(&orders)
+            .map(|(section, order)| metadata_entries(section, order.as_deref()))
+            .collect::<Vec<(Option<Vec<u32>>, Vec<u32>, usize)>>();
         let mut sections: Vec<WireSectionOut<'_>> = self
             .sections
             .iter()
             .zip(&orders)
+            .zip(&entries)
             // A section only reserved, never filled, is left out (none is empty).
-            .filter(|(section, _)| !section.addrs.is_empty())
-            .map(|(section, order)| {
+            .filter(|((section, _), _)| !section.addrs.is_empty())
+            .map(|((section, order), (unique, refs, md_len_bytes))| {
                 let order = order.as_deref();
+                let entry_order = unique.as_deref().or(order);
                 WireSectionOut {
                     backend: section.backend,
                     kind: section.kind,
                     addrs: Gathered {
                         values: &section.addrs,
                         order,
+                        uniform: false,
                     },
                     lens: Gathered {
                         values: &section.lens,
                         order,
+                        uniform: is_uniform(&section.lens),
                     },
                     devs: Gathered {
                         values: &section.devs,
                         order,
+                        uniform: is_uniform(&section.devs),
                     },
                     md_offsets: GatheredOffsets {
                         offsets: &section.md_offsets,
-                        order,
+                        order: entry_order,
                     },
+                    md_refs: U32s(refs),
                     md_bytes: GatheredBytes {
                         bytes: &section.md_bytes,
                         offsets: &section.md_offsets,
-                        order,
+                        order: entry_order,
+                        len_bytes: *md_len_bytes,
                     },
                 }
             })
@@ -288,10 +305,13 @@ impl MdWriter {
                 .iter()
                 .map(|b| 32 + b.name.len() + b.conn_info.as_ref().map_or(0, Vec::len))
                 .sum::<usize>()
-            + self
-                .sections
+            + sections
                 .iter()
-                .map(|s| 64 + s.addrs.len() * 28 + s.md_bytes.len())
+                .map(|s| {
+                    64 + 8 * (s.addrs.len() + s.lens.len() + s.devs.len())
+                        + 4 * (s.md_offsets.len() + s.md_refs.0.len())
+                        + s.md_bytes.len_bytes
+                })
                 .sum::<usize>();
         if len_bytes > ARCHIVE_LEN_MAX_BYTES {
             return Err(Error::invalid(
@@ -404,6 +424,47 @@ fn sorted_order(devs: &[u64], addrs: &[u64]) -> Vec<u32> {
         std::mem::swap(&mut order, &mut scratch);
     }
     order
+}
+
+/// Whether every value of `column` is the same (then it is stored once).
+fn is_uniform(column: &[u64]) -> bool {
+    column.windows(2).all(|w| w[0] == w[1])
+}
+
+/// The metadata entries of `section` in sorted order (`order`, `None` = call order):
+/// runs of identical public metadata share one entry. Returns the call index of each
+/// entry's region (`None` when every region has its own entry: no table needed), each
+/// region's entry (empty then, and when there is only one entry) and the bytes the
+/// entries take.
+fn metadata_entries(
+    section: &WireSection,
+    order: Option<&[u32]>,
+) -> (Option<Vec<u32>>, Vec<u32>, usize) {
+    let count = section.addrs.len();
+    let md = |i: usize| {
+        &section.md_bytes[section.md_offsets[i] as usize..section.md_offsets[i + 1] as usize]
+    };
+    let at = |k: usize| order.map_or(k, |order| order[k] as usize);
+    let mut unique: Vec<u32> = Vec::new();
+    let mut refs: Vec<u32> = Vec::with_capacity(count);
+    let mut len_bytes = 0;
+    for k in 0..count {
+        let i = at(k);
+        let same = unique.last().is_some_and(|&u| md(u as usize) == md(i));
+        if !same {
+            unique.push(i as u32);
+            len_bytes += md(i).len();
+        }
+        refs.push(unique.len() as u32 - 1);
+    }
+    if unique.len() == count {
+        return (None, Vec::new(), section.md_bytes.len());
+    }
+    if unique.len() == 1 {
+        // One entry for every region: no references needed either.
+        refs.clear();
+    }
+    (Some(unique), refs, len_bytes)
 }
 
 /// The subject naming region `call_index` (in `region` call order).

@@ -219,8 +219,26 @@ fn valid_seeds() -> Vec<(&'static str, Vec<u8>)> {
             &[i as u8; 3],
         );
     }
+    // Equal-sized blocks on one device sharing one rkey, with a run of other rkeys in
+    // the middle: one length, one device and three md entries on the wire.
+    let mut shared = MdWriter::new("kv-cache", 4);
+    let ucx = shared.backend("UCX", Some(&[0x33; 16]));
+    for i in 0..24u64 {
+        let md: &[u8] = if (8..12).contains(&i) {
+            &[7; 20]
+        } else {
+            &[9; 27]
+        };
+        shared.region(
+            ucx,
+            MemKind::Dram,
+            Desc::new(0x10_0000 + i * 0x2000, 0x1000, 0),
+            md,
+        );
+    }
     let descs: Vec<Desc> = (0..8).map(|i| Desc::new(i * 4096, 4096, i % 2)).collect();
     vec![
+        ("valid-shared-md", shared.finish().unwrap()),
         ("valid-full", sample_blob()),
         ("valid-partial", partial.finish().unwrap()),
         ("valid-no-regions", empty.finish().unwrap()),

@@ -55,10 +55,15 @@ fn raw_regions() -> impl Strategy<Value = Vec<RawRegion>> {
         (
             0u8..4,
             0u8..3,
-            0u64..3,
+            // Biased towards one device, one length and one shared md, so sections
+            // with a single length, a single device and shared md entries occur.
+            prop_oneof![Just(0u64), 0u64..3],
             0u64..20_000,
-            1u64..600,
-            proptest::collection::vec(any::<u8>(), 0..12),
+            prop_oneof![Just(64u64), 1u64..600],
+            prop_oneof![
+                Just(vec![7u8; 5]),
+                proptest::collection::vec(any::<u8>(), 0..12)
+            ],
         ),
         0..80,
     )
@@ -329,4 +334,63 @@ fn reserve_is_only_a_hint() {
     assert_eq!(md.find(ucx, MemKind::Vram, Desc::new(0x1000, 1, 0)), None);
     let mds: Vec<&[u8]> = md.regions().map(|r| r.public_md).collect();
     assert_eq!(mds, [&b"a"[..], b"b", b"more than reserved"]);
+}
+
+#[test]
+fn shared_rkeys_and_equal_lengths_are_stored_once_and_read_back() {
+    let rkey = [0x46u8, 0x52, 0x4b, 0x31, 3, 0, 0, 0, 1, 2, 3];
+    let encode = |distinct: bool| {
+        let mut writer = MdWriter::new("kv", 1);
+        let ucx = writer.backend("UCX", Some(b"addr"));
+        for i in 0..1000u64 {
+            let mut md = rkey.to_vec();
+            if distinct {
+                md.extend_from_slice(&i.to_le_bytes());
+            }
+            writer.region(
+                ucx,
+                MemKind::Dram,
+                Desc::new(0x1000_0000 + i * 8192, 4096, 0),
+                &md,
+            );
+        }
+        writer.finish().unwrap()
+    };
+    let (shared, distinct) = (encode(false), encode(true));
+    // Addresses alone are 8 bytes a region; lengths, devices and the rkey add nothing.
+    assert!(shared.len() < 1000 * 8 + 200, "{} bytes", shared.len());
+    assert!(
+        distinct.len() > 1000 * (8 + 4 + 19),
+        "{} bytes",
+        distinct.len()
+    );
+    let md = PeerMd::from_bytes(&shared).unwrap();
+    assert_eq!(md.region_count(), 1000);
+    for (i, region) in md.regions().enumerate() {
+        let i = i as u64;
+        assert_eq!(region.desc, Desc::new(0x1000_0000 + i * 8192, 4096, 0));
+        assert_eq!(region.public_md, &rkey);
+    }
+    let hit = md.find(
+        0,
+        MemKind::Dram,
+        Desc::new(0x1000_0000 + 7 * 8192 + 100, 64, 0),
+    );
+    assert_eq!(hit, Some(7));
+    assert_eq!(
+        md.find(
+            0,
+            MemKind::Dram,
+            Desc::new(0x1000_0000 + 7 * 8192 + 4000, 200, 0)
+        ),
+        None
+    );
+    assert_eq!(
+        md.find(0, MemKind::Dram, Desc::new(0x1000_0000 + 100, 64, 1)),
+        None
+    );
+    assert_eq!(
+        md.exact(0, MemKind::Dram, Desc::new(0x1000_0000 + 8192, 4096, 0)),
+        Some(1)
+    );
 }

@@ -10,6 +10,24 @@
 /// shuffled ~9× faster and leaves 1 MiB ranges on CMA (see the README).
 pub(crate) const ZCOPY_THRESH_NEW_UCX: &str = "16k";
 
+/// `RNDV_THRESH` Ferry sets unless `UCX_RNDV_THRESH` is set.
+///
+/// Ferry's active messages are notifications of at most 64 KiB, sent eagerly, so
+/// rendezvous buys it nothing. What the setting changes is the protocol selection of
+/// RMA on UCX >= 1.14 over TCP: with UCX's `auto`, `UCX_PROTO_INFO=y` (UCX 1.23, NIXL
+/// wheel, `UCX_TLS=tcp`) shows `ucp_put*` and `ucp_get*` as "software emulation" (puts
+/// carried by active messages, which for large sizes use rendezvous) over the whole
+/// range; with `inf` it shows "zero-copy tcp/lo", the protocol NIXL gets (NIXL sets
+/// `RNDV_THRESH=inf` itself). See the README for what it measured.
+pub(crate) const RNDV_THRESH: &str = "inf";
+
+/// The `RNDV_THRESH` override, if any (none when the user chose one).
+pub(super) fn rndv_thresh_override() -> Option<String> {
+    std::env::var_os("UCX_RNDV_THRESH")
+        .is_none()
+        .then(|| RNDV_THRESH.to_string())
+}
+
 /// Whether a `UCX_TLS` value may select a shared-memory (mm) transport: an exclusion
 /// list (`^…`) may, an inclusion list must name one.
 pub(super) fn may_use_shared_memory(tls: &str) -> bool {
@@ -66,6 +84,14 @@ mod tests {
     #[test]
     fn zcopy_thresh_is_left_alone_before_1_14() {
         assert_eq!(zcopy_thresh_override(version(1, 13)), None);
+    }
+
+    #[test]
+    fn rndv_thresh_is_set_unless_the_user_chose_one() {
+        let expected = std::env::var_os("UCX_RNDV_THRESH")
+            .is_none()
+            .then(|| RNDV_THRESH.to_string());
+        assert_eq!(rndv_thresh_override(), expected);
     }
 
     #[test]

@@ -10,6 +10,13 @@
 //!                                        │  slots of a batch linked by `next`) └──────────no notif─────▶ done
 //! ```
 //!
+//! With a window (`post_window_bytes`), the part of a batch beyond the window waits in
+//! `Core::deferred` (pieces of ranges, in post order); each [`Core::pump`] issues one
+//! more window, and the batch's flush is issued when its last piece is (the head slot
+//! counts its pieces). A peer's pieces are cut before its endpoint closes: their
+//! requests fail and their batches are flushed at once, so each is still reported from
+//! its flush's callback.
+//!
 //! A standalone notification takes a slot in `WaitNotif` directly and completes without
 //! a report (it has no tag). UCX callbacks never touch the core: they store their status
 //! in the request's cell and queue the cell's index in a bounded lock-free queue that
@@ -34,7 +41,7 @@ mod peers;
 mod requests;
 mod vram;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
 use std::ptr;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI8, AtomicU64, Ordering};
@@ -52,7 +59,7 @@ use crate::{Config, ErrorMode, BACKEND};
 
 pub(crate) use callbacks::Events;
 use callbacks::{on_ep_error, on_notif, on_op_done, CompletionQueue, OpCell, PeerLink};
-use config::{may_use_shared_memory, zcopy_thresh_override};
+use config::{may_use_shared_memory, rndv_thresh_override, zcopy_thresh_override};
 use deadline::{Deadline, Watch};
 pub(crate) use diagnostics::errno_of;
 #[cfg(test)]
@@ -61,7 +68,7 @@ use diagnostics::ucx_error;
 use memory::MemEntry;
 use notifications::Inbox;
 use peers::{Grave, PeerState};
-use requests::{Slot, SlotState};
+use requests::{Deferred, Slot, SlotState};
 use vram::VramState;
 pub(crate) use vram::{vram_available, MEM_KINDS};
 
@@ -71,6 +78,13 @@ const NOTIF_AM_ID: u32 = 0x4652;
 pub(crate) const NOTIF_LEN_MAX: usize = 64 * 1024;
 /// Bound on `ucp_worker_progress` rounds per pump, so a pump never spins for long.
 const PROGRESS_ROUNDS_MAX: u32 = 256;
+/// Rounds between two looks at the clock inside a pump.
+const PROGRESS_CLOCK_ROUNDS: u32 = 8;
+/// Time after which a pump stops progressing a worker that still has work. Over TCP
+/// every round moves up to a socket buffer of data, so without it one pump (and with
+/// it the `post` whose flush ends in the progress phase) could carry a whole 64 MiB
+/// transfer; the rest is left to the next progress phase or the progress thread.
+const PROGRESS_BUDGET: Duration = Duration::from_micros(100);
 /// How long closing an endpoint may take before it is abandoned.
 const EP_CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Slot link terminator.
@@ -114,6 +128,10 @@ pub(crate) struct Core {
     deadline: Deadline,
     /// VRAM support and the device context to bind (`vram.rs`).
     vram: VramState,
+    /// Bytes handed to UCX per post or pump (`post_window_bytes`).
+    window_bytes: u64,
+    /// Ranges of posted batches not handed to UCX yet, in post order.
+    deferred: VecDeque<Deferred>,
 }
 
 // SAFETY: the raw UCX handles in Core are only used by whichever thread holds the core
@@ -168,6 +186,7 @@ impl Core {
         let fifo_size = config.shm_fifo_size.filter(|_| shm).map(|n| n.to_string());
         let seg_size = config.shm_seg_bytes.filter(|_| shm).map(|n| n.to_string());
         let zcopy_thresh = zcopy_thresh_override(ucp.version());
+        let rndv_thresh = rndv_thresh_override();
         let overrides = [
             (c"NET_DEVICES", &config.devices),
             (c"TLS", &config.transports),
@@ -175,6 +194,7 @@ impl Core {
             (c"MM_FIFO_SIZE", &fifo_size),
             (c"MM_SEG_SIZE", &seg_size),
             (c"ZCOPY_THRESH", &zcopy_thresh),
+            (c"RNDV_THRESH", &rndv_thresh),
         ];
         for (name, value) in overrides {
             let Some(value) = value else { continue };
@@ -244,6 +264,8 @@ impl Core {
                 notif: Vec::new(),
                 has_notif: false,
                 next: NONE,
+                ep: ptr::null_mut(),
+                deferred: 0,
             })
             .collect();
         let mut core = Core {
@@ -264,6 +286,8 @@ impl Core {
             self_ep: ptr::null_mut(),
             ready: Completions::with_capacity(slot_count),
             chunk_bytes: config.chunk_bytes,
+            window_bytes: config.window_bytes,
+            deferred: VecDeque::new(),
             graves: Vec::new(),
             close_rounds: config.close_rounds,
             close_force: config.close_force,

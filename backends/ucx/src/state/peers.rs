@@ -95,6 +95,13 @@ impl Core {
     /// then report them) and release its rkeys and error-handler argument once UCX
     /// confirmed the close (at once, or later from the graveyard).
     pub(super) fn teardown_peer(&mut self, peer: PeerId) {
+        let Some(ep) = self.peers.get(&peer).map(|state| state.ep) else {
+            return;
+        };
+        if !ep.is_null() {
+            // What the window kept from UCX never will go: fail it and flush now.
+            self.cut_deferred(ep, ucs_status_t::UCS_ERR_CANCELED);
+        }
         let Some(state) = self.peers.get_mut(&peer) else {
             return;
         };

@@ -23,6 +23,29 @@ pub(super) struct Slot {
     pub(super) has_notif: bool,
     /// Next slot of the same flushed batch.
     pub(super) next: u32,
+    /// Head slot of a batch: the endpoint its flush goes to.
+    pub(super) ep: ucp_ep_h,
+    /// Head slot of a batch: its ranges still in `Core::deferred`; the batch's flush is
+    /// issued when this reaches 0.
+    pub(super) deferred: u32,
+}
+
+/// (The rest of) a range of a posted batch that the window kept from UCX so far.
+pub(super) struct Deferred {
+    /// Head slot of the batch.
+    pub(super) head: u32,
+    /// Slot of the request the range belongs to.
+    pub(super) slot: u32,
+    /// Index of the range in its request (for failures).
+    pub(super) range: u32,
+    pub(super) op: ferry_backend_api::Op,
+    pub(super) ep: ucp_ep_h,
+    pub(super) rkey: ucp_rkey_h,
+    /// The local region's memory handle (null: none).
+    pub(super) memh: ucp_mem_h,
+    pub(super) local_addr: u64,
+    pub(super) remote_addr: u64,
+    pub(super) len: u64,
 }
 
 impl Core {
@@ -94,13 +117,17 @@ impl Core {
         }
         self.validate(endpoint, ep, batch)?;
 
-        let ucp = self.ucp.clone();
-        let api = ucp.api();
         let mut head = NONE;
         let mut tail = NONE;
         let mut rkey_cache: (u64, ucp_rkey_h) = (u64::MAX, ptr::null_mut());
+        // What this post may hand to UCX; the rest waits in `deferred` for `pump`.
+        let mut budget = self.window_bytes;
+        let mut deferred = 0u32;
         for post in batch {
             let slot_index = self.free_slots.pop().expect("checked capacity");
+            if head == NONE {
+                head = slot_index;
+            }
             let mut failure = None;
             for (index, range) in post.ranges.iter().enumerate() {
                 if range.len == 0 {
@@ -117,59 +144,36 @@ impl Core {
                 };
                 // The registered memh: UCX then skips its registration-cache lookup
                 // for protocols that need the local buffer registered (zero-copy).
-                let mut param = request_param();
-                if let Some(mem) = self
+                let memh = self
                     .mem_index(range.local_token)
                     .and_then(|i| self.mems[i].as_ref())
-                {
-                    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-                    param.memh = mem.memh;
-                }
-                // Large ranges are issued in chunks: UCX pipelines several operations
-                // better than one huge one (measured with UCX 1.13 over shm and tcp).
-                let mut offset = 0u64;
-                while offset < range.len {
-                    let len = (range.len - offset).min(self.chunk_bytes);
-                    // SAFETY: ep and rkey are live; the local range lies inside a
-                    // registered region (validated) and, per the backend contract, stays
-                    // valid until this request completes; the remote range was published
-                    // by the peer.
-                    let status = unsafe {
-                        match post.op {
-                            ferry_backend_api::Op::Write => api.ucp_put_nbx(
-                                ep,
-                                (range.local_addr + offset) as *const c_void,
-                                len as usize,
-                                range.remote_addr + offset,
-                                rkey,
-                                &param,
-                            ),
-                            ferry_backend_api::Op::Read => api.ucp_get_nbx(
-                                ep,
-                                (range.local_addr + offset) as *mut c_void,
-                                len as usize,
-                                range.remote_addr + offset,
-                                rkey,
-                                &param,
-                            ),
-                        }
-                    };
-                    if ucs_ptr_is_ptr(status) {
-                        // Completion is observed through the flush; release the request.
-                        // SAFETY: we own this request and never touch it again.
-                        unsafe { api.ucp_request_free(status) };
-                    } else if ucs_ptr_is_err(status) {
-                        failure = Some(failure_of(
-                            ucs_ptr_status(status),
-                            false,
-                            Some(index as u32),
-                        ));
+                    .map_or(ptr::null_mut(), |mem| mem.memh);
+                let mut piece = Deferred {
+                    head,
+                    slot: slot_index,
+                    range: index as u32,
+                    op: post.op,
+                    ep,
+                    rkey,
+                    memh,
+                    local_addr: range.local_addr,
+                    remote_addr: range.remote_addr,
+                    len: range.len,
+                };
+                let now = piece.len.min(budget);
+                if now > 0 {
+                    if let Err(status) = self.issue(&piece, now) {
+                        failure = Some(failure_of(status, false, Some(index as u32)));
                         break;
                     }
-                    offset += len;
+                    budget -= now;
+                    piece.local_addr += now;
+                    piece.remote_addr += now;
+                    piece.len -= now;
                 }
-                if failure.is_some() {
-                    break;
+                if piece.len > 0 {
+                    self.deferred.push_back(piece);
+                    deferred += 1;
                 }
             }
             let slot = &mut self.slots[slot_index as usize];
@@ -183,18 +187,80 @@ impl Core {
                 slot.notif.extend_from_slice(notif);
             }
             slot.next = NONE;
-            if head == NONE {
-                head = slot_index;
-            } else {
+            slot.deferred = 0;
+            if tail != NONE {
                 self.slots[tail as usize].next = slot_index;
             }
             tail = slot_index;
         }
-
         if let Some(peer) = peer {
             self.watch_started(peer, batch.len() as u32);
         }
-        // One flush for the whole batch: when it completes, every put/get above has.
+        self.slots[head as usize].ep = ep;
+        self.slots[head as usize].deferred = deferred;
+        if deferred == 0 {
+            self.flush_batch(head);
+        }
+        Ok(())
+    }
+
+    /// Hand `len` bytes from the start of `piece` to UCX, as puts/gets of at most
+    /// `chunk_bytes`.
+    fn issue(&self, piece: &Deferred, len: u64) -> std::result::Result<(), ucs_status_t> {
+        let api = self.ucp.api();
+        let mut param = request_param();
+        if !piece.memh.is_null() {
+            param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+            param.memh = piece.memh;
+        }
+        // Large ranges are issued in chunks: UCX pipelines several operations better
+        // than one huge one (measured with UCX 1.13 over shm and tcp).
+        let mut offset = 0u64;
+        while offset < len {
+            let chunk = (len - offset).min(self.chunk_bytes);
+            // SAFETY: ep and rkey are live (a peer's deferred pieces are cut before its
+            // endpoint closes and its rkeys go, see `cut_deferred`); the local range lies
+            // inside a registered region (validated at post) and, per the backend
+            // contract, stays valid until this request completes; the remote range was
+            // published by the peer.
+            let status = unsafe {
+                match piece.op {
+                    ferry_backend_api::Op::Write => api.ucp_put_nbx(
+                        piece.ep,
+                        (piece.local_addr + offset) as *const c_void,
+                        chunk as usize,
+                        piece.remote_addr + offset,
+                        piece.rkey,
+                        &param,
+                    ),
+                    ferry_backend_api::Op::Read => api.ucp_get_nbx(
+                        piece.ep,
+                        (piece.local_addr + offset) as *mut c_void,
+                        chunk as usize,
+                        piece.remote_addr + offset,
+                        piece.rkey,
+                        &param,
+                    ),
+                }
+            };
+            if ucs_ptr_is_ptr(status) {
+                // Completion is observed through the flush; release the request.
+                // SAFETY: we own this request and never touch it again.
+                unsafe { api.ucp_request_free(status) };
+            } else if ucs_ptr_is_err(status) {
+                return Err(ucs_ptr_status(status));
+            }
+            offset += chunk;
+        }
+        Ok(())
+    }
+
+    /// Issue the flush that completes the batch starting at `head` (all of its ranges
+    /// are with UCX): when it completes, every put/get issued on the endpoint before it
+    /// has.
+    fn flush_batch(&mut self, head: u32) {
+        let api = self.ucp.api();
+        let ep = self.slots[head as usize].ep;
         let mut param = request_param();
         param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
         param.cb.send = Some(on_op_done);
@@ -204,7 +270,77 @@ impl Core {
         if !ucs_ptr_is_ptr(request) {
             self.batch_flushed(head, ucs_ptr_status(request));
         }
-        Ok(())
+    }
+
+    /// Hand deferred ranges to UCX, at most one window. Returns whether it did.
+    pub(super) fn issue_deferred(&mut self) -> bool {
+        let mut budget = self.window_bytes;
+        let mut any = false;
+        while budget > 0 {
+            let Some(piece) = self.deferred.front() else {
+                break;
+            };
+            let (head, slot) = (piece.head, piece.slot as usize);
+            let mut done = self.slots[slot].failure.is_some();
+            if !done {
+                let now = piece.len.min(budget);
+                match self.issue(piece, now) {
+                    Ok(()) => {
+                        budget -= now;
+                        let piece = self.deferred.front_mut().expect("present");
+                        piece.local_addr += now;
+                        piece.remote_addr += now;
+                        piece.len -= now;
+                        done = piece.len == 0;
+                    }
+                    Err(status) => {
+                        let range = Some(piece.range);
+                        self.slots[slot].failure = Some(failure_of(status, false, range));
+                        done = true;
+                    }
+                }
+                any = true;
+            }
+            if done {
+                self.deferred.pop_front();
+                self.piece_done(head);
+            }
+        }
+        any
+    }
+
+    /// One deferred range of the batch at `head` is with UCX (or dropped): flush the
+    /// batch once none is left.
+    fn piece_done(&mut self, head: u32) {
+        let slot = &mut self.slots[head as usize];
+        slot.deferred -= 1;
+        if slot.deferred == 0 {
+            self.flush_batch(head);
+        }
+    }
+
+    /// Drop the deferred ranges that go to `ep` (about to be closed: its rkeys go too),
+    /// failing their requests with `status`; their batches are flushed now, while the
+    /// endpoint is still open, so each is reported from its flush's callback as usual.
+    pub(super) fn cut_deferred(&mut self, ep: ucp_ep_h, status: ucs_status_t) {
+        if !self.deferred.iter().any(|piece| piece.ep == ep) {
+            return;
+        }
+        let mut kept = VecDeque::with_capacity(self.deferred.len());
+        let mut cut: Vec<u32> = Vec::new();
+        for piece in std::mem::take(&mut self.deferred) {
+            if piece.ep == ep {
+                let slot = &mut self.slots[piece.slot as usize];
+                slot.failure.get_or_insert(failure_of(status, true, None));
+                cut.push(piece.head);
+            } else {
+                kept.push_back(piece);
+            }
+        }
+        self.deferred = kept;
+        for head in cut {
+            self.piece_done(head);
+        }
     }
 
     /// The flush of the batch starting at `head` finished with `status`.
@@ -263,6 +399,8 @@ impl Core {
         slot.failure = None;
         slot.has_notif = false;
         slot.next = NONE;
+        slot.ep = ptr::null_mut();
+        slot.deferred = 0;
         self.free_slots.push(index);
     }
 
@@ -272,18 +410,23 @@ impl Core {
         self.watch_tick();
         let api = self.ucp.api();
         let mut progressed = false;
+        let started = Instant::now();
         for worker in &self.workers {
-            for _ in 0..PROGRESS_ROUNDS_MAX {
+            for round in 1..=PROGRESS_ROUNDS_MAX {
                 // SAFETY: worker live; callbacks only push into `events`.
                 if unsafe { api.ucp_worker_progress(worker.handle) } == 0 {
                     break;
                 }
                 progressed = true;
+                if round % PROGRESS_CLOCK_ROUNDS == 0 && started.elapsed() > PROGRESS_BUDGET {
+                    break;
+                }
             }
         }
         let buried = !self.graves.is_empty() && self.reap_graves() > 0;
+        let issued = !self.deferred.is_empty() && self.issue_deferred();
         let handled = self.handle_events();
-        progressed | handled | buried | self.watch_expire()
+        progressed | handled | buried | issued | self.watch_expire()
     }
 
     pub(super) fn handle_events(&mut self) -> bool {

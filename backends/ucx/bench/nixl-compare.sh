@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Ferry's UCX benchmark against NIXL's Python API on the SAME libucp (the one bundled in
+# NIXL's wheel) and the same UCX environment, interleaved rounds, one table.
+#
+#   backends/ucx/bench/nixl-compare.sh            # 3 rounds
+#   ROUNDS=5 backends/ucx/bench/nixl-compare.sh
+#
+# Installs nixl-cu12 (no dependencies: the UCX backend needs neither torch nor CUDA)
+# and numpy into a throwaway venv ($NIXL_VENV, default /tmp/ferry-nixl-venv); nothing
+# is written inside the repository. Both sides: two processes on this host,
+# UCX_NET_DEVICES=lo, the UCX settings listed in nixl_compare.py, no progress thread
+# (NIXL's agent progress threads are turned off; both targets progress in a loop).
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+root="$(cd "$here/../../.." && pwd)"
+venv="${NIXL_VENV:-/tmp/ferry-nixl-venv}"
+nixl_version="${NIXL_VERSION:-1.5.1}"
+
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q --no-deps "nixl-cu12==$nixl_version"
+  "$venv/bin/pip" install -q numpy
+fi
+site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+lib="$(ls "$site"/nixl_cu12.libs/libucp-*.so* 2>/dev/null | head -1)"
+[ -n "$lib" ] || { echo "no libucp in $site/nixl_cu12.libs" >&2; exit 1; }
+export FERRY_UCX_LIBRARY="$lib"
+echo "libucp: $lib" >&2
+
+bench="$(cd "$root" && cargo bench -p ferry-benches --bench ucx --no-run 2>&1 \
+  | sed -n 's/.*Executable benches\/ucx.rs (\(.*\))/\1/p' | tail -1)"
+[ -n "$bench" ] || { echo "could not build the UCX benchmark" >&2; exit 1; }
+bench="$root/$bench"
+exec "$venv/bin/python" "$here/nixl_compare.py" --ferry-bench "$bench" \
+  --python "$venv/bin/python" --rounds "${ROUNDS:-3}"

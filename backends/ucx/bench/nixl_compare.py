@@ -1,0 +1,179 @@
+#!/usr/bin/env python3
+"""Ferry against NIXL on the same libucp and the same UCX environment, in one run.
+
+Started by nixl-compare.sh, which provides the NIXL venv, the wheel's libucp (exported
+as FERRY_UCX_LIBRARY, so Ferry's benchmark loads it and nothing else) and Ferry's UCX
+benchmark binary. Rounds are interleaved (Ferry then NIXL, then NIXL then Ferry, ...);
+each figure is the median of the rounds, with the range. On both sides the initiator
+runs on CPU 0 and the target on CPU 1 (two busy-polling processes on a shared machine
+otherwise fall into a slow mode whenever they share a core).
+
+    nixl_compare.py --ferry-bench PATH --python VENV_PYTHON [--rounds 3]
+"""
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# The UCX environment both sides run with. Ferry applies these values itself when the
+# variables are unset (shared-memory FIFO and segment, ZCOPY_THRESH on UCX >= 1.14,
+# RNDV_THRESH); NIXL sets RNDV_THRESH=inf itself. Setting them here makes both equal.
+COMMON_ENV = {
+    "UCX_NET_DEVICES": "lo",
+    "UCX_WARN_UNUSED_ENV_VARS": "n",
+    "UCX_ZCOPY_THRESH": "16k",
+    "UCX_MM_FIFO_SIZE": "4096",
+    "UCX_MM_SEG_SIZE": "32768",
+    "UCX_RNDV_THRESH": "inf",
+}
+
+# (variant, block bytes, count, ops): every workload of the table.
+CASES = [
+    ("shm", 64, 1024, ("WRITE", "READ")),
+    ("shm", 4096, 1024, ("WRITE", "READ")),
+    ("shm", 1 << 20, 32, ("WRITE", "READ")),
+    ("tcp", 1 << 20, 1, ("WRITE",)),
+    ("tcp", 1 << 20, 32, ("WRITE",)),
+]
+
+# Ferry: error_handling=none on shared memory (its shm variant), peer on tcp;
+# NIXL: the same through ucx_error_handling_mode.
+ERR_MODE = {"shm": "none", "tcp": "peer"}
+
+FERRY_LINE = re.compile(
+    r"^(WRITE|READ)\s+block\s+(\d+)\s+(B|KiB|MiB)\s+×\s+(\d+)\s+(shuffled|contiguous)\s+"
+    r"merged\s+\d+\s+median\s+([\d.]+)\s+µs"
+)
+NIXL_LINE = re.compile(r"^NIXL (WRITE|READ) (\d+) B x (\d+) .*median ([\d.]+) us")
+UNIT = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20}
+
+
+def env_for(variant):
+    env = dict(os.environ)
+    env.update(COMMON_ENV)
+    if variant == "tcp":
+        env["UCX_TLS"] = "tcp"
+    else:
+        env.pop("UCX_TLS", None)
+    return env
+
+
+def run_ferry(bench, variant, block, count):
+    """Median µs per request of Ferry's benchmark, by (op, block, count), shuffled."""
+    env = env_for(variant)
+    env.update(
+        {
+            "FERRY_BENCH_UCX_VARIANT": variant,
+            "FERRY_BENCH_UCX_BLOCKS": str(block),
+            "FERRY_BENCH_UCX_BATCHES": str(count),
+            "FERRY_BENCH_UCX_IDLE": "0",
+            "FERRY_BENCH_UCX_TARGET_CPU": "1",
+        }
+    )
+    out = subprocess.run(
+        ["taskset", "-c", "0", bench], env=env, capture_output=True, text=True, timeout=600
+    ).stdout
+    found = {}
+    for line in out.splitlines():
+        m = FERRY_LINE.match(line.strip())
+        if m and m.group(5) == "shuffled":
+            size = int(m.group(2)) * UNIT[m.group(3)]
+            found[(m.group(1), size, int(m.group(4)))] = float(m.group(6))
+    return found
+
+
+def run_nixl(python, variant, block, count, op, seconds):
+    env = env_for(variant)
+    cmd = [
+        python,
+        os.path.join(HERE, "nixl_write.py"),
+        "--block", str(block), "--count", str(count), "--op", op,
+        "--shuffled", "1", "--err-mode", ERR_MODE[variant],
+        "--seconds", str(seconds), "--prog-thread", "0", "--cpus", "0,1",
+    ]
+    try:
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        print(f"NIXL {variant} {op} {block} B x {count}: timed out", file=sys.stderr)
+        return None
+    if "transfer failed" in run.stderr:
+        print(f"NIXL {variant} {op} {block} B x {count}: transfer failed", file=sys.stderr)
+    out = run.stdout
+    for line in out.splitlines():
+        m = NIXL_LINE.match(line.strip())
+        if m:
+            return float(m.group(4))
+    return None
+
+
+def figure(block, count, us):
+    """(value, unit): M desc/s below 4 KiB, else GB/s."""
+    if block < 4096:
+        return count / us, "M desc/s"
+    return block * count / us / 1e3, "GB/s"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ferry-bench", required=True)
+    ap.add_argument("--python", required=True)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--nixl-seconds", type=float, default=1.5)
+    args = ap.parse_args()
+
+    ferry = {}  # (variant, op, block, count) -> [µs]
+    nixl = {}
+    for r in range(args.rounds):
+        for variant, block, count, ops in CASES:
+            def ferry_side():
+                got = run_ferry(args.ferry_bench, variant, block, count)
+                for op in ops:
+                    if (op, block, count) in got:
+                        ferry.setdefault((variant, op, block, count), []).append(
+                            got[(op, block, count)]
+                        )
+
+            def nixl_side():
+                for op in ops:
+                    us = run_nixl(args.python, variant, block, count, op, args.nixl_seconds)
+                    if us is not None:
+                        nixl.setdefault((variant, op, block, count), []).append(us)
+
+            sides = [ferry_side, nixl_side] if r % 2 == 0 else [nixl_side, ferry_side]
+            for side in sides:
+                side()
+            print(f"round {r + 1}: {variant} {block} B x {count} done", file=sys.stderr, flush=True)
+
+    print("| workload | Ferry | NIXL | Ferry ÷ NIXL |")
+    print("|---|---|---|---|")
+    for variant, block, count, ops in CASES:
+        for op in ops:
+            key = (variant, op, block, count)
+            cells = []
+            values = []
+            for table in (ferry, nixl):
+                times = table.get(key, [])
+                if not times:
+                    cells.append("—")
+                    values.append(None)
+                    continue
+                figs = sorted(figure(block, count, t)[0] for t in times)
+                unit = figure(block, count, times[0])[1]
+                med = statistics.median(figs)
+                values.append(med)
+                cells.append(f"{med:.2f} ({figs[0]:.2f}–{figs[-1]:.2f}) {unit}")
+            ratio = (
+                f"{values[0] / values[1]:.2f}×" if None not in values and values[1] else "—"
+            )
+            size = f"{block >> 20} MiB" if block >= 1 << 20 else (
+                f"{block >> 10} KiB" if block >= 1024 else f"{block} B")
+            name = f"{variant}, {size} × {count} shuffled {op}"
+            print(f"| {name} | {cells[0]} | {cells[1]} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
