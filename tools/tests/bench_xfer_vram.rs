@@ -66,6 +66,28 @@ fn gpu_flags_are_checked_before_anything_runs() {
         ])),
         "the UCX library is given twice",
     );
+    // An initiator with host memory whose target (elsewhere) has VRAM does nothing
+    // CUDA itself: no feature or driver asked for; here it fails finding the target.
+    let err = fails(
+        &refs(&xfer(&[
+            "--backend",
+            "ucx",
+            "--role",
+            "initiator",
+            "--tcpstore",
+            "127.0.0.1:1",
+            "--target-mem",
+            "vram",
+            "--connect-timeout",
+            "1",
+        ])),
+        "",
+    );
+    assert!(!err.to_lowercase().contains("cuda"), "{err}");
+    assert!(
+        err.contains("127.0.0.1:1") || err.contains("UCX is unavailable"),
+        "{err}"
+    );
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -15,7 +15,7 @@ use clap::Args;
 use ferry::{Agent, Desc, MemKind};
 
 use super::buffer::Buffer;
-use super::{BackendArg, InitiatorMem, MemArg, Plan, XferArgs};
+use super::{BackendArg, InitiatorMem, MemArg, Plan, Role, XferArgs};
 
 /// The GPU flags of `ferry bench xfer`.
 #[derive(Args, Debug, Clone, Default)]
@@ -63,7 +63,14 @@ pub fn check(args: &mut XferArgs) -> Result<(), String> {
         }
         return Ok(());
     }
-    if !cfg!(feature = "cuda") {
+    // The sides whose buffers this process allocates: both in `--role auto` (the
+    // target it spawns runs here), else its own.
+    let allocates_vram = match args.role {
+        Role::Auto => true,
+        Role::Initiator => args.initiator_mem == InitiatorMem::Vram,
+        Role::Target => args.target_mem == MemArg::Vram,
+    };
+    if allocates_vram && !cfg!(feature = "cuda") {
         return Err(NO_CUDA_FEATURE.into());
     }
     if args.backend != BackendArg::Ucx {
@@ -71,6 +78,10 @@ pub fn check(args: &mut XferArgs) -> Result<(), String> {
             "VRAM moves over UCX only: use --backend ucx ({} copies host memory with the CPU)",
             args.backend.name()
         ));
+    }
+    if !allocates_vram {
+        // The other host's memory: nothing CUDA happens here.
+        return Ok(());
     }
     // Fail before anything starts (the target process included) on a machine without
     // the driver or the device.
