@@ -114,7 +114,7 @@ cargo test -q -p ferry-tests --features tracy --test tracy
 
 log "cuda feature of the tools and benches (VRAM refused with the CUDA driver's reason here)"
 cargo clippy -q -p ferry-tools -p ferry-benches --all-targets \
-  --features ferry-tools/cuda,ferry-benches/cuda -- -D warnings
+  --features ferry-tools/cuda,ferry-benches/cuda -- -D warnings -D clippy::incompatible_msrv
 cargo test -q -p ferry-tools --features cuda --bin ferry --test bench_xfer_vram --test cli
 cargo test -q -p ferry-benches --features cuda --lib
 
