@@ -10,11 +10,12 @@
 #                                          # (DIR on a disk file system, not tmpfs: the GDS
 #                                          # test files go there, with O_DIRECT where possible)
 #                                          # on the GPU machine (CUDA driver, nvidia-cufile or a
-#                                          # CUDA install with libcufile): every GPU test, then
-#                                          # ferry-gpu-check all (VRAM->VRAM between processes,
-#                                          # VRAM<->DRAM, GDS FILE<->VRAM, each at 1 MiB x 32 and
-#                                          # 64 KiB x 1024 beside a plain CUDA copy, byte checks),
-#                                          # a PASS/FAIL summary; bounded to 8 minutes.
+#                                          # CUDA install with libcufile): every GPU test, a short
+#                                          # `ferry bench xfer` VRAM -> VRAM sweep (two processes,
+#                                          # --check), then ferry-gpu-check all (VRAM->VRAM between
+#                                          # processes, VRAM<->DRAM, GDS FILE<->VRAM, each at 1 MiB
+#                                          # x 32 and 64 KiB x 1024 beside a plain CUDA copy, byte
+#                                          # checks), a PASS/FAIL summary; bounded to 8 minutes.
 #
 # Environment for `run`: FERRY_CUFILE (a libcufile.so.0 to use instead of the one found),
 # FERRY_GPU_DEV (device ordinal, default 0), FERRY_GPU_ITERS (timed passes, default 10).
@@ -32,9 +33,9 @@ pack() {
   trap "rm -rf '$stage'" RETURN
   mkdir -p "$stage/bin" "$stage/tests" "$stage/ucx"
 
-  log "release binaries (GPU code compiled in: feature ferry/cuda)"
+  log "release binaries (GPU code compiled in: ferry-tools' cuda feature, ferry/cuda)"
   cargo build -q --release -p ferry-gpu --bin ferry-gpu-check
-  cargo build -q --release -p ferry-tools --features ferry/cuda --bin ferry
+  cargo build -q --release -p ferry-tools --features cuda --bin ferry
   cp target/release/ferry-gpu-check target/release/ferry "$stage/bin/"
 
   log "GPU test binaries"
@@ -162,12 +163,17 @@ PY
   local dev=${FERRY_GPU_DEV:-0}
   local iters=${FERRY_GPU_ITERS:-10}
 
-  step "ferry backends (here, system libraries)" 20 bin/ferry backends
-  step "test ferry-cuda (driver, device, copies)" 45 tests/ferry-cuda-ferry_cuda --test-threads=1
+  step "ferry backends (here, system libraries)" 15 bin/ferry backends
+  step "test ferry-cuda (driver, device, copies)" 30 tests/ferry-cuda-ferry_cuda --test-threads=1
   step "test ferry-ucx vram (VRAM<->VRAM, VRAM<->DRAM)" 75 tests/ferry-ucx-vram --test-threads=1 --nocapture
   step "test ferry-gds gpu (FILE<->VRAM, both engines)" 75 tests/ferry-gds-gpu --test-threads=1 --nocapture
-  # Step limits add up to 455 s (+5 s kill grace each): the run ends within 8 minutes.
-  step "ferry-gpu-check all (bench + byte checks)" 240 \
+  # 64 KiB and 1 MiB blocks x 1 and 32, READ and WRITE, every byte checked (host copies).
+  step "ferry bench xfer VRAM->VRAM (2 processes)" 35 \
+    bin/ferry bench xfer --backend ucx --initiator-mem vram --target-mem vram --dev "$dev" \
+    --ucx-library "$ucp" --op write,read --start-block 64K --max-block 1M --block-factor 16 \
+    --max-batch 32 --batch-factor 32 --iters "$iters" --warmup 2 --check
+  # Step limits add up to 450 s (+5 s kill grace each): the run ends within 8 minutes.
+  step "ferry-gpu-check all (bench + byte checks)" 220 \
     bin/ferry-gpu-check all --dev "$dev" --ucx-library "$ucp" ${cufile:+--cufile-library "$cufile"} \
     --dir "$scratch" --iters "$iters"
 
@@ -183,7 +189,7 @@ case "${1:-}" in
   pack) shift; pack "$@" ;;
   run) shift; run "$@" ;;
   *)
-    sed -n '2,20p' "$0" >&2
+    sed -n '2,21p' "$0" >&2
     exit 2
     ;;
 esac

@@ -112,6 +112,12 @@ cargo check -q -p ferry --features tracy
 # A viewer's handshake with the in-process Tracy client, events flowing while flushing.
 cargo test -q -p ferry-tests --features tracy --test tracy
 
+log "cuda feature of the tools and benches (VRAM refused with the CUDA driver's reason here)"
+cargo clippy -q -p ferry-tools -p ferry-benches --all-targets \
+  --features ferry-tools/cuda,ferry-benches/cuda -- -D warnings -D clippy::incompatible_msrv
+cargo test -q -p ferry-tools --features cuda --bin ferry --test bench_xfer_vram --test cli
+cargo test -q -p ferry-benches --features cuda --lib
+
 if [[ -z "${FERRY_TEST_QUICK:-}" ]]; then
   log "main job smoke run: ferry demo --mib 64"
   cargo run -q -p ferry-tools --bin ferry -- demo --mib 64

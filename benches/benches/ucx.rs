@@ -10,10 +10,15 @@
 //! initiator under `taskset -c 0`); `FERRY_BENCH_UCX_IDLE=0` skips the idle-CPU
 //! measurement. `FERRY_UCX_LIBRARY` names the libucp both processes load (and the only
 //! one: the availability check loads it too).
+//!
+//! GPU memory (build with `--features cuda`): `FERRY_BENCH_UCX_MEM=vram` (both sides)
+//! or `INITIATOR,TARGET` (`vram,dram`, `dram,vram`), `FERRY_BENCH_UCX_DEV=N` (device,
+//! default 0); a CUDA-capable UCX through `FERRY_BENCH_UCX_PARAMS=ucx_library=PATH`.
+//! Without the feature, the driver or the device it exits with the reason (status 1).
 
 use std::process::{Command, Stdio};
 
-use ferry_benches::ucx::{run, target_main, Config, TARGET_ENV};
+use ferry_benches::ucx::{run, target_main, Config, Placement, TARGET_ENV};
 
 fn main() {
     std::env::set_var(
@@ -28,6 +33,15 @@ fn main() {
         }
         return;
     }
+    // VRAM asked for on a machine (or build) that cannot give it: say why, up front.
+    let (initiator_mem, target_mem) =
+        match Placement::from_env().and_then(|(i, t)| i.check().and(t.check()).map(|()| (i, t))) {
+            Ok(mem) => mem,
+            Err(e) => {
+                eprintln!("UCX benchmark: {e}");
+                std::process::exit(1);
+            }
+        };
     if let Some(reason) = ferry::Agent::available_backends()
         .iter()
         .find(|f| f.name == "UCX")
@@ -50,6 +64,8 @@ fn main() {
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
+            initiator_mem,
+            target_mem,
             ..Config::default()
         };
         if let Ok(extra) = std::env::var("FERRY_BENCH_UCX_PARAMS") {
@@ -83,7 +99,7 @@ fn main() {
         if let Some(batches) = list("FERRY_BENCH_UCX_BATCHES") {
             config.batches = batches;
         }
-        println!("== UCX benchmark, variant {name}: {params:?}");
+        println!("== UCX benchmark, variant {name}: {params:?}, {initiator_mem} -> {target_mem}");
         let report = run(
             &config,
             |spec| {

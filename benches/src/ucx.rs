@@ -1,4 +1,5 @@
-//! DRAM → DRAM between two processes over the UCX backend, through `ferry::Agent`.
+//! DRAM → DRAM (or, with the `cuda` feature, VRAM on either side: [`Placement`])
+//! between two processes over the UCX backend, through `ferry::Agent`.
 //!
 //! The initiator (this process) spawns a target process (the same binary, told its
 //! role by [`TARGET_ENV`]), which registers a buffer, sends its metadata blob over a
@@ -23,8 +24,9 @@ use ferry::{Agent, AgentConfig, Desc, MemKind, Op, Params, XferStatus};
 use ferry_testkit::cpu::{clock_ticks_per_second, thread_cpu_ticks};
 
 /// Environment variable that tells a spawned process to act as the target; its value is
-/// the initiator's control address (`127.0.0.1:port`), followed by `,` and the UCX
-/// backend parameters as `key=value;key=value`.
+/// the initiator's control address (`127.0.0.1:port`), followed by `,` and the
+/// target's memory (`dram` or `vram:DEV`), then `,` and the UCX backend parameters as
+/// `key=value;key=value`.
 pub const TARGET_ENV: &str = "FERRY_BENCH_UCX_TARGET";
 
 /// Buffer size on each side.
@@ -100,6 +102,174 @@ impl Drop for Buffer {
     }
 }
 
+/// Environment variable: the memory of the two sides, `dram` (default), `vram` (both
+/// sides), or `INITIATOR,TARGET` (e.g. `vram,dram`). VRAM needs the `cuda` feature.
+pub const MEM_ENV: &str = "FERRY_BENCH_UCX_MEM";
+
+/// Environment variable: the CUDA device of VRAM buffers (default 0), both sides.
+pub const DEV_ENV: &str = "FERRY_BENCH_UCX_DEV";
+
+/// The message for VRAM in a build without the `cuda` feature.
+pub const NO_CUDA_FEATURE: &str = "VRAM needs the `cuda` feature of ferry-benches \
+    (cargo bench -p ferry-benches --features cuda --bench ucx)";
+
+/// Where one side's buffer lives.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Placement {
+    /// Host memory (an anonymous mapping, optionally with huge pages).
+    #[default]
+    Dram,
+    /// Device memory of CUDA device `dev` (feature `cuda`).
+    Vram {
+        /// The CUDA device ordinal (`desc.dev` of the descriptors).
+        dev: u64,
+    },
+}
+
+impl Placement {
+    /// The two sides' placements from [`MEM_ENV`] and [`DEV_ENV`]: (initiator, target).
+    pub fn from_env() -> Result<(Placement, Placement), String> {
+        Placement::parse(
+            std::env::var(MEM_ENV).ok().as_deref(),
+            std::env::var(DEV_ENV).ok().as_deref(),
+        )
+    }
+
+    /// The two sides' placements from the values of [`MEM_ENV`] and [`DEV_ENV`].
+    pub fn parse(mem: Option<&str>, dev: Option<&str>) -> Result<(Placement, Placement), String> {
+        let dev = match dev {
+            Some(text) => text
+                .trim()
+                .parse::<u64>()
+                .map_err(|_| format!("{DEV_ENV}={text}: expected a CUDA device ordinal"))?,
+            None => 0,
+        };
+        let text = mem.unwrap_or_default();
+        let one = |word: &str| {
+            match word.trim().to_ascii_lowercase().as_str() {
+            "" | "dram" => Ok(Placement::Dram),
+            "vram" => Ok(Placement::Vram { dev }),
+            other => Err(format!(
+                "{MEM_ENV}={text}: '{other}' is not a memory kind (dram or vram; INITIATOR,TARGET for two)"
+            )),
+        }
+        };
+        match text.split_once(',') {
+            Some((initiator, target)) => Ok((one(initiator)?, one(target)?)),
+            None => {
+                let both = one(text)?;
+                Ok((both, both))
+            }
+        }
+    }
+
+    /// The memory kind.
+    pub fn kind(self) -> MemKind {
+        match self {
+            Placement::Dram => MemKind::Dram,
+            Placement::Vram { .. } => MemKind::Vram,
+        }
+    }
+
+    /// The device id of its descriptors.
+    pub fn dev(self) -> u64 {
+        match self {
+            Placement::Dram => 0,
+            Placement::Vram { dev } => dev,
+        }
+    }
+
+    /// Whether this process can allocate it: for VRAM, the `cuda` feature, a CUDA
+    /// driver and the device (the driver's typed reason otherwise).
+    pub fn check(self) -> Result<(), String> {
+        match self {
+            Placement::Dram => Ok(()),
+            #[cfg(feature = "cuda")]
+            Placement::Vram { dev } => ferry_cuda::Device::open(dev)
+                .map(drop)
+                .map_err(|e| e.to_string()),
+            #[cfg(not(feature = "cuda"))]
+            Placement::Vram { .. } => Err(NO_CUDA_FEATURE.into()),
+        }
+    }
+
+    fn encode(self) -> String {
+        match self {
+            Placement::Dram => "dram".into(),
+            Placement::Vram { dev } => format!("vram:{dev}"),
+        }
+    }
+
+    fn decode(text: &str) -> Result<Placement, String> {
+        match text.split_once(':') {
+            None if text == "dram" => Ok(Placement::Dram),
+            Some(("vram", dev)) => dev
+                .parse()
+                .map(|dev| Placement::Vram { dev })
+                .map_err(|_| format!("bad device in '{text}'")),
+            _ => Err(format!("bad memory '{text}' in {TARGET_ENV}")),
+        }
+    }
+}
+
+impl std::fmt::Display for Placement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Placement::Dram => write!(f, "DRAM"),
+            Placement::Vram { dev } => write!(f, "VRAM (device {dev})"),
+        }
+    }
+}
+
+/// One side's registered buffer of [`BUFFER_LEN`] bytes: host memory or device memory.
+enum Memory {
+    Host(Buffer),
+    #[cfg(feature = "cuda")]
+    Device(ferry_cuda::DeviceBuffer),
+}
+
+impl Memory {
+    fn alloc(place: Placement) -> Result<Memory, String> {
+        match place {
+            Placement::Dram => Buffer::new().map(Memory::Host),
+            #[cfg(feature = "cuda")]
+            Placement::Vram { dev } => {
+                let device = ferry_cuda::Device::open(dev).map_err(|e| e.to_string())?;
+                ferry_cuda::DeviceBuffer::alloc(&device, BUFFER_LEN)
+                    .map(Memory::Device)
+                    .map_err(|e| format!("allocating {BUFFER_LEN} bytes on CUDA device {dev}: {e}"))
+            }
+            #[cfg(not(feature = "cuda"))]
+            Placement::Vram { .. } => Err(NO_CUDA_FEATURE.into()),
+        }
+    }
+
+    fn addr(&self) -> u64 {
+        match self {
+            Memory::Host(b) => b.addr(),
+            #[cfg(feature = "cuda")]
+            Memory::Device(b) => b.addr(),
+        }
+    }
+
+    /// Register the whole buffer with `agent` as `place` says.
+    ///
+    /// # Safety
+    /// The buffer outlives the agent.
+    unsafe fn register(&self, agent: &Agent, place: Placement) -> Result<(), String> {
+        let desc = match self {
+            Memory::Host(b) => Desc::of_slice(b.as_slice()),
+            #[cfg(feature = "cuda")]
+            Memory::Device(b) => Desc::new(b.addr(), b.len() as u64, place.dev()),
+        };
+        // SAFETY: the caller's promise; nothing reads or writes the buffer from Rust
+        // while transfers run.
+        unsafe { agent.register(place.kind(), desc) }
+            .map(drop)
+            .map_err(|e| format!("registering {BUFFER_LEN} bytes of {place}: {e}"))
+    }
+}
+
 /// One benchmark run's settings.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -118,6 +288,10 @@ pub struct Config {
     pub control_path: bool,
     /// Also measure the idle CPU of a progress thread.
     pub idle_cpu: bool,
+    /// The initiator's buffer.
+    pub initiator_mem: Placement,
+    /// The target's buffer.
+    pub target_mem: Placement,
 }
 
 impl Default for Config {
@@ -130,6 +304,8 @@ impl Default for Config {
             min_iters: 3,
             control_path: true,
             idle_cpu: true,
+            initiator_mem: Placement::Dram,
+            target_mem: Placement::Dram,
         }
     }
 }
@@ -252,15 +428,15 @@ fn ucx_agent(name: &str, params: &[(String, String)]) -> Result<Agent, String> {
 
 /// The target role: `spec` is the value of [`TARGET_ENV`].
 pub fn target_main(spec: &str) -> Result<(), String> {
-    let (addr, params) = spec.split_once(',').unwrap_or((spec, ""));
+    let (addr, rest) = spec.split_once(',').unwrap_or((spec, "dram,"));
+    let (mem, params) = rest.split_once(',').unwrap_or((rest, ""));
+    let place = Placement::decode(mem)?;
     let params = decode_params(params);
     // Declared before the agent so that it is dropped after it on every path.
-    let buffer = Buffer::new()?;
+    let buffer = Memory::alloc(place)?;
     let agent = ucx_agent(&format!("bench-target-{}", std::process::id()), &params)?;
-    // SAFETY: `buffer` lives until this function returns, after the agent is dropped;
-    // nothing reads or writes it from Rust meanwhile.
-    unsafe { agent.register(MemKind::Dram, Desc::of_slice(buffer.as_slice())) }
-        .map_err(|e| e.to_string())?;
+    // SAFETY: `buffer` lives until this function returns, after the agent is dropped.
+    unsafe { buffer.register(&agent, place) }?;
     let mut stream = TcpStream::connect(addr).map_err(|e| e.to_string())?;
     send_frame(&mut stream, &agent.local_md().map_err(|e| e.to_string())?)
         .map_err(|e| e.to_string())?;
@@ -290,24 +466,67 @@ pub fn run(
     spawn_target: impl FnOnce(&str) -> std::io::Result<Child>,
     mut on_case: impl FnMut(&CaseResult),
 ) -> Result<Report, String> {
+    // Before anything starts: a VRAM side needs the feature, the driver and the device.
+    config
+        .initiator_mem
+        .check()
+        .map_err(|e| format!("initiator memory: {e}"))?;
+    config
+        .target_mem
+        .check()
+        .map_err(|e| format!("target memory: {e}"))?;
     let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
     let spec = format!(
-        "{},{}",
+        "{},{},{}",
         listener.local_addr().map_err(|e| e.to_string())?,
+        config.target_mem.encode(),
         encode_params(&config.params)
     );
     let mut child = spawn_target(&spec).map_err(|e| format!("spawning the target: {e}"))?;
-    let result = run_with_target(config, &listener, &mut on_case);
+    let result = accept_target(&listener, &mut child)
+        .and_then(|stream| run_with_target(config, stream, &mut on_case));
     let _ = child.wait();
     result
 }
 
+/// How long the initiator waits for the target to connect.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The target's control connection; an error if the target ends (or stays silent for
+/// [`CONNECT_TIMEOUT`]) before connecting.
+fn accept_target(listener: &TcpListener, child: &mut Child) -> Result<TcpStream, String> {
+    listener.set_nonblocking(true).map_err(|e| e.to_string())?;
+    let started = Instant::now();
+    loop {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                stream.set_nonblocking(false).map_err(|e| e.to_string())?;
+                return Ok(stream);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(format!("waiting for the target: {e}")),
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(format!(
+                "the target process ended ({status}) before connecting; its messages are above"
+            ));
+        }
+        if started.elapsed() > CONNECT_TIMEOUT {
+            let _ = child.kill();
+            return Err(format!(
+                "the target process did not connect within {} s",
+                CONNECT_TIMEOUT.as_secs()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 fn run_with_target(
     config: &Config,
-    listener: &TcpListener,
+    mut stream: TcpStream,
     on_case: &mut impl FnMut(&CaseResult),
 ) -> Result<Report, String> {
-    let (mut stream, _) = listener.accept().map_err(|e| e.to_string())?;
     let md = recv_frame(&mut stream).map_err(|e| e.to_string())?;
     let remote_base = u64::from_le_bytes(
         recv_frame(&mut stream)
@@ -316,15 +535,15 @@ fn run_with_target(
             .map_err(|_| "bad address frame".to_string())?,
     );
     // Declared before the agent so that it is dropped after it on every path.
-    let local = Buffer::new()?;
+    let local = Memory::alloc(config.initiator_mem)?;
     let agent = ucx_agent(
         &format!("bench-initiator-{}", std::process::id()),
         &config.params,
     )?;
-    // SAFETY: `local` outlives the agent (declared before it, so dropped after it);
-    // nothing touches it from Rust while transfers run.
-    unsafe { agent.register(MemKind::Dram, Desc::of_slice(local.as_slice())) }
-        .map_err(|e| e.to_string())?;
+    // SAFETY: `local` outlives the agent (declared before it, so dropped after it).
+    unsafe { local.register(&agent, config.initiator_mem) }?;
+    let (local_kind, local_dev) = (config.initiator_mem.kind(), config.initiator_mem.dev());
+    let (remote_kind, remote_dev) = (config.target_mem.kind(), config.target_mem.dev());
     let peer = agent.load_remote_md(&md).map_err(|e| e.to_string())?;
 
     let mut report = Report::default();
@@ -347,17 +566,23 @@ fn run_with_target(
             rng.shuffle(&mut remote_slots);
         }
         let local_descs: Vec<Desc> = (0..batch)
-            .map(|i| Desc::new(local.addr() + ((i % slots) * block) as u64, block as u64, 0))
+            .map(|i| {
+                Desc::new(
+                    local.addr() + ((i % slots) * block) as u64,
+                    block as u64,
+                    local_dev,
+                )
+            })
             .collect();
         let remote_descs: Vec<Desc> = remote_slots
             .iter()
-            .map(|&s| Desc::new(remote_base + (s * block) as u64, block as u64, 0))
+            .map(|&s| Desc::new(remote_base + (s * block) as u64, block as u64, remote_dev))
             .collect();
         let local_prep = agent
-            .prep(ferry::Side::Local, MemKind::Dram, &local_descs)
+            .prep(ferry::Side::Local, local_kind, &local_descs)
             .map_err(|e| e.to_string())?;
         let remote_prep = agent
-            .prep(peer, MemKind::Dram, &remote_descs)
+            .prep(peer, remote_kind, &remote_descs)
             .map_err(|e| e.to_string())?;
         for op in [Op::Write, Op::Read] {
             let x = agent
@@ -435,4 +660,61 @@ fn idle_thread_cpu(params: &[(String, String)]) -> Result<f64, String> {
     drop(agent);
     let hz = clock_ticks_per_second() as f64;
     Ok(ticks as f64 / hz / elapsed * 100.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memory_settings_parse_and_bad_ones_are_named() {
+        let vram = |dev| Placement::Vram { dev };
+        assert_eq!(
+            Placement::parse(None, None),
+            Ok((Placement::Dram, Placement::Dram))
+        );
+        assert_eq!(
+            Placement::parse(Some("VRAM"), Some("2")),
+            Ok((vram(2), vram(2)))
+        );
+        assert_eq!(
+            Placement::parse(Some("vram,dram"), None),
+            Ok((vram(0), Placement::Dram))
+        );
+        let err = Placement::parse(Some("dram,hbm"), None).unwrap_err();
+        assert!(err.contains("'hbm' is not a memory kind"), "{err}");
+        let err = Placement::parse(Some("vram"), Some("-1")).unwrap_err();
+        assert!(err.contains("FERRY_BENCH_UCX_DEV=-1"), "{err}");
+        for place in [Placement::Dram, vram(7)] {
+            assert_eq!(Placement::decode(&place.encode()), Ok(place));
+        }
+        assert!(Placement::decode("vram:x").is_err());
+        assert_eq!(vram(1).to_string(), "VRAM (device 1)");
+    }
+
+    /// VRAM on a machine (or build) without it: the reason, before a target starts.
+    #[test]
+    fn vram_without_a_gpu_fails_before_the_target_starts() {
+        // Device 1023 exists nowhere: no GPU work, whatever the machine has.
+        let config = Config {
+            target_mem: Placement::Vram { dev: 1023 },
+            ..Config::default()
+        };
+        let err = run(
+            &config,
+            |_| Err(std::io::Error::other("the target must not be spawned")),
+            |_| {},
+        )
+        .unwrap_err();
+        assert!(err.starts_with("target memory: "), "{err}");
+        if cfg!(feature = "cuda") {
+            assert!(
+                err.contains("VRAM needs a CUDA driver: libcuda.so.1 not found")
+                    || err.contains("no CUDA device 1023: the driver reports"),
+                "{err}"
+            );
+        } else {
+            assert!(err.ends_with(NO_CUDA_FEATURE), "{err}");
+        }
+    }
 }

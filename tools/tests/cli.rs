@@ -153,10 +153,6 @@ fn bad_flags_and_values_are_refused_with_a_message() {
         "--tcpstore",
     );
     fails(
-        &["bench", "xfer", "--target-mem", "vram"],
-        "measured by ferry-gpu-check",
-    );
-    fails(
         &[
             "bench",
             "xfer",
@@ -170,6 +166,8 @@ fn bad_flags_and_values_are_refused_with_a_message() {
         ],
         "--check needs every request to fit",
     );
+    // With the `cuda` feature: tests/bench_xfer_vram.rs.
+    #[cfg(not(feature = "cuda"))]
     fails(&["demo", "--vram"], "VRAM demo needs a GPU backend");
     fails(
         &["demo", "--mib", "1", "--block-kib", "3"],

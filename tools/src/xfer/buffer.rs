@@ -1,8 +1,6 @@
 //! Registered host memory of the transfer benchmark, written and checked by the tool
 //! only while no transfer touches it.
 
-use ferry::Desc;
-
 /// A zeroed heap buffer whose bytes backends read and write through its address.
 ///
 /// The tool reads or writes it ([`Buffer::fill`], [`Buffer::zero`],
@@ -43,11 +41,6 @@ impl Buffer {
     /// Address of the first byte.
     pub fn addr(&self) -> u64 {
         self.ptr as u64
-    }
-
-    /// Descriptor of the whole buffer (device 0).
-    pub fn whole(&self) -> Desc {
-        Desc::new(self.addr(), self.len as u64, 0)
     }
 
     // Reason: the buffer is shared memory by design (backends write it through its

@@ -25,6 +25,7 @@ mod plot;
 mod report;
 mod sweep;
 mod target;
+mod vram;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -59,10 +60,10 @@ pub struct XferArgs {
         ignore_case = true
     )]
     pub op: Vec<OpArg>,
-    /// Memory kind on the initiator side.
+    /// Memory kind on the initiator side (vram: UCX, in a build with the cuda feature).
     #[arg(long, value_enum, default_value_t = InitiatorMem::Dram, ignore_case = true)]
     pub initiator_mem: InitiatorMem,
-    /// Memory kind on the target side (file: POSIX only).
+    /// Memory kind on the target side (file: POSIX only; vram as --initiator-mem).
     #[arg(long, value_enum, default_value_t = MemArg::Dram, ignore_case = true)]
     pub target_mem: MemArg,
     /// Smallest block size.
@@ -126,6 +127,8 @@ pub struct XferArgs {
     pub role: Role,
     #[command(flatten)]
     pub exchange: ExchangeArgs,
+    #[command(flatten)]
+    pub gpu: vram::GpuArgs,
     /// Names the run in the store (both sides must agree): agents are
     /// `<run-id>-target-<k>` and `<run-id>-initiator-<i>`.
     #[arg(long, default_value = "ferry-bench")]
@@ -302,9 +305,7 @@ fn dedup<T: PartialEq + Copy>(v: &[T]) -> Vec<T> {
 /// Check `args` and expand the sweep.
 pub fn plan(args: &XferArgs) -> Result<Plan, String> {
     let mut args = args.clone();
-    if args.initiator_mem == InitiatorMem::Vram || args.target_mem == MemArg::Vram {
-        return Err("bench xfer allocates host memory only: VRAM transfers are measured by ferry-gpu-check (tools/gpu-check.sh)".into());
-    }
+    vram::check(&mut args)?;
     match (args.backend, args.target_mem) {
         (BackendArg::Posix, MemArg::Dram) => {
             return Err("POSIX moves data between memory and files: use --target-mem file".into())

@@ -10,7 +10,7 @@ use ferry::{
     XferId, XferStatus,
 };
 
-use super::buffer::Buffer;
+use super::vram::{registered, Memory};
 use super::{target, BackendArg, Layout, Plan, RequestMode, Scheme};
 use crate::bench::OpArg;
 
@@ -98,7 +98,7 @@ pub struct Remote {
 /// declared first so that it is dropped before the memory it registered.
 pub struct Worker {
     agent: Agent,
-    local: Buffer,
+    local: Memory,
     remotes: Vec<Remote>,
 }
 
@@ -107,7 +107,7 @@ pub enum Targets {
     /// LOOPBACK: target agents of this process (each before its buffer).
     Local {
         /// Kept for their drop, after the workers'.
-        _agents: Vec<(Agent, Buffer)>,
+        _agents: Vec<(Agent, Memory)>,
     },
     /// UCX: the targets' process (when spawned here) and the store.
     Remote(target::Peers),
@@ -150,17 +150,6 @@ pub fn agent(plan: &Plan, name: &str) -> Result<Agent, String> {
     Ok(agent)
 }
 
-/// A buffer of `len` bytes registered with `agent` as DRAM. The caller keeps the
-/// buffer alive longer than the agent.
-pub fn registered(agent: &Agent, len: u64) -> Result<Buffer, String> {
-    let buffer = Buffer::zeroed(len as usize);
-    // SAFETY: the caller keeps `buffer` alive until `agent` is dropped (Worker and
-    // Targets declare the agent first), and the tool touches its bytes only between
-    // transfers.
-    unsafe { agent.register(MemKind::Dram, buffer.whole()) }.map_err(err)?;
-    Ok(buffer)
-}
-
 /// Worker `i`'s name.
 pub fn initiator_name(plan: &Plan, i: usize) -> String {
     format!("{}-initiator-{i}", plan.args.run_id)
@@ -174,12 +163,12 @@ fn setup(plan: &Plan) -> Result<Setup, String> {
             let mut targets = Vec::with_capacity(n);
             for k in 0..n {
                 let a = agent(plan, &target::target_name(plan, k))?;
-                let b = registered(&a, plan.buffer_bytes(k))?;
+                let b = registered(&a, plan.target_placement(), plan.buffer_bytes(k))?;
                 targets.push((a, b));
             }
             for i in 0..n {
                 let a = agent(plan, &initiator_name(plan, i))?;
-                let local = registered(&a, plan.buffer_bytes(i))?;
+                let local = registered(&a, plan.initiator_placement(), plan.buffer_bytes(i))?;
                 let mut remotes = Vec::with_capacity(n);
                 for (t, buf) in &targets {
                     let peer = a.load_remote_md(&t.local_md().map_err(err)?).map_err(err)?;
@@ -214,7 +203,7 @@ fn setup(plan: &Plan) -> Result<Setup, String> {
                     .map_err(|e| format!("{}: {e}", path.display()))?;
                 files.push(path.clone());
                 let a = agent(plan, &initiator_name(plan, i))?;
-                let local = registered(&a, len)?;
+                let local = registered(&a, plan.initiator_placement(), len)?;
                 let mode = FileMode {
                     write: true,
                     ..FileMode::default()
@@ -239,13 +228,13 @@ fn setup(plan: &Plan) -> Result<Setup, String> {
             let peers = target::connect(plan)?;
             for i in 0..n {
                 let a = agent(plan, &initiator_name(plan, i))?;
-                let local = registered(&a, plan.buffer_bytes(i))?;
+                let local = registered(&a, plan.initiator_placement(), plan.buffer_bytes(i))?;
                 let mut remotes = Vec::with_capacity(n);
                 for t in &peers.targets {
                     let peer = a.load_remote_md_as(&t.name, &t.blob).map_err(err)?;
                     remotes.push(Remote {
                         side: peer.into(),
-                        kind: MemKind::Dram,
+                        kind: plan.target_kind,
                         base: t.base,
                         dev: t.dev,
                         len: t.len,
@@ -311,6 +300,8 @@ struct Lists {
     remote: Vec<Desc>,
     remote_side: Side,
     remote_kind: MemKind,
+    /// The worker's memory kind.
+    local_kind: MemKind,
     /// Bytes of the local area the lists cover (for the check).
     local_off: u64,
     covered: u64,
@@ -343,7 +334,7 @@ fn lists(w: &Worker, plan: &Plan, case: &Case, link: Link) -> Result<Lists, Stri
             Desc::new(
                 w.local.addr() + local_off + (i % n) * case.block,
                 case.block,
-                0,
+                w.local.dev(),
             )
         })
         .collect();
@@ -367,6 +358,7 @@ fn lists(w: &Worker, plan: &Plan, case: &Case, link: Link) -> Result<Lists, Stri
         remote: remote_descs,
         remote_side: remote.side,
         remote_kind: remote.kind,
+        local_kind: w.local.kind(),
         local_off,
         covered: n * case.block,
     })
@@ -401,7 +393,7 @@ fn one_shot(agent: &Agent, op: Op, l: &Lists) -> Result<(), String> {
     let x = agent
         .create(
             op,
-            MemKind::Dram,
+            l.local_kind,
             &l.local,
             l.remote_side,
             l.remote_kind,
@@ -497,7 +489,7 @@ fn run_case(
                 let x = agent
                     .create(
                         op,
-                        MemKind::Dram,
+                        l.local_kind,
                         &l.local,
                         l.remote_side,
                         l.remote_kind,
@@ -537,12 +529,12 @@ fn run_case(
         let mut ok = true;
         for l in &lists {
             if case.op == OpArg::Write {
-                w.local.zero(l.local_off as usize, l.covered as usize);
+                w.local.zero(l.local_off as usize, l.covered as usize)?;
                 one_shot(agent, Op::Read, l)?;
             }
             if let Some(at) = w
                 .local
-                .verify(l.local_off as usize, l.covered as usize, case.seed)
+                .verify(l.local_off as usize, l.covered as usize, case.seed)?
             {
                 tracing::warn!(
                     "byte check: {} block {} batch {}: first wrong byte at offset {at} of the worker's area",
@@ -568,12 +560,12 @@ fn prepare_case(w: &Worker, plan: &Plan, case: &Case, my: &[Link]) -> Result<Pre
     if plan.args.check {
         for l in &lists {
             w.local
-                .fill(l.local_off as usize, l.covered as usize, case.seed);
+                .fill(l.local_off as usize, l.covered as usize, case.seed)?;
             if case.op == OpArg::Read {
                 // Put the pattern there first, then clear our copy: the timed reads
                 // must bring it back.
                 one_shot(&w.agent, Op::Write, l)?;
-                w.local.zero(l.local_off as usize, l.covered as usize);
+                w.local.zero(l.local_off as usize, l.covered as usize)?;
             }
         }
     }
@@ -584,7 +576,7 @@ fn prepare_case(w: &Worker, plan: &Plan, case: &Case, my: &[Link]) -> Result<Pre
             let t0 = Instant::now();
             let lp = w
                 .agent
-                .prep(Side::Local, MemKind::Dram, &l.local)
+                .prep(Side::Local, l.local_kind, &l.local)
                 .map_err(err)?;
             let rp = w
                 .agent
@@ -739,9 +731,19 @@ fn describe(plan: &Plan, setup: &Setup) -> Vec<(String, String)> {
         ("backend".to_string(), a.backend.name().to_string()),
         (
             "initiator".to_string(),
-            format!("{} ({} workers)", "DRAM", a.threads),
+            format!(
+                "{} ({} workers)",
+                plan.initiator_placement().describe(),
+                a.threads
+            ),
         ),
-        ("target".to_string(), plan.target_kind.name().to_string()),
+        (
+            "target".to_string(),
+            match plan.target_kind {
+                MemKind::File => MemKind::File.name().to_string(),
+                _ => plan.target_placement().describe(),
+            },
+        ),
         (
             "placement".to_string(),
             match (&setup.targets, a.backend) {

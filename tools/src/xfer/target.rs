@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 use ferry::exchange::tcpstore::{self, ServerConfig, ServerHandle};
 use ferry::exchange::{StoreConfig, TcpStoreConfig, Via};
 use ferry::metadata::PeerMd;
-use ferry::MemKind;
 
-use super::sweep::{agent, registered, DONE_NOTIFICATION};
+use super::sweep::{agent, DONE_NOTIFICATION};
+use super::vram::registered;
 use super::{Plan, Role};
 
 /// Target agent `k`'s name.
@@ -108,6 +108,7 @@ fn target_args(plan: &Plan, store: &str) -> Vec<String> {
         "--connect-timeout".into(),
         a.connect_timeout.as_secs_f64().to_string(),
     ]);
+    v.extend(super::vram::target_args(plan));
     if let Some(ns) = &a.exchange.namespace {
         v.extend(["--namespace".into(), ns.clone()]);
     }
@@ -194,8 +195,13 @@ pub fn connect(plan: &Plan) -> Result<Peers, String> {
             .ok_or_else(|| format!("'{name}' has no UCX backend"))?;
         let region = md
             .regions()
-            .find(|r| r.backend == ucx && r.kind == MemKind::Dram)
-            .ok_or_else(|| format!("'{name}' published no DRAM region"))?;
+            .find(|r| r.backend == ucx && r.kind == plan.target_kind)
+            .ok_or_else(|| {
+                format!(
+                    "'{name}' published no {} region (use the same --target-mem on both sides)",
+                    plan.target_kind
+                )
+            })?;
         let need = plan.buffer_bytes(k);
         if region.desc.len < need {
             return Err(format!(
@@ -256,7 +262,11 @@ pub fn serve(plan: &Plan) -> Result<(), String> {
     let mut agents = Vec::new();
     for k in 0..plan.threads() {
         let a = agent(plan, &target_name(plan, k))?;
-        buffers.push(registered(&a, plan.buffer_bytes(k))?);
+        buffers.push(registered(
+            &a,
+            plan.target_placement(),
+            plan.buffer_bytes(k),
+        )?);
         a.start_exchange(config.clone())
             .map_err(|e| e.to_string())?;
         a.send_local_md(Via::Store).map_err(|e| e.to_string())?;
