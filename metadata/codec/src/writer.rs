@@ -199,27 +199,34 @@ impl MdWriter {
     /// The position in `sections` of section (`backend`, `kind`), created on first use.
     #[inline]
     fn section_position(&mut self, backend: u8, kind: MemKind) -> usize {
-        let wanted = (backend, kind as u8);
-        let key = |s: &WireSection| (s.backend, s.kind);
-        if self.sections.get(self.last_section).map(key) != Some(wanted) {
-            self.last_section = match self.sections.iter().position(|s| key(s) == wanted) {
-                Some(position) => position,
-                None => {
-                    self.sections.push(WireSection {
-                        backend,
-                        kind: kind as u8,
-                        addrs: Vec::new(),
-                        lens: Vec::new(),
-                        devs: Vec::new(),
-                        md_offsets: vec![0],
-                        md_refs: Vec::new(),
-                        md_bytes: Vec::new(),
-                    });
-                    self.sections.len() - 1
-                }
-            };
+        let last = self.sections.get(self.last_section);
+        if last.map(|s| (s.backend, s.kind)) != Some((backend, kind as u8)) {
+            self.switch_section(backend, kind);
         }
         self.last_section
+    }
+
+    /// Make section (`backend`, `kind`) the last used, created if new.
+    #[cold]
+    fn switch_section(&mut self, backend: u8, kind: MemKind) {
+        let wanted = (backend, kind as u8);
+        let found = self
+            .sections
+            .iter()
+            .position(|s| (s.backend, s.kind) == wanted);
+        self.last_section = found.unwrap_or_else(|| {
+            self.sections.push(WireSection {
+                backend,
+                kind: kind as u8,
+                addrs: Vec::new(),
+                lens: Vec::new(),
+                devs: Vec::new(),
+                md_offsets: vec![0],
+                md_refs: Vec::new(),
+                md_bytes: Vec::new(),
+            });
+            self.sections.len() - 1
+        });
     }
 
     /// The `region` call index of region `local` (call order) of section `position`.
@@ -493,14 +500,24 @@ fn same_md(a: &[u8], b: &[u8]) -> bool {
     if a.len() != b.len() {
         return false;
     }
-    let (mut a_words, mut b_words) = (a.chunks_exact(8), b.chunks_exact(8));
-    let words_equal = a_words.by_ref().zip(b_words.by_ref()).all(|(x, y)| x == y);
-    words_equal
-        && a_words
-            .remainder()
-            .iter()
-            .zip(b_words.remainder())
-            .all(|(x, y)| x == y)
+    let Some(last) = a.len().checked_sub(8) else {
+        return a.iter().zip(b).all(|(x, y)| x == y);
+    };
+    // 8-byte words from the start, then the last 8 bytes (overlapping the one before).
+    let word = |bytes: &[u8], at: usize| {
+        bytes
+            .get(at..)
+            .and_then(<[u8]>::first_chunk::<8>)
+            .map(|w| u64::from_ne_bytes(*w))
+    };
+    let mut at = 0;
+    while at < last {
+        if word(a, at) != word(b, at) {
+            return false;
+        }
+        at += 8;
+    }
+    word(a, last) == word(b, last)
 }
 
 /// Whether every value of `column` is the same (then it is stored once).
