@@ -540,6 +540,17 @@ fn metadata_entries(
         // One entry for every region (the usual case: rkeys that do not vary).
         return (None, Vec::new(), section.md_bytes.len());
     }
+    if order.is_none() {
+        // Added in sorted order: `region` already merged every run (a region shares
+        // the previous region's entry when their metadata is the same), so the
+        // writer's entries are the output's.
+        let refs = if writer_entries == count {
+            Vec::new()
+        } else {
+            section.md_refs.clone()
+        };
+        return (None, refs, section.md_bytes.len());
+    }
     let offsets = &section.md_offsets;
     let md =
         |e: u32| &section.md_bytes[offsets[e as usize] as usize..offsets[e as usize + 1] as usize];
