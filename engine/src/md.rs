@@ -340,6 +340,37 @@ impl MdState {
             *entry = Some(writer.backend(name, conn.as_deref()));
         }
         let table = world.regions();
+        // Size every section up front (regions and metadata bytes per backend and
+        // kind), so the writer's columns are allocated once, not regrown.
+        let mut sizes = [[(0usize, 0usize); MemKind::ALL.len()]; MAX_BACKENDS];
+        let mut count_row = |row: usize| {
+            for (slot, public) in &table.public_md[row] {
+                if let Some(size) = sizes
+                    .get_mut(usize::from(*slot))
+                    .and_then(|kinds| kinds.get_mut(table.kinds[row] as usize))
+                {
+                    size.0 += 1;
+                    size.1 += public.len();
+                }
+            }
+        };
+        match regions {
+            None => (0..table.len()).for_each(&mut count_row),
+            Some(ids) => ids
+                .iter()
+                .filter_map(|&id| table.row(id))
+                .for_each(&mut count_row),
+        }
+        for (slot, kinds) in sizes.iter().enumerate() {
+            let Some(b) = index[slot] else {
+                continue;
+            };
+            for (kind, &(count, md_len_bytes)) in MemKind::ALL.iter().zip(kinds) {
+                if count > 0 {
+                    writer.reserve(b, *kind, count, md_len_bytes);
+                }
+            }
+        }
         let add_row = |row: usize, writer: &mut MdWriter| {
             for (slot, public) in &table.public_md[row] {
                 if let Some(b) = index[usize::from(*slot)] {

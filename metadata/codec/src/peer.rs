@@ -410,6 +410,23 @@ fn check_section(
     }
 
     let addrs = section.addrs.as_slice();
+    if let ([len], [_]) = (section.lens.as_slice(), section.devs.as_slice()) {
+        // One length and one device for all (the usual case): the regions are sorted,
+        // apart and in range when the addresses ascend by at least the length and the
+        // last one does not wrap; one pass over the addresses. Anything else falls
+        // through to the region-by-region check below, which names the culprit.
+        let len = len.to_native();
+        let fits = len > 0
+            && addrs.windows(2).all(|w| {
+                w[0].to_native() < w[1].to_native() && w[1].to_native() - w[0].to_native() >= len
+            })
+            && addrs
+                .last()
+                .is_some_and(|last| last.to_native().checked_add(len).is_some());
+        if fits {
+            return Ok(count);
+        }
+    }
     let mut previous: Option<(u64, u64, u64)> = None; // (dev, addr, end)
     for (i, addr) in addrs.iter().enumerate() {
         let (addr, len, dev) = (addr.to_native(), len_at(section, i), dev_at(section, i));

@@ -186,6 +186,38 @@ fn unsorted_overlapping_empty_and_wrapping_regions_are_refused() {
     refused(md, &["region #0", "empty or wraps"]);
 }
 
+/// Section `section(..)` builds with one shared length and one shared device (the
+/// columns the validator checks in one pass over the addresses).
+fn uniform_section(len: u64, dev: u64, addrs: &[u64]) -> WireSection {
+    let regions: Vec<(u64, u64, u64)> = addrs.iter().map(|&a| (a, len, dev)).collect();
+    let mut section = section(0, 0, &regions);
+    section.lens = vec![len];
+    section.devs = vec![dev];
+    section
+}
+
+#[test]
+fn uniform_sections_name_the_bad_region() {
+    let mut md = valid();
+    md.sections[0] = uniform_section(0x100, 0, &[0x1000, 0x1100, 0x1200]);
+    PeerMd::from_bytes(&blob(&md, 0)).expect("apart and sorted: valid");
+    let mut md = valid();
+    md.sections[0] = uniform_section(0x100, 0, &[0x1000, 0x1100, 0x1000]);
+    refused(md, &["region #2", "not sorted"]);
+    let mut md = valid();
+    md.sections[0] = uniform_section(0x100, 3, &[0x1000, 0x1100, 0x1100]);
+    refused(md, &["region #2", "not sorted"]);
+    let mut md = valid();
+    md.sections[0] = uniform_section(0x100, 0, &[0x1000, 0x1100, 0x11ff]);
+    refused(md, &["region #2", "overlaps region #1"]);
+    let mut md = valid();
+    md.sections[0] = uniform_section(0, 0, &[0x1000, 0x2000]);
+    refused(md, &["region #0", "empty or wraps"]);
+    let mut md = valid();
+    md.sections[0] = uniform_section(0x100, 0, &[0x1000, u64::MAX - 0xfe]);
+    refused(md, &["region #1", "empty or wraps"]);
+}
+
 #[test]
 fn descriptor_list_columns_must_agree() {
     let wire = WireDescs {

@@ -251,8 +251,8 @@ impl<S: Fallible + Writer + ?Sized> Serialize<S> for U32s<'_> {
     }
 }
 
-/// Metadata offsets (`n + 1` of them, in call order) rewritten for the entries
-/// `order` selects (each entry is a call index; `None`: all, in call order).
+/// Metadata offsets (`n + 1` of them, one per writer entry plus one) rewritten for
+/// the entries `order` selects (writer entry indices; `None`: all, as written).
 pub(crate) struct GatheredOffsets<'a> {
     pub(crate) offsets: &'a [u32],
     pub(crate) order: Option<&'a [u32]>,
@@ -297,8 +297,8 @@ impl<S: Fallible + Writer + ?Sized> Serialize<S> for GatheredOffsets<'_> {
     }
 }
 
-/// Concatenated metadata (region `i` is `bytes[offsets[i]..offsets[i + 1]]`, call
-/// order) written for the entries `order` selects (`None`: all, in call order);
+/// Concatenated metadata (writer entry `e` is `bytes[offsets[e]..offsets[e + 1]]`)
+/// written for the entries `order` selects (`None`: all, as written);
 /// `len_bytes` is the length of what that writes.
 pub(crate) struct GatheredBytes<'a> {
     pub(crate) bytes: &'a [u8],

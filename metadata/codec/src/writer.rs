@@ -24,7 +24,11 @@ pub struct MdWriter {
     flags: u16,
     /// Backends, indexed by the index `backend` returned.
     backends: Vec<WireBackend>,
-    /// Sections in order of first use, columns in call order.
+    /// Sections in order of first use, columns in call order. Here the metadata
+    /// columns are the writer's own table: `md_refs` holds every region's entry (call
+    /// order) and a region whose metadata equals its section's last entry shares it,
+    /// so a run of identical metadata is copied once; `finish` rewrites the table for
+    /// sorted order.
     sections: Vec<WireSection>,
     /// Runs of `region` calls into one section: (position in `sections`, call
     /// count). Maps a section's region back to its call index for error messages.
@@ -115,7 +119,7 @@ impl MdWriter {
         section.addrs.reserve(regions);
         section.lens.reserve(regions);
         section.devs.reserve(regions);
-        section.md_offsets.reserve(regions);
+        section.md_refs.reserve(regions);
         section.md_bytes.reserve(public_md_len_bytes);
     }
 
@@ -151,6 +155,18 @@ impl MdWriter {
         }
         let position = self.section_position(backend, kind);
         let section = &mut self.sections[position];
+        // The section's last entry (there is one once a region was added).
+        let entries = section.md_offsets.len() - 1;
+        if entries > 0 {
+            let last_start = section.md_offsets[entries - 1] as usize;
+            if same_md(&section.md_bytes[last_start..], public_md) {
+                section.addrs.push(desc.addr);
+                section.lens.push(desc.len);
+                section.devs.push(desc.dev);
+                section.md_refs.push(entries as u32 - 1);
+                return self.count_run(position);
+            }
+        }
         let md_end = section.md_bytes.len() + public_md.len();
         let Ok(md_end) = u32::try_from(md_end) else {
             return self.remember(Error::invalid(
@@ -166,6 +182,14 @@ impl MdWriter {
         section.devs.push(desc.dev);
         section.md_bytes.extend_from_slice(public_md);
         section.md_offsets.push(md_end);
+        // At most one entry per region, and regions are fewer than u32::MAX.
+        section.md_refs.push(entries as u32);
+        self.count_run(position);
+    }
+
+    /// Count a `region` call into section `position` in `section_runs`.
+    #[inline]
+    fn count_run(&mut self, position: usize) {
         match self.section_runs.last_mut() {
             Some((run_position, count)) if *run_position == position => *count += 1,
             _ => self.section_runs.push((position, 1)),
@@ -173,28 +197,36 @@ impl MdWriter {
     }
 
     /// The position in `sections` of section (`backend`, `kind`), created on first use.
+    #[inline]
     fn section_position(&mut self, backend: u8, kind: MemKind) -> usize {
-        let wanted = (backend, kind as u8);
-        let key = |s: &WireSection| (s.backend, s.kind);
-        if self.sections.get(self.last_section).map(key) != Some(wanted) {
-            self.last_section = match self.sections.iter().position(|s| key(s) == wanted) {
-                Some(position) => position,
-                None => {
-                    self.sections.push(WireSection {
-                        backend,
-                        kind: kind as u8,
-                        addrs: Vec::new(),
-                        lens: Vec::new(),
-                        devs: Vec::new(),
-                        md_offsets: vec![0],
-                        md_refs: Vec::new(),
-                        md_bytes: Vec::new(),
-                    });
-                    self.sections.len() - 1
-                }
-            };
+        let last = self.sections.get(self.last_section);
+        if last.map(|s| (s.backend, s.kind)) != Some((backend, kind as u8)) {
+            self.switch_section(backend, kind);
         }
         self.last_section
+    }
+
+    /// Make section (`backend`, `kind`) the last used, created if new.
+    #[cold]
+    fn switch_section(&mut self, backend: u8, kind: MemKind) {
+        let wanted = (backend, kind as u8);
+        let found = self
+            .sections
+            .iter()
+            .position(|s| (s.backend, s.kind) == wanted);
+        self.last_section = found.unwrap_or_else(|| {
+            self.sections.push(WireSection {
+                backend,
+                kind: kind as u8,
+                addrs: Vec::new(),
+                lens: Vec::new(),
+                devs: Vec::new(),
+                md_offsets: vec![0],
+                md_refs: Vec::new(),
+                md_bytes: Vec::new(),
+            });
+            self.sections.len() - 1
+        });
     }
 
     /// The `region` call index of region `local` (call order) of section `position`.
@@ -229,10 +261,25 @@ impl MdWriter {
                 "agent name is empty",
             ));
         }
-        let orders = self
+        // Per section: whether lengths and devices are each one value, and whether the
+        // regions are then already sorted and apart (the usual case: one pass).
+        let shapes = self
             .sections
             .iter()
             .map(|section| {
+                let (lens, devs) = (is_uniform(&section.lens), is_uniform(&section.devs));
+                let sorted_apart = lens && devs && ascending_apart(&section.addrs, &section.lens);
+                (lens, devs, sorted_apart)
+            })
+            .collect::<Vec<(bool, bool, bool)>>();
+        let orders = self
+            .sections
+            .iter()
+            .zip(&shapes)
+            .map(|(section, &(_, _, sorted_apart))| {
+                if sorted_apart {
+                    return None;
+                }
                 let in_order = section
                     .devs
                     .iter()
@@ -242,8 +289,12 @@ impl MdWriter {
                 (!in_order).then(|| sorted_order(&section.devs, &section.addrs))
             })
             .collect::<Vec<Option<Vec<u32>>>>();
-        for (position, (section, order)) in self.sections.iter().zip(&orders).enumerate() {
-            self.check_no_overlap(position, section, order.as_deref())?;
+        for (position, ((section, order), shape)) in
+            self.sections.iter().zip(&orders).zip(&shapes).enumerate()
+        {
+            if !shape.2 {
+                self.check_no_overlap(position, section, order.as_deref())?;
+            }
         }
         // Per section: which call-order region starts each run of identical metadata
         // (in sorted order), and each region's entry, when that saves anything.
@@ -258,42 +309,48 @@ impl MdWriter {
             .iter()
             .zip(&orders)
             .zip(&entries)
+            .zip(&shapes)
             // A section only reserved, never filled, is left out (none is empty).
-            .filter(|((section, _), _)| !section.addrs.is_empty())
-            .map(|((section, order), (unique, refs, md_len_bytes))| {
-                let order = order.as_deref();
-                let entry_order = unique.as_deref().or(order);
-                WireSectionOut {
-                    backend: section.backend,
-                    kind: section.kind,
-                    addrs: Gathered {
-                        values: &section.addrs,
-                        order,
-                        uniform: false,
-                    },
-                    lens: Gathered {
-                        values: &section.lens,
-                        order,
-                        uniform: is_uniform(&section.lens),
-                    },
-                    devs: Gathered {
-                        values: &section.devs,
-                        order,
-                        uniform: is_uniform(&section.devs),
-                    },
-                    md_offsets: GatheredOffsets {
-                        offsets: &section.md_offsets,
-                        order: entry_order,
-                    },
-                    md_refs: U32s(refs),
-                    md_bytes: GatheredBytes {
-                        bytes: &section.md_bytes,
-                        offsets: &section.md_offsets,
-                        order: entry_order,
-                        len_bytes: *md_len_bytes,
-                    },
-                }
-            })
+            .filter(|(((section, _), _), _)| !section.addrs.is_empty())
+            .map(
+                |(
+                    ((section, order), (unique, refs, md_len_bytes)),
+                    &(uniform_lens, uniform_devs, _),
+                )| {
+                    let order = order.as_deref();
+                    let entry_order = unique.as_deref();
+                    WireSectionOut {
+                        backend: section.backend,
+                        kind: section.kind,
+                        addrs: Gathered {
+                            values: &section.addrs,
+                            order,
+                            uniform: false,
+                        },
+                        lens: Gathered {
+                            values: &section.lens,
+                            order,
+                            uniform: uniform_lens,
+                        },
+                        devs: Gathered {
+                            values: &section.devs,
+                            order,
+                            uniform: uniform_devs,
+                        },
+                        md_offsets: GatheredOffsets {
+                            offsets: &section.md_offsets,
+                            order: entry_order,
+                        },
+                        md_refs: U32s(refs),
+                        md_bytes: GatheredBytes {
+                            bytes: &section.md_bytes,
+                            offsets: &section.md_offsets,
+                            order: entry_order,
+                            len_bytes: *md_len_bytes,
+                        },
+                    }
+                },
+            )
             .collect();
         sections.sort_unstable_by_key(|s| (s.backend, s.kind));
 
@@ -426,45 +483,101 @@ fn sorted_order(devs: &[u64], addrs: &[u64]) -> Vec<u32> {
     order
 }
 
+/// Whether `addrs`, each the start of a region `lens[0]` long (one length for all),
+/// ascend by at least that length: sorted and non-overlapping on one device. Regions
+/// were checked not to wrap in `region`.
+fn ascending_apart(addrs: &[u64], lens: &[u64]) -> bool {
+    let Some(&len) = lens.first() else {
+        return true;
+    };
+    addrs.windows(2).all(|w| w[0] < w[1] && w[1] - w[0] >= len)
+}
+
+/// `a == b` for public metadata, inline: entries are a few dozen bytes, where a call
+/// to `memcmp` costs more than the comparison.
+#[inline]
+fn same_md(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    let Some(last) = a.len().checked_sub(8) else {
+        return a.iter().zip(b).all(|(x, y)| x == y);
+    };
+    // 8-byte words from the start, then the last 8 bytes (overlapping the one before).
+    let word = |bytes: &[u8], at: usize| {
+        bytes
+            .get(at..)
+            .and_then(<[u8]>::first_chunk::<8>)
+            .map(|w| u64::from_ne_bytes(*w))
+    };
+    let mut at = 0;
+    while at < last {
+        if word(a, at) != word(b, at) {
+            return false;
+        }
+        at += 8;
+    }
+    word(a, last) == word(b, last)
+}
+
 /// Whether every value of `column` is the same (then it is stored once).
 fn is_uniform(column: &[u64]) -> bool {
     column.windows(2).all(|w| w[0] == w[1])
 }
 
 /// The metadata entries of `section` in sorted order (`order`, `None` = call order):
-/// runs of identical public metadata share one entry. Returns the call index of each
-/// entry's region (`None` when every region has its own entry: no table needed), each
-/// region's entry (empty then, and when there is only one entry) and the bytes the
-/// entries take.
+/// runs of identical public metadata share one entry. Returns the writer entry of each
+/// output entry (`None` when they are the writer's entries as they are), each region's
+/// output entry (empty when every region has its own entry, or there is only one) and
+/// the bytes the entries take.
 fn metadata_entries(
     section: &WireSection,
     order: Option<&[u32]>,
 ) -> (Option<Vec<u32>>, Vec<u32>, usize) {
     let count = section.addrs.len();
-    let md = |i: usize| {
-        &section.md_bytes[section.md_offsets[i] as usize..section.md_offsets[i + 1] as usize]
-    };
-    let at = |k: usize| order.map_or(k, |order| order[k] as usize);
+    let writer_entries = section.md_offsets.len() - 1;
+    if writer_entries <= 1 {
+        // One entry for every region (the usual case: rkeys that do not vary).
+        return (None, Vec::new(), section.md_bytes.len());
+    }
+    if order.is_none() {
+        // Added in sorted order: `region` already merged every run (a region shares
+        // the previous region's entry when their metadata is the same), so the
+        // writer's entries are the output's.
+        let refs = if writer_entries == count {
+            Vec::new()
+        } else {
+            section.md_refs.clone()
+        };
+        return (None, refs, section.md_bytes.len());
+    }
+    let offsets = &section.md_offsets;
+    let md =
+        |e: u32| &section.md_bytes[offsets[e as usize] as usize..offsets[e as usize + 1] as usize];
+    let entry_of = |k: usize| section.md_refs[order.map_or(k, |order| order[k] as usize)];
     let mut unique: Vec<u32> = Vec::new();
     let mut refs: Vec<u32> = Vec::with_capacity(count);
     let mut len_bytes = 0;
     for k in 0..count {
-        let i = at(k);
-        let same = unique.last().is_some_and(|&u| md(u as usize) == md(i));
+        let e = entry_of(k);
+        // Writer entries that differ can still hold the same bytes (runs that sorting
+        // brings together).
+        let same = unique
+            .last()
+            .is_some_and(|&u| u == e || same_md(md(u), md(e)));
         if !same {
-            unique.push(i as u32);
-            len_bytes += md(i).len();
+            unique.push(e);
+            len_bytes += md(e).len();
         }
         refs.push(unique.len() as u32 - 1);
     }
-    if unique.len() == count {
-        return (None, Vec::new(), section.md_bytes.len());
-    }
-    if unique.len() == 1 {
-        // One entry for every region: no references needed either.
+    if unique.len() == 1 || unique.len() == count {
+        // One entry for all, or one per region: no references needed.
         refs.clear();
     }
-    (Some(unique), refs, len_bytes)
+    let as_written =
+        unique.len() == writer_entries && unique.iter().enumerate().all(|(j, &e)| e as usize == j);
+    ((!as_written).then_some(unique), refs, len_bytes)
 }
 
 /// The subject naming region `call_index` (in `region` call order).

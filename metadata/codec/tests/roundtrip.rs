@@ -229,6 +229,21 @@ fn writer_refuses_bad_input() {
     w.backend("", None);
     invalid_param(w.finish(), &["empty name"]);
 
+    // One length, one device and one md for all (the writer's one-pass check): an
+    // overlap or a repeat is still found and named by call order.
+    let mut w = MdWriter::new("a", 1);
+    let ucx = w.backend("UCX", None);
+    w.region(ucx, MemKind::Dram, Desc::new(0x1000, 0x100, 0), b"rk");
+    w.region(ucx, MemKind::Dram, Desc::new(0x1100, 0x100, 0), b"rk");
+    w.region(ucx, MemKind::Dram, Desc::new(0x11ff, 0x100, 0), b"rk");
+    invalid_param(w.finish(), &["descriptor #2", "overlaps region #1"]);
+    let mut w = MdWriter::new("a", 1);
+    let ucx = w.backend("UCX", None);
+    w.region(ucx, MemKind::Dram, Desc::new(0x2000, 0x100, 0), b"rk");
+    w.region(ucx, MemKind::Dram, Desc::new(0x1000, 0x100, 0), b"rk");
+    w.region(ucx, MemKind::Dram, Desc::new(0x2000, 0x100, 0), b"rk");
+    invalid_param(w.finish(), &["descriptor #2", "overlaps region #0"]);
+
     let mut w = MdWriter::new("a", 1);
     w.backend("UCX", Some(b"one"));
     assert_eq!(w.backend("UCX", Some(b"one")), 0);
