@@ -18,7 +18,7 @@ pub fn push_merged(out: &mut Vec<Range>, next: Range) -> bool {
 }
 
 /// Whether `next` continues `last` on both sides.
-#[inline]
+#[inline(always)]
 pub fn mergeable(last: &Range, next: &Range) -> bool {
     last.local_addr.wrapping_add(last.len) == next.local_addr
         && last.remote_addr.wrapping_add(last.len) == next.remote_addr
