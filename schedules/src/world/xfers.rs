@@ -29,7 +29,7 @@ use ferry_storage::{
 
 use super::preps::{desc_subject, PrepEntry, PrepSide};
 use super::World;
-use crate::merge::mergeable;
+use crate::merge::merge_into;
 
 /// Request telemetry.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -340,7 +340,7 @@ impl World {
     /// entry per run of descriptors in one region).
     ///
     /// The range being built stays in locals until a pair does not continue it (see
-    /// [`mergeable`]), so a run of adjacent descriptors writes one range, and a region
+    /// [`merge_into`]), so a run of adjacent descriptors writes one range, and a region
     /// is resolved once per run of descriptors that name it. Not inlined: each of the
     /// four instances is a small function of its own, its loop state in registers.
     #[inline(never)]
@@ -394,8 +394,7 @@ impl World {
                 remote_token,
             };
             match &mut cur {
-                Some(c) if mergeable(c, &next) => c.len += len,
-                Some(c) => ranges.push(std::mem::replace(c, next)),
+                Some(c) => merge_into(ranges, c, next),
                 None => cur = Some(next),
             }
         }
