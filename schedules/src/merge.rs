@@ -17,8 +17,20 @@ pub fn push_merged(out: &mut Vec<Range>, next: Range) -> bool {
     false
 }
 
+/// The request builder's merge step: extend the open range `cur` by `next` when `next`
+/// continues it ([`mergeable`]), else close `cur` into `out` and open `next`. Merges
+/// exactly like [`push_merged`], with the open range kept in the caller's locals.
+#[inline(always)]
+pub fn merge_into(out: &mut Vec<Range>, cur: &mut Range, next: Range) {
+    if mergeable(cur, &next) {
+        cur.len += next.len;
+    } else {
+        out.push(std::mem::replace(cur, next));
+    }
+}
+
 /// Whether `next` continues `last` on both sides.
-#[inline]
+#[inline(always)]
 pub fn mergeable(last: &Range, next: &Range) -> bool {
     last.local_addr.wrapping_add(last.len) == next.local_addr
         && last.remote_addr.wrapping_add(last.len) == next.remote_addr
@@ -70,6 +82,12 @@ mod tests {
             }
             let mut merged = Vec::new();
             for r in &ranges { push_merged(&mut merged, *r); }
+            // The builder's open-range form merges the same way.
+            let mut open_form = Vec::new();
+            let mut cur = ranges[0];
+            for r in &ranges[1..] { merge_into(&mut open_form, &mut cur, *r); }
+            open_form.push(cur);
+            prop_assert_eq!(&open_form, &merged);
 
             let src: Vec<u8> = (0..2048u32).map(|i| (i * 31 % 251) as u8).collect();
             let mut want = vec![0u8; 2048];

@@ -76,6 +76,36 @@ fn resolve_descs(
     let Some(mut recorded) = mask.first() else {
         return Err(None);
     };
+    if mask == BackendMask::single(recorded) {
+        // One candidate slot (the usual case): one remembered region, no slot loop.
+        let mut hit = Hit::NONE;
+        for (i, &d) in descs.iter().enumerate() {
+            if d.len == 0 || d.end().is_none() {
+                return Err(Some(Error::invalid(
+                    desc_subject(i, d),
+                    "empty or wrapping descriptor",
+                )));
+            }
+            if !hit.covers(d) {
+                let Some((value, region)) = lookup(recorded, d) else {
+                    return Err(Some(Error::NotFound {
+                        subject: desc_subject(i, d),
+                    }));
+                };
+                hit = Hit {
+                    dev: region.dev,
+                    start: region.addr,
+                    end: region.addr.saturating_add(region.len),
+                    value,
+                };
+            }
+            out.push(PrepEntry {
+                desc: d,
+                target: hit.value,
+            });
+        }
+        return Ok(mask);
+    }
     let mut hits = [Hit::NONE; MAX_BACKENDS];
     for (i, &d) in descs.iter().enumerate() {
         if d.len == 0 || d.end().is_none() {

@@ -29,7 +29,7 @@ use ferry_storage::{
 
 use super::preps::{desc_subject, PrepEntry, PrepSide};
 use super::World;
-use crate::merge::push_merged;
+use crate::merge::merge_into;
 
 /// Request telemetry.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -104,6 +104,28 @@ fn check_indices(indices: &[u32], len: usize, which: &'static str) -> Result<(),
         }
     }
     Ok(())
+}
+
+/// What [`World::fill_ranges`] needs to know of the request, fixed for every pair.
+struct Plan {
+    slot: usize,
+    lkind: MemKind,
+    rkind: MemKind,
+    /// Whether `slot` is the local list's first slot (its entries carry its regions).
+    local_first: bool,
+    remote: RemoteTokens,
+}
+
+/// Where the remote tokens of a request come from.
+#[derive(Clone, Copy)]
+enum RemoteTokens {
+    /// Local target regions, resolved like the local side; `first`: `slot` is the
+    /// remote list's first slot.
+    Local { first: bool },
+    /// A peer list whose first slot is the request's: the prepared entries carry them.
+    Recorded,
+    /// A peer list prepared for another first slot: looked up in the peer's view.
+    Lookup(PeerId),
 }
 
 impl World {
@@ -209,80 +231,53 @@ impl World {
         ranges.reserve(n);
         let mut pins = self.pools.pins.pop().unwrap_or_default();
         pins.clear();
-        let mut bytes = 0u64;
-        // Consecutive descriptors mostly share a region: remember the last lookups.
-        let (mut last_local, mut last_remote) = ((u64::MAX, 0u64), (u64::MAX, 0u64));
-        // Both lists as plain slices: their pointers and lengths stay in registers.
+        // Both lists as plain slices; the four index-list cases each get their own
+        // monomorphic loop (no per-descriptor "all or indexed" branch, and no bounds
+        // check at all when both sides take every entry in order).
         let (lentries, rentries) = (
             self.preps.entries[lrow].as_slice(),
             self.preps.entries[rrow].as_slice(),
         );
-        let built = (|| {
-            for k in 0..n {
-                let li = if local_idx.is_empty() {
-                    k
-                } else {
-                    local_idx[k] as usize
-                };
-                let ri = if remote_idx.is_empty() {
-                    k
-                } else {
-                    remote_idx[k] as usize
-                };
-                let le = lentries[li];
-                let re = rentries[ri];
-                if le.desc.len != re.desc.len {
-                    return Err(Error::Mismatch {
-                        subject: desc_subject(k, re.desc),
-                        reason: format!(
-                            "length {} differs from the local descriptor's {}",
-                            re.desc.len, le.desc.len
-                        )
-                        .into(),
-                    });
-                }
-                let local_token = if le.target == last_local.0 {
-                    last_local.1
-                } else {
-                    let (t, region) =
-                        self.region_token(le, slot, lkind, Some(slot) == lfirst, k)?;
-                    pins.push(region);
-                    last_local = (le.target, t);
-                    t
-                };
-                let remote_token = match endpoint {
-                    Endpoint::Local if re.target == last_remote.0 => last_remote.1,
-                    Endpoint::Local => {
-                        let (t, region) =
-                            self.region_token(re, slot, rkind, Some(slot) == rfirst, k)?;
-                        pins.push(region);
-                        last_remote = (re.target, t);
-                        t
-                    }
-                    Endpoint::Peer(peer) => {
-                        if Some(slot) == rfirst {
-                            re.target
-                        } else {
-                            self.peer_token(peer, slot, rkind, re.desc, k)?
-                        }
-                    }
-                };
-                bytes += le.desc.len;
-                push_merged(
-                    &mut ranges,
-                    Range {
-                        local_addr: le.desc.addr,
-                        remote_addr: re.desc.addr,
-                        len: le.desc.len,
-                        local_dev: le.desc.dev,
-                        remote_dev: re.desc.dev,
-                        local_token,
-                        remote_token,
-                    },
-                );
-            }
-            Ok(())
-        })();
+        let plan = Plan {
+            slot,
+            lkind,
+            rkind,
+            local_first: Some(slot) == lfirst,
+            remote: match endpoint {
+                Endpoint::Local => RemoteTokens::Local {
+                    first: Some(slot) == rfirst,
+                },
+                Endpoint::Peer(_) if Some(slot) == rfirst => RemoteTokens::Recorded,
+                Endpoint::Peer(peer) => RemoteTokens::Lookup(peer),
+            },
+        };
+        let out = (&mut ranges, &mut pins);
+        let built = match (local_idx.is_empty(), remote_idx.is_empty()) {
+            (true, true) => self.fill_ranges(&plan, lentries.iter().zip(rentries), out),
+            (true, false) => self.fill_ranges(
+                &plan,
+                lentries
+                    .iter()
+                    .zip(remote_idx.iter().map(|&i| &rentries[i as usize])),
+                out,
+            ),
+            (false, true) => self.fill_ranges(
+                &plan,
+                local_idx
+                    .iter()
+                    .map(|&i| &lentries[i as usize])
+                    .zip(rentries),
+                out,
+            ),
+            (false, false) => self.fill_ranges(
+                &plan,
+                local_idx
+                    .iter()
+                    .map(|&i| &lentries[i as usize])
+                    .zip(remote_idx.iter().map(|&i| &rentries[i as usize])),
+                out,
+            ),
+        };
         let built = built.and_then(|()| {
             let backend = self.backends.backends[slot]
                 .as_ref()
@@ -309,6 +304,8 @@ impl World {
         if let Some(p) = notif {
             payload.extend_from_slice(p);
         }
+        // Merging keeps every byte: the merged ranges sum to the descriptors' bytes.
+        let bytes = ranges.iter().map(|r| r.len).sum();
         let telemetry = crate::world::Telemetry {
             total_bytes: bytes,
             desc_count: ranges.len() as u64,
@@ -336,6 +333,73 @@ impl World {
             pins,
         });
         Ok(id)
+    }
+
+    /// Append the merged ranges of the descriptor pairs `pairs` to `ranges` (empty on
+    /// entry, with room for every pair), and the local regions they name to `pins` (one
+    /// entry per run of descriptors in one region).
+    ///
+    /// The range being built stays in locals until a pair does not continue it (see
+    /// [`merge_into`]), so a run of adjacent descriptors writes one range, and a region
+    /// is resolved once per run of descriptors that name it. Not inlined: each of the
+    /// four instances is a small function of its own, its loop state in registers.
+    #[inline(never)]
+    fn fill_ranges<'e>(
+        &self,
+        plan: &Plan,
+        pairs: impl Iterator<Item = (&'e PrepEntry, &'e PrepEntry)>,
+        (ranges, pins): (&mut Vec<Range>, &mut Vec<RegionId>),
+    ) -> Result<(), Error> {
+        // The last region looked up on each side: (prepared target, token).
+        let (mut last_local, mut last_remote) = ((u64::MAX, 0u64), (u64::MAX, 0u64));
+        let mut cur: Option<Range> = None;
+        for (k, (le, re)) in pairs.enumerate() {
+            let len = le.desc.len;
+            if len != re.desc.len {
+                return Err(Error::Mismatch {
+                    subject: desc_subject(k, re.desc),
+                    reason: format!(
+                        "length {} differs from the local descriptor's {len}",
+                        re.desc.len
+                    )
+                    .into(),
+                });
+            }
+            if le.target != last_local.0 {
+                let (t, region) =
+                    self.region_token(*le, plan.slot, plan.lkind, plan.local_first, k)?;
+                pins.push(region);
+                last_local = (le.target, t);
+            }
+            let remote_token = match plan.remote {
+                RemoteTokens::Recorded => re.target,
+                RemoteTokens::Local { .. } if re.target == last_remote.0 => last_remote.1,
+                RemoteTokens::Local { first } => {
+                    let (t, region) = self.region_token(*re, plan.slot, plan.rkind, first, k)?;
+                    pins.push(region);
+                    last_remote = (re.target, t);
+                    t
+                }
+                RemoteTokens::Lookup(peer) => {
+                    self.peer_token(peer, plan.slot, plan.rkind, re.desc, k)?
+                }
+            };
+            let next = Range {
+                local_addr: le.desc.addr,
+                remote_addr: re.desc.addr,
+                len,
+                local_dev: le.desc.dev,
+                remote_dev: re.desc.dev,
+                local_token: last_local.1,
+                remote_token,
+            };
+            match &mut cur {
+                Some(c) => merge_into(ranges, c, next),
+                None => cur = Some(next),
+            }
+        }
+        ranges.extend(cur);
+        Ok(())
     }
 
     /// The token for `slot` of the local region a prepared entry names, with the region
