@@ -362,6 +362,9 @@ fn store_serve_takes_a_host_name_prints_limits_and_stops_on_ctrl_c() {
     // It serves.
     let mut client = TcpStoreClient::connect(&addr, ClientOptions::default()).unwrap();
     client.set(b"k", b"v").unwrap();
+    // SET has no reply in the c10d protocol: a GET (answered) proves the server applied
+    // it before the signal goes out.
+    assert_eq!(client.get(b"k").unwrap(), b"v");
     // Ctrl-C (SIGINT) stops it cleanly.
     let status = Command::new("kill")
         .args(["-INT", &child.id().to_string()])
