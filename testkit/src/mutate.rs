@@ -273,6 +273,52 @@ pub fn seed_files(dir: &std::path::Path) -> Vec<Vec<u8>> {
         .collect()
 }
 
+/// The committed seeds of a fuzz target exist and equal what the encoders write now
+/// (`valid`: file name → bytes), and `accepts` takes each: a format change that makes
+/// them invalid fails here. `FERRY_BLESS_SEEDS=1` rewrites them from `valid` first.
+#[track_caller]
+pub fn check_committed_seeds(
+    dir: &std::path::Path,
+    valid: &[(&str, Vec<u8>)],
+    mut accepts: impl FnMut(&str, &[u8]) -> bool,
+) {
+    for (name, bytes) in valid {
+        let path = dir.join(name);
+        if std::env::var_os("FERRY_BLESS_SEEDS").is_some() {
+            std::fs::create_dir_all(dir).unwrap();
+            std::fs::write(&path, bytes).unwrap();
+        }
+        let committed = std::fs::read(&path)
+            .unwrap_or_else(|e| panic!("{}: {e} (FERRY_BLESS_SEEDS=1 writes it)", path.display()));
+        assert!(accepts(name, &committed), "{} is refused", path.display());
+    }
+}
+
+/// The generated seeds (`valid`) plus the committed ones in `dir` and `random_count`
+/// mutations of them through `parse` (see [`check`]); every seed must be accepted and
+/// most mutants refused. Returns the tally for further checks.
+#[track_caller]
+pub fn check_seed_corpus(
+    what: &str,
+    dir: &std::path::Path,
+    valid: &[(&str, Vec<u8>)],
+    random_count: usize,
+    rng_seed: u64,
+    parse: impl FnMut(&[u8]) -> bool,
+) -> Tally {
+    let mut seeds: Vec<Vec<u8>> = valid.iter().map(|(_, b)| b.clone()).collect();
+    seeds.extend(seed_files(dir));
+    let mutants = mutants(&seeds, random_count, rng_seed);
+    let tally = check(what, &mutants, parse);
+    eprintln!("{what}: {tally:?}");
+    assert!(
+        tally.total > random_count && tally.accepted >= seeds.len(),
+        "{what}: {tally:?}"
+    );
+    assert!(tally.refused > tally.total / 2, "{what}: {tally:?}");
+    tally
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

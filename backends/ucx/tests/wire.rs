@@ -75,31 +75,19 @@ fn parse_both(bytes: &[u8]) -> bool {
 /// fails here. `FERRY_BLESS_SEEDS=1` rewrites them from the encoder.
 #[test]
 fn committed_fuzz_seeds_are_valid_encodings() {
-    let dir = seed_dir();
-    for (name, bytes) in valid_seeds() {
-        let path = dir.join(name);
-        if std::env::var_os("FERRY_BLESS_SEEDS").is_some() {
-            std::fs::create_dir_all(&dir).unwrap();
-            std::fs::write(&path, &bytes).unwrap();
-        }
-        let committed = std::fs::read(&path)
-            .unwrap_or_else(|e| panic!("{}: {e} (FERRY_BLESS_SEEDS=1 writes it)", path.display()));
-        assert!(parse_both(&committed), "{} is refused", path.display());
-    }
+    mutate::check_committed_seeds(&seed_dir(), &valid_seeds(), |_, bytes| parse_both(bytes));
 }
 
 #[test]
 fn mutated_seed_corpus_gets_typed_errors() {
-    let mut seeds: Vec<Vec<u8>> = valid_seeds().into_iter().map(|(_, b)| b).collect();
-    seeds.extend(mutate::seed_files(&seed_dir()));
-    let mutants = mutate::mutants(&seeds, 4000, 0x5eed_0002);
-    let tally = mutate::check("ucx_wire", &mutants, parse_both);
-    eprintln!("{tally:?}");
-    assert!(
-        tally.total > 4000 && tally.accepted >= seeds.len(),
-        "{tally:?}"
+    mutate::check_seed_corpus(
+        "ucx_wire",
+        &seed_dir(),
+        &valid_seeds(),
+        4000,
+        0x5eed_0002,
+        parse_both,
     );
-    assert!(tally.refused > tally.total / 2, "{tally:?}");
 }
 
 #[test]
