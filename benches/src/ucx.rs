@@ -37,11 +37,18 @@ const BUFFER_LEN: usize = 256 << 20;
 /// what numpy does for large arrays and so what NIXL's Python benchmark gets.
 pub const HUGEPAGES_ENV: &str = "FERRY_BENCH_UCX_HUGEPAGES";
 
+/// What every byte of a host buffer holds before the first transfer.
+const FILL_BYTE: u8 = 0x5a;
+
 /// Alignment of the buffers: one transparent huge page.
 const HUGE_PAGE_BYTES: usize = 2 << 20;
 
-/// A zeroed anonymous mapping of [`BUFFER_LEN`] bytes, 2 MiB aligned, optionally
-/// backed by transparent huge pages. Unmapped on drop.
+/// An anonymous mapping of [`BUFFER_LEN`] bytes, 2 MiB aligned, optionally backed by
+/// transparent huge pages, every page written once ([`FILL_BYTE`]). Unmapped on drop.
+///
+/// The write matters for honest numbers: an untouched anonymous page reads as the
+/// kernel's shared zero page, so a transfer *from* untouched memory reads one cache-hot
+/// page instead of DRAM. NIXL's script fills its buffers the same way.
 struct Buffer {
     map: *mut libc::c_void,
     map_len: usize,
@@ -80,6 +87,8 @@ impl Buffer {
         // SAFETY: the range lies inside our mapping; madvise only changes paging policy.
         // A kernel without THP refuses it, which leaves ordinary pages: fine for a bench.
         let _ = unsafe { libc::madvise(base.cast(), BUFFER_LEN, advice) };
+        // SAFETY: base..base+BUFFER_LEN is our writable mapping (see above).
+        unsafe { std::ptr::write_bytes(base, FILL_BYTE, BUFFER_LEN) };
         Ok(Buffer { map, map_len, base })
     }
 
@@ -88,8 +97,8 @@ impl Buffer {
     }
 
     fn as_slice(&self) -> &[u8] {
-        // SAFETY: base..base+BUFFER_LEN is mapped, readable and zero-initialised, and
-        // lives as long as self.
+        // SAFETY: base..base+BUFFER_LEN is mapped, readable and initialised (filled in
+        // new()), and lives as long as self.
         unsafe { std::slice::from_raw_parts(self.base, BUFFER_LEN) }
     }
 }
