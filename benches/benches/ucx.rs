@@ -15,10 +15,36 @@
 //! or `INITIATOR,TARGET` (`vram,dram`, `dram,vram`), `FERRY_BENCH_UCX_DEV=N` (device,
 //! default 0); a CUDA-capable UCX through `FERRY_BENCH_UCX_PARAMS=ucx_library=PATH`.
 //! Without the feature, the driver or the device it exits with the reason (status 1).
+//!
+//! `FERRY_BENCH_UCX_METADATA=15000` instead measures the metadata of that many
+//! UCX-registered regions (blob bytes, `local_md` and `load_remote_md` medians).
 
 use std::process::{Command, Stdio};
 
 use ferry_benches::ucx::{run, target_main, Config, Placement, TARGET_ENV};
+
+/// `FERRY_BENCH_UCX_METADATA=N`: the metadata of N UCX-registered regions of 1 MiB,
+/// 2 MiB apart (`ferry_benches::ucx_md`), then exit.
+fn metadata(count: &str) {
+    let Ok(count) = count.parse::<usize>() else {
+        eprintln!("FERRY_BENCH_UCX_METADATA: expected a region count, got {count:?}");
+        std::process::exit(1);
+    };
+    let params = [("error_handling".to_string(), "none".to_string())];
+    match ferry_benches::ucx_md::run(
+        count,
+        1 << 20,
+        2 << 20,
+        &params,
+        std::time::Duration::from_secs(2),
+    ) {
+        Ok(report) => println!("{report}"),
+        Err(e) => {
+            eprintln!("metadata benchmark: {e}");
+            std::process::exit(1);
+        }
+    }
+}
 
 fn main() {
     std::env::set_var(
@@ -48,6 +74,10 @@ fn main() {
         .and_then(|f| f.available.clone().err())
     {
         eprintln!("skipping UCX benchmark: {reason}");
+        return;
+    }
+    if let Ok(count) = std::env::var("FERRY_BENCH_UCX_METADATA") {
+        metadata(&count);
         return;
     }
     let only = std::env::var("FERRY_BENCH_UCX_VARIANT").ok();

@@ -6,3 +6,4 @@
 
 pub mod shm;
 pub mod ucx;
+pub mod ucx_md;

@@ -10,6 +10,8 @@
 # is written inside the repository. Both sides: two processes on this host,
 # UCX_NET_DEVICES=lo, the UCX settings listed in nixl_compare.py, no progress thread
 # (NIXL's agent progress threads are turned off; both targets progress in a loop).
+# Also the metadata of 15,000 UCX-registered regions (blob bytes, encode, load into a
+# fresh agent): FERRY_BENCH_UCX_METADATA beside nixl_md.py.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../../.." && pwd)"

@@ -49,6 +49,12 @@ FERRY_LINE = re.compile(
     r"merged\s+\d+\s+median\s+([\d.]+)\s+µs"
 )
 NIXL_LINE = re.compile(r"^NIXL (WRITE|READ) (\d+) B x (\d+) .*median ([\d.]+) us")
+MD_LINE = re.compile(
+    r"^(?:NIXL )?METADATA regions (\d+) bytes (\d+) encode median ([\d.]+) (?:µs|us) "
+    r"load median ([\d.]+) (?:µs|us)"
+)
+# Regions of the metadata rows (1 MiB each, 2 MiB apart, registered one by one).
+MD_REGIONS = 15000
 UNIT = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20}
 
 
@@ -110,6 +116,38 @@ def run_nixl(python, variant, block, count, op, seconds):
     return None
 
 
+def run_ferry_md(bench):
+    """(bytes, encode µs, load µs) of Ferry's metadata for MD_REGIONS UCX regions."""
+    env = env_for("shm")
+    env["FERRY_BENCH_UCX_METADATA"] = str(MD_REGIONS)
+    out = subprocess.run(
+        ["taskset", "-c", "0", bench], env=env, capture_output=True, text=True, timeout=600
+    ).stdout
+    return parse_md(out)
+
+
+def run_nixl_md(python):
+    env = env_for("shm")
+    cmd = [python, os.path.join(HERE, "nixl_md.py"), "--regions", str(MD_REGIONS),
+           "--err-mode", "none"]
+    try:
+        out = subprocess.run(
+            ["taskset", "-c", "0"] + cmd, env=env, capture_output=True, text=True, timeout=600
+        ).stdout
+    except subprocess.TimeoutExpired:
+        print("NIXL metadata: timed out", file=sys.stderr)
+        return None
+    return parse_md(out)
+
+
+def parse_md(out):
+    for line in out.splitlines():
+        m = MD_LINE.match(line.strip())
+        if m:
+            return int(m.group(2)), float(m.group(3)), float(m.group(4))
+    return None
+
+
 def figure(block, count, us):
     """(value, unit): M desc/s below 4 KiB, else GB/s."""
     if block < 4096:
@@ -127,7 +165,15 @@ def main():
 
     ferry = {}  # (variant, op, block, count) -> [µs]
     nixl = {}
+    md = {"Ferry": [], "NIXL": []}  # [(bytes, encode µs, load µs)]
     for r in range(args.rounds):
+        md_sides = [("Ferry", lambda: run_ferry_md(args.ferry_bench)),
+                    ("NIXL", lambda: run_nixl_md(args.python))]
+        for name, side in (md_sides if r % 2 == 0 else md_sides[::-1]):
+            got = side()
+            if got is not None:
+                md[name].append(got)
+        print(f"round {r + 1}: metadata done", file=sys.stderr, flush=True)
         for variant, block, count, ops in CASES:
             def ferry_side():
                 got = run_ferry(args.ferry_bench, variant, block, count)
@@ -173,6 +219,32 @@ def main():
                 f"{block >> 10} KiB" if block >= 1024 else f"{block} B")
             name = f"{variant}, {size} × {count} shuffled {op}"
             print(f"| {name} | {cells[0]} | {cells[1]} | {ratio} |")
+    print_md_rows(md)
+
+
+def print_md_rows(md):
+    """Metadata rows: smaller is better, so the ratio is NIXL ÷ Ferry."""
+    rows = [
+        ("bytes", lambda t: t[0], "{:,.0f} B"),
+        ("encode (local metadata)", lambda t: t[1], "{:.0f} µs"),
+        ("load (a fresh agent)", lambda t: t[2], "{:.0f} µs"),
+        ("encode + load", lambda t: t[1] + t[2], "{:.0f} µs"),
+    ]
+    for label, pick, fmt in rows:
+        cells, values = [], []
+        for side in ("Ferry", "NIXL"):
+            got = sorted(pick(t) for t in md[side])
+            if not got:
+                cells.append("—")
+                values.append(None)
+                continue
+            med = statistics.median(got)
+            values.append(med)
+            rng = f" ({fmt.format(got[0])}–{fmt.format(got[-1])})" if len(got) > 1 else ""
+            cells.append(fmt.format(med) + rng)
+        ratio = (f"{values[1] / values[0]:.2f}× (NIXL ÷ Ferry)"
+                 if None not in values and values[0] else "—")
+        print(f"| metadata of {MD_REGIONS:,} UCX regions: {label} | {cells[0]} | {cells[1]} | {ratio} |")
 
 
 if __name__ == "__main__":
