@@ -499,3 +499,41 @@ fn peer_timeout_ms_is_checked_and_reaches_the_ucx_backend() {
         check_row(r);
     }
 }
+
+#[test]
+fn a_target_whose_store_is_unreachable_stops_with_the_reason() {
+    if let Some(why) = ucx_missing() {
+        return ferry_testkit::ci::skip("UCX", why);
+    }
+    // A port nothing listens on: bind one, then close it.
+    let addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .to_string();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args(["bench", "xfer", "--backend", "ucx", "--role", "target"])
+        .args(["--tcpstore", &addr, "--run-id", "unreachable-store"])
+        .env("UCX_NET_DEVICES", "lo")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run ferry");
+    // It used to serve forever; give it far more than it needs, then fail the test.
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > until {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the target kept serving with an unreachable store");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!status.success(), "{err}");
+    assert!(err.contains("unreachable") && err.contains(&addr), "{err}");
+}

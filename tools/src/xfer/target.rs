@@ -273,7 +273,7 @@ pub fn serve(plan: &Plan) -> Result<(), String> {
         agents.push(a);
     }
     println!(
-        "{} target agent(s) published as {}-target-0..{}; serving until the initiator is done (Ctrl-C stops)",
+        "{} target agent(s) publishing as {}-target-0..{}; serving until the initiator is done (Ctrl-C stops; a failed publish stops it with the reason)",
         agents.len(),
         plan.args.run_id,
         agents.len() - 1
@@ -285,6 +285,11 @@ pub fn serve(plan: &Plan) -> Result<(), String> {
             std::thread::sleep(Duration::from_millis(1));
         }
         for (k, a) in agents.iter().enumerate() {
+            // A publish that failed (an unreachable store, say) leaves nobody to find
+            // this target: stop with the reason instead of serving forever.
+            if let Some((to, what, e)) = a.drain_exchange_failures().into_iter().next() {
+                return Err(format!("target {}: {what} to {to} failed: {e}", a.name()));
+            }
             for _ in 0..if threaded { 1 } else { 64 } {
                 a.progress();
             }
