@@ -33,6 +33,9 @@ TLS_LIST="${TLS_LIST:-shm tcp}"
 ROUNDS="${ROUNDS:-3}"
 ITERS="${ITERS:-2000}"
 PORT="${PORT:-13337}"
+# PIN=1 (default on 2+ CPUs): initiators/clients on CPU 0, targets/servers on CPU 1, for
+# both tools alike (`taskset`), so two spinning processes never share a core.
+PIN="${PIN:-$([ "$(nproc)" -ge 2 ] && echo 1 || echo 0)}"
 
 bench="${FERRY_BENCH:-}"
 if [ -z "$bench" ]; then
@@ -59,16 +62,20 @@ env_of() { # tls
 
 one_round() { # tls -> prints "perftest_overall perftest_median ferry_ucx ferry_own"
   local tls="$1"
-  unshare -n env $(env_of "$tls") bash -s "$tls" "$SIZE" "$ITERS" "$PORT" "$bench" <<'INNER'
+  unshare -n env $(env_of "$tls") bash -s "$tls" "$SIZE" "$ITERS" "$PORT" "$bench" "$PIN" <<'INNER'
 set -euo pipefail
-tls="$1"; size="$2"; iters="$3"; port="$4"; bench="$5"
+tls="$1"; size="$2"; iters="$3"; port="$4"; bench="$5"; pin="$6"
 ip link set lo up
 eflag=(); variant=shm
 [ "$tls" = tcp ] && { eflag=(-e); variant=tcp; }
-ucx_perftest -t ucp_put_bw -s "$size" -n "$iters" -p "$port" "${eflag[@]}" >/dev/null 2>&1 &
+on0=(); on1=()
+if [ "$pin" = 1 ]; then
+  on0=(taskset -c 0); on1=(taskset -c 1); export FERRY_BENCH_UCX_TARGET_CPU=1
+fi
+"${on1[@]}" ucx_perftest -t ucp_put_bw -s "$size" -n "$iters" -p "$port" "${eflag[@]}" >/dev/null 2>&1 &
 server=$!
 sleep 0.5
-final="$(ucx_perftest 127.0.0.1 -p "$port" -t ucp_put_bw -s "$size" -n "$iters" "${eflag[@]}" 2>&1 | grep '^Final:' || true)"
+final="$("${on0[@]}" ucx_perftest 127.0.0.1 -p "$port" -t ucp_put_bw -s "$size" -n "$iters" "${eflag[@]}" 2>&1 | grep '^Final:' || true)"
 wait "$server" || true
 # Final: iters lat50(us) lat_avg lat_overall bw_avg(MiB/s) bw_overall rate_avg rate_overall
 # The median-latency figure only where a put completes in its own call (shm: a memcpy);
@@ -78,7 +85,7 @@ perf="$(echo "$final" | awk -v s="$size" -v t="$tls" '{
 [ -n "$perf" ] || perf="nan nan"
 ferry() { # alloc
   FERRY_BENCH_UCX_ALLOC="$1" FERRY_BENCH_UCX_VARIANT="$variant" FERRY_BENCH_UCX_BLOCKS="$size" \
-    FERRY_BENCH_UCX_BATCHES=1 FERRY_BENCH_UCX_IDLE=0 FERRY_BENCH_UCX_CONTROL=0 "$bench" 2>&1 \
+    FERRY_BENCH_UCX_BATCHES=1 FERRY_BENCH_UCX_IDLE=0 FERRY_BENCH_UCX_CONTROL=0 "${on0[@]}" "$bench" 2>&1 \
     | awk '/^WRITE .* contiguous/ { for (i = 1; i < NF; i++) if ($(i + 1) == "GB/s") { print $i; exit } }'
 }
 ucx="$(ferry ucx)"; own="$(ferry caller)"
@@ -88,7 +95,7 @@ INNER
 
 median() { sort -g | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 
-echo "UCX $version (system libucp; ucx_perftest $(command -v ucx_perftest)), $SIZE B puts, $ROUNDS rounds"
+echo "UCX $version (system libucp; ucx_perftest $(command -v ucx_perftest)), $SIZE B puts, $ROUNDS rounds, pinned: $PIN"
 for tls in $TLS_LIST; do
   echo "[$tls] environment of both: $(env_of "$tls")"
   rows=()

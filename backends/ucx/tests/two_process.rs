@@ -151,7 +151,17 @@ fn child_main(addr: &str) {
     let mut done = Completions::with_capacity(16);
     let mut inbox = Inbox::default();
     let mut expected = Vec::new();
+    let mut looked = Instant::now();
     loop {
+        // A parent that died (a killed test run) closes the socket: stop serving rather
+        // than spin on as an orphan.
+        if looked.elapsed() > Duration::from_millis(100) {
+            looked = Instant::now();
+            if parent_gone(&stream) {
+                eprintln!("target: the initiator's socket closed; exiting");
+                std::process::exit(3);
+            }
+        }
         ucx.progress(&mut done);
         done.clear();
         ucx.drain_notifications(&mut inbox);
@@ -177,6 +187,18 @@ fn child_main(addr: &str) {
         }
         std::thread::yield_now();
     }
+}
+
+/// Whether the initiator closed its end (it never sends on the socket, so any read
+/// other than "would block" means it is gone).
+fn parent_gone(stream: &TcpStream) -> bool {
+    if stream.set_nonblocking(true).is_err() {
+        return true;
+    }
+    let mut byte = [0u8; 1];
+    let gone =
+        !matches!(stream.peek(&mut byte), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock);
+    stream.set_nonblocking(false).is_err() || gone
 }
 
 // ---- parent (initiator) -------------------------------------------------------------
