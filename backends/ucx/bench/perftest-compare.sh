@@ -14,10 +14,13 @@
 #   ROUNDS=5 TLS_LIST=tcp backends/ucx/bench/perftest-compare.sh
 #
 # Cases per transport, interleaved within each round:
-#   perftest    ucp_put_bw, buffers from ucp_mem_map(ALLOCATE) (what perftest does)
+#   perftest    ucp_put_bw, buffers from ucp_mem_map(ALLOCATE) (what perftest does); its
+#               puts stream: one flush after all ITERS of them
 #   ferry/ucx   FERRY_BENCH_UCX_ALLOC=ucx: both buffers from Agent::alloc (the same kind
-#               of memory as perftest's)
-#   ferry/own   the bench's own (caller-allocated) buffers, as an application's
+#               of memory as perftest's); WRITE 1 MiB × 1 (one put and one flush per
+#               request, timed post until done) and × 32 (32 puts, one flush)
+#   ferry/own   the same with the bench's own (caller-allocated) buffers, as an
+#               application's
 # Per transport: shm = default UCX_TLS, no error handling (perftest's default, Ferry
 # error_handling=none); tcp = UCX_TLS=tcp, peer error handling (perftest -e, Ferry
 # error_handling=peer). Printed: medians over rounds of GB/s (1e9 B/s): perftest's
@@ -60,7 +63,7 @@ env_of() { # tls
   esac
 }
 
-one_round() { # tls -> prints "perftest_overall perftest_median ferry_ucx ferry_own"
+one_round() { # tls -> "perftest_overall perftest_median ucx_x1 ucx_x32 own_x1 own_x32"
   local tls="$1"
   unshare -n env $(env_of "$tls") bash -s "$tls" "$SIZE" "$ITERS" "$PORT" "$bench" "$PIN" <<'INNER'
 set -euo pipefail
@@ -83,13 +86,14 @@ wait "$server" || true
 perf="$(echo "$final" | awk -v s="$size" -v t="$tls" '{
   printf "%.2f %s", $7 * 1.048576 / 1000, (t == "shm") ? sprintf("%.2f", s / $3 / 1000) : "nan" }')"
 [ -n "$perf" ] || perf="nan nan"
-ferry() { # alloc
+ferry() { # alloc -> "GB/s at ×1, GB/s at ×32"
   FERRY_BENCH_UCX_ALLOC="$1" FERRY_BENCH_UCX_VARIANT="$variant" FERRY_BENCH_UCX_BLOCKS="$size" \
-    FERRY_BENCH_UCX_BATCHES=1 FERRY_BENCH_UCX_IDLE=0 FERRY_BENCH_UCX_CONTROL=0 "${on0[@]}" "$bench" 2>&1 \
-    | awk '/^WRITE .* contiguous/ { for (i = 1; i < NF; i++) if ($(i + 1) == "GB/s") { print $i; exit } }'
+    FERRY_BENCH_UCX_BATCHES=1,32 FERRY_BENCH_UCX_IDLE=0 FERRY_BENCH_UCX_CONTROL=0 "${on0[@]}" "$bench" 2>&1 \
+    | awk '$1 == "WRITE" && $7 == "contiguous" {
+        for (i = 1; i < NF; i++) if ($(i + 1) == "GB/s") bw[$6] = $i }
+      END { printf "%s %s", (1 in bw) ? bw[1] : "nan", (32 in bw) ? bw[32] : "nan" }'
 }
-ucx="$(ferry ucx)"; own="$(ferry caller)"
-echo "$perf ${ucx:-nan} ${own:-nan}"
+echo "$perf $(ferry ucx) $(ferry caller)"
 INNER
 }
 
@@ -101,12 +105,15 @@ for tls in $TLS_LIST; do
   rows=()
   for round in $(seq "$ROUNDS"); do
     row="$(one_round "$tls")"
-    echo "[$tls] round $round: perftest overall / median-latency, ferry ucx-alloc, ferry own memory (GB/s): $row"
+    echo "[$tls] round $round (GB/s): perftest overall, at median latency; ferry ucx-alloc ×1, ×32; ferry own memory ×1, ×32: $row"
     rows+=("$row")
   done
   col() { printf '%s\n' "${rows[@]}" | awk -v c="$1" '{ print $c }' | median; }
-  po="$(col 1)"; pm="$(col 2)"; fu="$(col 3)"; fo="$(col 4)"
-  awk -v t="$tls" -v po="$po" -v pm="$pm" -v fu="$fu" -v fo="$fo" 'BEGIN {
-    printf "%-4s perftest %6.2f GB/s overall, %6.2f at median latency | ferry ucx-alloc %6.2f (%.2fx overall, %.2fx median) | ferry own memory %6.2f (%.2fx overall, %.2fx median)\n",
-      t, po, pm, fu, fu / po, fu / pm, fo, fo / po, fo / pm }'
+  awk -v t="$tls" -v po="$(col 1)" -v pm="$(col 2)" -v u1="$(col 3)" -v u32="$(col 4)" \
+      -v o1="$(col 5)" -v o32="$(col 6)" 'BEGIN {
+    printf "%s: perftest %.2f GB/s overall, %.2f at median latency (medians of rounds)\n", t, po, pm
+    printf "%s:   ferry ucx-alloc 1 MiB x 1  %6.2f GB/s = %.2fx perftest overall, %.2fx at median latency\n", t, u1, u1 / po, u1 / pm
+    printf "%s:   ferry ucx-alloc 1 MiB x 32 %6.2f GB/s = %.2fx, %.2fx\n", t, u32, u32 / po, u32 / pm
+    printf "%s:   ferry own memory 1 MiB x 1  %6.2f GB/s = %.2fx, %.2fx\n", t, o1, o1 / po, o1 / pm
+    printf "%s:   ferry own memory 1 MiB x 32 %6.2f GB/s = %.2fx, %.2fx\n", t, o32, o32 / po, o32 / pm }'
 done
