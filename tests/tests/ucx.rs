@@ -331,7 +331,8 @@ fn invalidate_mid_flight_ends_the_request_with_a_typed_outcome_then_regions_go()
 /// Memory allocated through the UCX backend (`Agent::alloc`) on both agents: a WRITE
 /// into the peer's allocation and a READ of it into ours, checked byte for byte by a
 /// third agent that reaches our allocation only through LOOPBACK (it is registered with
-/// every backend as ordinary DRAM); typed errors; freed at deregistration.
+/// every backend as ordinary DRAM); typed errors; freed at deregistration (its
+/// shared-memory segment no longer mapped).
 #[test]
 fn memory_allocated_through_ucx_moves_byte_for_byte_and_other_backends_see_dram() {
     if !ucx_ready() {
@@ -451,11 +452,40 @@ fn memory_allocated_through_ucx_moves_byte_for_byte_and_other_backends_see_dram(
     }
     p.a.release(x).unwrap();
     p.a.release(y).unwrap();
+    let segment = shared_mapping_at(mem_a.addr);
     p.a.deregister(region_a).unwrap();
+    if let Some((inode, path)) = segment {
+        assert!(
+            !shared_mapping_exists(&inode, &path),
+            "{path} (inode {inode}) still mapped after deregistration"
+        );
+    }
     assert!(matches!(
         p.a.deregister(region_a),
         Err(Error::NotFound { .. })
     ));
     p.b.deregister(region_b).unwrap();
     c.release(z).unwrap();
+}
+
+/// `/proc/self/maps`: the file mapping (inode, path) that starts at `addr`, if any.
+fn shared_mapping_at(addr: u64) -> Option<(String, String)> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines().find_map(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let start = u64::from_str_radix(fields.first()?.split('-').next()?, 16).ok()?;
+        (start == addr && fields.len() >= 6 && fields[4] != "0")
+            .then(|| (fields[4].to_string(), fields[5..].join(" ")))
+    })
+}
+
+/// Whether any mapping of this process is of file `inode` at `path`.
+fn shared_mapping_exists(inode: &str, path: &str) -> bool {
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap_or_default()
+        .lines()
+        .any(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            fields.len() >= 6 && fields[4] == inode && fields[5..].join(" ") == path
+        })
 }
