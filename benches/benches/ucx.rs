@@ -8,7 +8,10 @@
 //! of every variant (e.g. `shm_fifo_size=ucx;chunk_bytes=262144`);
 //! `FERRY_BENCH_UCX_TARGET_CPU=1` starts the target under `taskset -c 1` (run the
 //! initiator under `taskset -c 0`); `FERRY_BENCH_UCX_IDLE=0` skips the idle-CPU
-//! measurement. `FERRY_UCX_LIBRARY` names the libucp both processes load (and the only
+//! measurement, `FERRY_BENCH_UCX_CONTROL=0` the 64 B × 1024 control-path case.
+//! `FERRY_BENCH_UCX_ALLOC=ucx` allocates both sides' buffers through the UCX backend
+//! (`Agent::alloc`: UCX shared-memory segments, as `ucx_perftest` allocates its
+//! buffers). `FERRY_UCX_LIBRARY` names the libucp both processes load (and the only
 //! one: the availability check loads it too).
 //!
 //! GPU memory (build with `--features cuda`): `FERRY_BENCH_UCX_MEM=vram` (both sides)
@@ -21,7 +24,7 @@
 
 use std::process::{Command, Stdio};
 
-use ferry_benches::ucx::{run, target_main, Config, Placement, TARGET_ENV};
+use ferry_benches::ucx::{run, target_main, Alloc, Config, Placement, TARGET_ENV};
 
 /// `FERRY_BENCH_UCX_METADATA=N`: the metadata of N UCX-registered regions of 1 MiB,
 /// 2 MiB apart (`ferry_benches::ucx_md`), then exit.
@@ -68,6 +71,10 @@ fn main() {
                 std::process::exit(1);
             }
         };
+    let alloc = Alloc::from_env().unwrap_or_else(|e| {
+        eprintln!("UCX benchmark: {e}");
+        std::process::exit(1);
+    });
     if let Some(reason) = ferry::Agent::available_backends()
         .iter()
         .find(|f| f.name == "UCX")
@@ -96,6 +103,7 @@ fn main() {
                 .collect(),
             initiator_mem,
             target_mem,
+            alloc,
             ..Config::default()
         };
         if let Ok(extra) = std::env::var("FERRY_BENCH_UCX_PARAMS") {
@@ -110,6 +118,9 @@ fn main() {
         }
         if std::env::var("FERRY_BENCH_UCX_IDLE").is_ok_and(|v| v == "0") {
             config.idle_cpu = false;
+        }
+        if std::env::var("FERRY_BENCH_UCX_CONTROL").is_ok_and(|v| v == "0") {
+            config.control_path = false;
         }
         if std::env::var_os("FERRY_BENCH_UCX_QUICK").is_some() {
             config.blocks = vec![4 << 10, 1 << 20];
@@ -129,7 +140,9 @@ fn main() {
         if let Some(batches) = list("FERRY_BENCH_UCX_BATCHES") {
             config.batches = batches;
         }
-        println!("== UCX benchmark, variant {name}: {params:?}, {initiator_mem} -> {target_mem}");
+        println!(
+            "== UCX benchmark, variant {name}: {params:?}, {initiator_mem} -> {target_mem}, {alloc}"
+        );
         let report = run(
             &config,
             |spec| {

@@ -20,7 +20,7 @@ use std::net::{TcpListener, TcpStream};
 use std::process::Child;
 use std::time::{Duration, Instant};
 
-use ferry::{Agent, AgentConfig, Desc, MemKind, Op, Params, XferStatus};
+use ferry::{Agent, AgentConfig, BackendId, Desc, MemKind, Op, Params, XferStatus};
 use ferry_testkit::cpu::{clock_ticks_per_second, thread_cpu_ticks};
 
 /// Environment variable that tells a spawned process to act as the target; its value is
@@ -230,14 +230,75 @@ impl std::fmt::Display for Placement {
     }
 }
 
+/// Environment variable: who allocates the DRAM buffers of both sides. `ucx`: the UCX
+/// backend (`Agent::alloc`, a UCX shared-memory segment as `ucx_perftest` uses);
+/// unset, empty or `caller`: the bench itself (an anonymous mapping, see
+/// [`HUGEPAGES_ENV`]).
+pub const ALLOC_ENV: &str = "FERRY_BENCH_UCX_ALLOC";
+
+/// Who allocates the buffers of both sides.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Alloc {
+    /// The bench (ordinary memory the caller owns), registered with `Agent::register`.
+    #[default]
+    Caller,
+    /// The UCX backend, through `Agent::alloc` (DRAM only).
+    Ucx,
+}
+
+impl Alloc {
+    /// The setting from [`ALLOC_ENV`].
+    pub fn from_env() -> Result<Alloc, String> {
+        Alloc::parse(std::env::var(ALLOC_ENV).ok().as_deref())
+    }
+
+    /// The setting from a value of [`ALLOC_ENV`].
+    pub fn parse(text: Option<&str>) -> Result<Alloc, String> {
+        match text.map(str::trim).unwrap_or_default() {
+            "" | "caller" => Ok(Alloc::Caller),
+            "ucx" => Ok(Alloc::Ucx),
+            other => Err(format!("{ALLOC_ENV}={other}: expected 'ucx' or 'caller'")),
+        }
+    }
+
+    fn encode(self) -> &'static str {
+        match self {
+            Alloc::Caller => "caller",
+            Alloc::Ucx => "ucx",
+        }
+    }
+}
+
+impl std::fmt::Display for Alloc {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Alloc::Caller => "caller-allocated",
+            Alloc::Ucx => "UCX-allocated",
+        })
+    }
+}
+
 /// One side's registered buffer of [`BUFFER_LEN`] bytes: host memory or device memory.
 enum Memory {
     Host(Buffer),
+    /// Allocated and registered by the UCX backend (freed with the agent).
+    Ucx(Desc),
     #[cfg(feature = "cuda")]
     Device(ferry_cuda::DeviceBuffer),
 }
 
 impl Memory {
+    /// Allocate `place` through the UCX backend `ucx` of `agent` (registered already).
+    fn alloc_through(agent: &Agent, ucx: BackendId, place: Placement) -> Result<Memory, String> {
+        if place != Placement::Dram {
+            return Err(format!("{ALLOC_ENV}=ucx allocates DRAM only, not {place}"));
+        }
+        agent
+            .alloc(ucx, MemKind::Dram, BUFFER_LEN as u64)
+            .map(|(_, desc)| Memory::Ucx(desc))
+            .map_err(|e| format!("allocating {BUFFER_LEN} bytes through UCX: {e}"))
+    }
+
     fn alloc(place: Placement) -> Result<Memory, String> {
         match place {
             Placement::Dram => Buffer::new().map(Memory::Host),
@@ -256,6 +317,7 @@ impl Memory {
     fn addr(&self) -> u64 {
         match self {
             Memory::Host(b) => b.addr(),
+            Memory::Ucx(desc) => desc.addr,
             #[cfg(feature = "cuda")]
             Memory::Device(b) => b.addr(),
         }
@@ -268,6 +330,8 @@ impl Memory {
     unsafe fn register(&self, agent: &Agent, place: Placement) -> Result<(), String> {
         let desc = match self {
             Memory::Host(b) => Desc::of_slice(b.as_slice()),
+            // Registered by `Agent::alloc` already.
+            Memory::Ucx(_) => return Ok(()),
             #[cfg(feature = "cuda")]
             Memory::Device(b) => Desc::new(b.addr(), b.len() as u64, place.dev()),
         };
@@ -301,6 +365,8 @@ pub struct Config {
     pub initiator_mem: Placement,
     /// The target's buffer.
     pub target_mem: Placement,
+    /// Who allocates both sides' buffers.
+    pub alloc: Alloc,
 }
 
 impl Default for Config {
@@ -315,6 +381,7 @@ impl Default for Config {
             idle_cpu: true,
             initiator_mem: Placement::Dram,
             target_mem: Placement::Dram,
+            alloc: Alloc::Caller,
         }
     }
 }
@@ -427,25 +494,52 @@ fn recv_frame(stream: &mut TcpStream) -> std::io::Result<Vec<u8>> {
     Ok(bytes)
 }
 
-fn ucx_agent(name: &str, params: &[(String, String)]) -> Result<Agent, String> {
+fn ucx_agent(name: &str, params: &[(String, String)]) -> Result<(Agent, BackendId), String> {
     let agent = Agent::new(AgentConfig::named(name)).map_err(|e| e.to_string())?;
-    agent
+    let ucx = agent
         .create_backend("UCX", &params_of(params))
         .map_err(|e| e.to_string())?;
-    Ok(agent)
+    Ok((agent, ucx))
+}
+
+/// Register `ordinary` (the caller's buffer) with `agent`, or, without one, allocate
+/// the side's buffer through the agent's UCX backend `ucx`; returns the latter.
+///
+/// # Safety
+/// `ordinary` outlives the agent.
+unsafe fn side_memory(
+    agent: &Agent,
+    ucx: BackendId,
+    place: Placement,
+    ordinary: Option<&Memory>,
+) -> Result<Option<Memory>, String> {
+    match ordinary {
+        // SAFETY: the caller's promise.
+        Some(memory) => unsafe { memory.register(agent, place) }.map(|()| None),
+        None => Memory::alloc_through(agent, ucx, place).map(Some),
+    }
 }
 
 /// The target role: `spec` is the value of [`TARGET_ENV`].
 pub fn target_main(spec: &str) -> Result<(), String> {
     let (addr, rest) = spec.split_once(',').unwrap_or((spec, "dram,"));
     let (mem, params) = rest.split_once(',').unwrap_or((rest, ""));
+    let (mem, alloc) = mem.split_once('@').unwrap_or((mem, "caller"));
     let place = Placement::decode(mem)?;
+    let alloc = Alloc::parse(Some(alloc))?;
     let params = decode_params(params);
     // Declared before the agent so that it is dropped after it on every path.
-    let buffer = Memory::alloc(place)?;
-    let agent = ucx_agent(&format!("bench-target-{}", std::process::id()), &params)?;
-    // SAFETY: `buffer` lives until this function returns, after the agent is dropped.
-    unsafe { buffer.register(&agent, place) }?;
+    let ordinary = match alloc {
+        Alloc::Caller => Some(Memory::alloc(place)?),
+        Alloc::Ucx => None,
+    };
+    let (agent, ucx) = ucx_agent(&format!("bench-target-{}", std::process::id()), &params)?;
+    // SAFETY: `ordinary` lives until this function returns, after the agent is dropped.
+    let allocated = unsafe { side_memory(&agent, ucx, place, ordinary.as_ref()) }?;
+    let buffer = allocated
+        .as_ref()
+        .or(ordinary.as_ref())
+        .ok_or("no buffer")?;
     let mut stream = TcpStream::connect(addr).map_err(|e| e.to_string())?;
     send_frame(&mut stream, &agent.local_md().map_err(|e| e.to_string())?)
         .map_err(|e| e.to_string())?;
@@ -464,7 +558,7 @@ pub fn target_main(spec: &str) -> Result<(), String> {
         }
     }
     drop(agent);
-    drop(buffer);
+    drop(ordinary);
     Ok(())
 }
 
@@ -486,9 +580,10 @@ pub fn run(
         .map_err(|e| format!("target memory: {e}"))?;
     let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
     let spec = format!(
-        "{},{},{}",
+        "{},{}@{},{}",
         listener.local_addr().map_err(|e| e.to_string())?,
         config.target_mem.encode(),
+        config.alloc.encode(),
         encode_params(&config.params)
     );
     let mut child = spawn_target(&spec).map_err(|e| format!("spawning the target: {e}"))?;
@@ -544,13 +639,20 @@ fn run_with_target(
             .map_err(|_| "bad address frame".to_string())?,
     );
     // Declared before the agent so that it is dropped after it on every path.
-    let local = Memory::alloc(config.initiator_mem)?;
-    let agent = ucx_agent(
+    let ordinary = match config.alloc {
+        Alloc::Caller => Some(Memory::alloc(config.initiator_mem)?),
+        Alloc::Ucx => None,
+    };
+    let (agent, ucx) = ucx_agent(
         &format!("bench-initiator-{}", std::process::id()),
         &config.params,
     )?;
-    // SAFETY: `local` outlives the agent (declared before it, so dropped after it).
-    unsafe { local.register(&agent, config.initiator_mem) }?;
+    // SAFETY: `ordinary` outlives the agent (declared before it, so dropped after it).
+    let allocated = unsafe { side_memory(&agent, ucx, config.initiator_mem, ordinary.as_ref()) }?;
+    let local = allocated
+        .as_ref()
+        .or(ordinary.as_ref())
+        .ok_or("no buffer")?;
     let (local_kind, local_dev) = (config.initiator_mem.kind(), config.initiator_mem.dev());
     let (remote_kind, remote_dev) = (config.target_mem.kind(), config.target_mem.dev());
     let peer = agent.load_remote_md(&md).map_err(|e| e.to_string())?;
@@ -646,7 +748,7 @@ fn run_with_target(
     // Tell the target to stop.
     let _ = stream.write_all(b"q");
     drop(agent);
-    drop(local);
+    drop(ordinary);
 
     if config.idle_cpu {
         report.idle_thread_cpu_percent = Some(idle_thread_cpu(&config.params)?);
@@ -659,7 +761,7 @@ fn idle_thread_cpu(params: &[(String, String)]) -> Result<f64, String> {
     let mut params = params.to_vec();
     params.retain(|(k, _)| k != "progress_thread");
     params.push(("progress_thread".into(), "true".into()));
-    let agent = ucx_agent(&format!("bench-idle-{}", std::process::id()), &params)?;
+    let (agent, _) = ucx_agent(&format!("bench-idle-{}", std::process::id()), &params)?;
     std::thread::sleep(Duration::from_millis(200));
     let before = thread_cpu_ticks("ferry-ucx-progr");
     let t0 = Instant::now();
@@ -699,6 +801,18 @@ mod tests {
         }
         assert!(Placement::decode("vram:x").is_err());
         assert_eq!(vram(1).to_string(), "VRAM (device 1)");
+    }
+
+    #[test]
+    fn alloc_settings_parse_and_bad_ones_are_named() {
+        assert_eq!(Alloc::parse(None), Ok(Alloc::Caller));
+        assert_eq!(Alloc::parse(Some("caller")), Ok(Alloc::Caller));
+        assert_eq!(Alloc::parse(Some(" ucx ")), Ok(Alloc::Ucx));
+        let err = Alloc::parse(Some("cuda")).unwrap_err();
+        assert!(err.contains("FERRY_BENCH_UCX_ALLOC=cuda"), "{err}");
+        for alloc in [Alloc::Caller, Alloc::Ucx] {
+            assert_eq!(Alloc::parse(Some(alloc.encode())), Ok(alloc));
+        }
     }
 
     /// VRAM on a machine (or build) without it: the reason, before a target starts.

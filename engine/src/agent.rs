@@ -330,6 +330,21 @@ impl Agent {
         )
     }
 
+    /// Allocate `len` bytes of `kind` memory through `backend` (the memory that backend
+    /// moves best; for UCX a shared-memory segment that same-host peers' puts and gets
+    /// reach with one copy) and register it with every backend that supports `kind`, as
+    /// [`Agent::register`] would. Returns the region and where the memory is: `len`
+    /// bytes at `desc.addr`, valid until the region is deregistered (that frees
+    /// it; so does dropping the agent). Reading or writing it from Rust is up to the
+    /// caller (a raw pointer: not while a transfer that writes it is in flight).
+    ///
+    /// Errors: `NotSupported` when the backend does not allocate memory (or not of this
+    /// kind), `InvalidParam` for a zero or oversized `len`, `Backend` when the
+    /// transport's allocation fails, `Capacity` when the region table is full.
+    pub fn alloc(&self, backend: BackendId, kind: MemKind, len: u64) -> Result<(RegionId, Desc)> {
+        self.lock()?.world.alloc_region(backend, kind, len)
+    }
+
     /// Register a FILE region by path (opened with `mode` by the backend, closed at
     /// deregistration). See [`CommandBuffer::register_file`].
     pub fn register_file(&self, path: &Path, mode: FileMode, desc: Desc) -> Result<RegionId> {

@@ -327,3 +327,165 @@ fn invalidate_mid_flight_ends_the_request_with_a_typed_outcome_then_regions_go()
     a.release(x).unwrap();
     a.deregister(src_region).unwrap();
 }
+
+/// Memory allocated through the UCX backend (`Agent::alloc`) on both agents: a WRITE
+/// into the peer's allocation and a READ of it into ours, checked byte for byte by a
+/// third agent that reaches our allocation only through LOOPBACK (it is registered with
+/// every backend as ordinary DRAM); typed errors; freed at deregistration (its
+/// shared-memory segment no longer mapped).
+#[test]
+fn memory_allocated_through_ucx_moves_byte_for_byte_and_other_backends_see_dram() {
+    if !ucx_ready() {
+        return;
+    }
+    let none: Params = [("error_handling".to_string(), "none".to_string())].into();
+    let a = Agent::new(AgentConfig::named(unique("ucx-alloc-a"))).unwrap();
+    let ucx_a = a.create_backend("UCX", &none).unwrap();
+    let loopback_a = a.create_backend("LOOPBACK", &Params::new()).unwrap();
+    let b = Agent::new(AgentConfig::named(unique("ucx-alloc-b"))).unwrap();
+    let ucx_b = b.create_backend("UCX", &none).unwrap();
+    let c = Agent::new(AgentConfig::named(unique("ucx-alloc-c"))).unwrap();
+    c.create_backend("LOOPBACK", &Params::new()).unwrap();
+
+    // Typed errors before anything is allocated.
+    let regions_before = a.counts().2;
+    assert!(matches!(
+        a.alloc(loopback_a, MemKind::Dram, 4096),
+        Err(Error::NotSupported { .. })
+    ));
+    assert!(matches!(
+        a.alloc(ucx_a, MemKind::Vram, 4096),
+        Err(Error::NotSupported { .. })
+    ));
+    for len in [0, u64::MAX] {
+        assert!(
+            matches!(
+                a.alloc(ucx_a, MemKind::Dram, len),
+                Err(Error::InvalidParam { .. })
+            ),
+            "alloc of {len} bytes"
+        );
+    }
+    assert_eq!(a.counts().2, regions_before, "a failed alloc left a region");
+
+    let len = 3 << 20;
+    let (region_a, mem_a) = a.alloc(ucx_a, MemKind::Dram, len).unwrap();
+    let (region_b, mem_b) = b.alloc(ucx_b, MemKind::Dram, len).unwrap();
+    assert_eq!((mem_a.len, mem_b.len), (len, len));
+    let mut rng = Rng::new(77);
+    let src = Buffer::random(len as usize, &mut rng);
+    register(&a, &src);
+    let check = Buffer::zeroed(len as usize);
+    register(&c, &check);
+    let b_at_a = a.load_remote_md(&b.local_md().unwrap()).unwrap();
+    b.load_remote_md(&a.local_md().unwrap()).unwrap();
+    let a_at_c = c.load_remote_md(&a.local_md().unwrap()).unwrap();
+    let p = Pair { a, b, b_at_a };
+
+    // Shuffled 64 KiB pieces: src → b's allocation, then b's allocation → a's.
+    let piece = 64 << 10;
+    let pieces = (len / piece) as usize;
+    let mut order: Vec<usize> = (0..pieces).collect();
+    rng.shuffle(&mut order);
+    let at = |d: Desc, i: usize| Desc::new(d.addr + (i as u64) * piece, piece, 0);
+    let local: Vec<Desc> = (0..pieces)
+        .map(|i| src.desc(i * piece as usize, piece as usize))
+        .collect();
+    let remote: Vec<Desc> = order.iter().map(|&j| at(mem_b, j)).collect();
+    let x =
+        p.a.create(
+            Op::Write,
+            MemKind::Dram,
+            &local,
+            p.b_at_a,
+            MemKind::Dram,
+            &remote,
+            None,
+        )
+        .unwrap();
+    let first = p.a.post(x).unwrap();
+    finish(&p, x, first);
+    let back: Vec<Desc> = (0..pieces).map(|i| at(mem_a, i)).collect();
+    let y =
+        p.a.create(
+            Op::Read,
+            MemKind::Dram,
+            &back,
+            p.b_at_a,
+            MemKind::Dram,
+            &remote,
+            None,
+        )
+        .unwrap();
+    let first = p.a.post(y).unwrap();
+    finish(&p, y, first);
+
+    // c reads a's allocation over LOOPBACK: the only backend they share.
+    let z = c
+        .create(
+            Op::Read,
+            MemKind::Dram,
+            &[check.whole()],
+            a_at_c,
+            MemKind::Dram,
+            &[mem_a],
+            None,
+        )
+        .unwrap();
+    let deadline = Instant::now() + TIMEOUT;
+    let mut status = c.post(z).unwrap();
+    while status != XferStatus::Done {
+        assert!(Instant::now() < deadline, "LOOPBACK read not done");
+        p.a.progress();
+        status = c.check(z).unwrap();
+    }
+    assert_eq!(
+        check.bytes(),
+        src.bytes(),
+        "a's allocation differs from src"
+    );
+
+    // In use (a live request names it): refused, and still there.
+    match p.a.deregister(region_a) {
+        Err(Error::NotAllowed { reason, .. }) => assert!(reason.contains("in use"), "{reason}"),
+        other => panic!("deregister in use: {other:?}"),
+    }
+    p.a.release(x).unwrap();
+    p.a.release(y).unwrap();
+    let segment = shared_mapping_at(mem_a.addr);
+    p.a.deregister(region_a).unwrap();
+    if let Some((inode, path)) = segment {
+        assert!(
+            !shared_mapping_exists(&inode, &path),
+            "{path} (inode {inode}) still mapped after deregistration"
+        );
+    }
+    assert!(matches!(
+        p.a.deregister(region_a),
+        Err(Error::NotFound { .. })
+    ));
+    p.b.deregister(region_b).unwrap();
+    c.release(z).unwrap();
+}
+
+/// `/proc/self/maps`: the file mapping (inode, path) that starts at `addr`, if any.
+fn shared_mapping_at(addr: u64) -> Option<(String, String)> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines().find_map(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let start = u64::from_str_radix(fields.first()?.split('-').next()?, 16).ok()?;
+        (start == addr && fields.len() >= 6 && fields[4] != "0")
+            .then(|| (fields[4].to_string(), fields[5..].join(" ")))
+    })
+}
+
+/// Whether any mapping of this process is of file `inode` at `path`.
+fn shared_mapping_exists(inode: &str, path: &str) -> bool {
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap_or_default()
+        .lines()
+        .any(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            fields.len() >= 6 && fields[4] == inode && fields[5..].join(" ") == path
+        })
+}

@@ -37,6 +37,9 @@
 //! - [`Backend::deregister`]: the caller promises that no request naming the token is
 //!   in flight (each one's completion has been pushed). Afterwards the backend never
 //!   touches the region's bytes again.
+//! - [`Backend::free`]: the caller promises that the allocation (made by
+//!   [`Backend::alloc`], which is safe: the backend owns that memory) is no longer
+//!   registered with any backend and that nothing will touch its bytes again.
 //!
 //! The executor (`ferry-schedules`) keeps these promises for registrations it made: a
 //! registration comes only from `CommandBuffer::register`, itself an `unsafe fn` whose
@@ -194,6 +197,16 @@ pub struct Registered {
     pub token: u64,
     /// Metadata a peer needs to reach the region (an rkey …); may be empty.
     pub public_md: Vec<u8>,
+}
+
+/// Memory a backend allocated ([`Backend::alloc`]): `len` bytes at `addr`, owned by the
+/// backend until [`Backend::free`] (or until the backend is dropped).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Allocation {
+    /// First byte.
+    pub addr: u64,
+    /// Bytes usable from `addr` (the length asked for).
+    pub len: u64,
 }
 
 /// A peer's published regions for this backend, readable in place. `token` is what the
@@ -488,6 +501,38 @@ pub trait Backend: Send {
     /// [`Endpoint::Local`] request) is in flight: every post that used it has had its
     /// completion pushed. After this returns the backend never touches the region.
     unsafe fn deregister(&mut self, kind: MemKind, token: u64) -> Result<()>;
+
+    /// Allocate `len` bytes of `kind` memory in the form this backend moves best (UCX:
+    /// `ucp_mem_map(ALLOCATE)`, a shared-memory segment a same-host peer attaches
+    /// through the rkey). Registering a range inside it with this backend reuses the
+    /// allocation's own mapping; other backends may register it as ordinary memory.
+    /// The memory stays valid until [`Backend::free`] or until the backend is dropped.
+    /// Errors: `NotSupported` (the default: the backend allocates nothing, or not this
+    /// kind), `InvalidParam` for a zero or oversized `len`, `Backend` when the
+    /// transport's allocation fails.
+    fn alloc(&mut self, kind: MemKind, len: u64) -> Result<Allocation> {
+        let _ = (kind, len);
+        Err(Error::NotSupported {
+            backend: self.name().into(),
+            what: "allocating memory".into(),
+        })
+    }
+
+    /// Free an allocation made by [`Backend::alloc`] (named by its `addr`). `NotFound`
+    /// if there is none at `addr`; `NotAllowed` while a region of this backend is still
+    /// registered inside it.
+    ///
+    /// # Safety
+    ///
+    /// No backend has the allocation registered any more and nothing reads or writes its
+    /// bytes after this call (they are unmapped).
+    unsafe fn free(&mut self, kind: MemKind, addr: u64) -> Result<()> {
+        let _ = (kind, addr);
+        Err(Error::NotSupported {
+            backend: self.name().into(),
+            what: "allocating memory".into(),
+        })
+    }
 
     /// Connection info peers need to reach this backend (empty for local-only ones).
     fn conn_info(&self) -> Vec<u8>;

@@ -62,9 +62,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use ferry_backend_api::{
-    Backend, BackendFactory, BackendInit, Capabilities, Completions, Endpoint, Error, MemKind,
-    NotifSink, ParamSpec, Params, PeerId, Post, RegionSpec, Registered, RemoteAgent, Result,
-    Subject,
+    Allocation, Backend, BackendFactory, BackendInit, Capabilities, Completions, Endpoint, Error,
+    MemKind, NotifSink, ParamSpec, Params, PeerId, Post, RegionSpec, Registered, RemoteAgent,
+    Result, Subject,
 };
 pub use ferry_ucx_sys::UcxVersion;
 use ferry_ucx_sys::{LoadError, Ucp};
@@ -78,6 +78,9 @@ pub const BACKEND: &str = "UCX";
 /// Tracy plot: UCX requests (and standalone notifications) in flight.
 static IN_FLIGHT: ferry_backend_api::trace::Plot =
     ferry_backend_api::trace::Plot::new("ferry-ucx in-flight");
+
+/// Longest allocation [`Backend::alloc`] accepts, in bytes.
+pub const ALLOC_LEN_MAX: u64 = state::ALLOC_LEN_MAX;
 
 /// Largest notification payload this backend carries.
 pub const NOTIF_LEN_MAX: usize = state::NOTIF_LEN_MAX;
@@ -587,6 +590,11 @@ impl UcxBackend {
         self.core().has_perf_model()
     }
 
+    /// Allocations made through [`Backend::alloc`] and not freed yet.
+    pub fn allocations(&self) -> usize {
+        self.core().allocations()
+    }
+
     /// Whether a progress thread runs.
     pub fn has_progress_thread(&self) -> bool {
         self.thread.is_some()
@@ -648,6 +656,26 @@ impl Backend for UcxBackend {
         let mut core = self.core();
         core.vram_bind();
         core.deregister(token)
+    }
+
+    fn alloc(&mut self, kind: MemKind, len: u64) -> Result<Allocation> {
+        if kind != MemKind::Dram {
+            return Err(Error::NotSupported {
+                backend: BACKEND.into(),
+                what: format!("allocating {kind} memory (only DRAM)").into(),
+            });
+        }
+        self.core().alloc(len)
+    }
+
+    unsafe fn free(&mut self, kind: MemKind, addr: u64) -> Result<()> {
+        if kind != MemKind::Dram {
+            return Err(Error::NotSupported {
+                backend: BACKEND.into(),
+                what: format!("allocating {kind} memory (only DRAM)").into(),
+            });
+        }
+        self.core().free(addr)
     }
 
     fn conn_info(&self) -> Vec<u8> {

@@ -4,7 +4,9 @@
 //! notification that the target checks against its memory the moment it arrives, a
 //! shuffled 1024-range batch, and a target killed mid-transfer (its requests fail with
 //! remote-disconnect within a bounded time; after a restart and reload, transfers work
-//! again). Runs under the default transports and `transports=tcp`.
+//! again). Runs under the default transports and `transports=tcp`, on heap memory and
+//! on memory both sides allocated through the backend (`Backend::alloc`, UCX's
+//! `ucp_mem_map(ALLOCATE)`), which is freed at the end of each side.
 //!
 //! `harness = false`: `main` runs the scenarios (or the child role) itself.
 
@@ -25,6 +27,8 @@ use ferry_backend_api::{
 use ferry_ucx::UcxBackend;
 
 const CHILD_VAR: &str = "FERRY_UCX_CHILD";
+/// Set (to anything) in the child when its buffer is to be allocated through UCX.
+const ALLOC_VAR: &str = "FERRY_UCX_CHILD_ALLOC";
 const TIMEOUT: Duration = Duration::from_secs(30);
 /// The target's buffer: 64 MiB, filled with `pattern(READ_SEED)` at start.
 const TARGET_LEN: usize = 64 << 20;
@@ -32,6 +36,72 @@ const READ_SEED: u64 = 42;
 
 fn pattern(seed: u64, bytes: &mut [u8]) {
     Rng::new(seed).fill(bytes);
+}
+
+// ---- memory: a heap buffer or one allocated through the backend ---------------------
+
+enum Mem {
+    Heap(Buffer),
+    Ucx { addr: u64, len: usize },
+}
+
+impl Mem {
+    fn new(ucx: &mut UcxBackend, len: usize, through_ucx: bool) -> Mem {
+        if !through_ucx {
+            return Mem::Heap(Buffer::new(len));
+        }
+        let allocation = ucx
+            .alloc(MemKind::Dram, len as u64)
+            .expect("UCX allocation");
+        assert_eq!(allocation.len, len as u64);
+        Mem::Ucx {
+            addr: allocation.addr,
+            len,
+        }
+    }
+
+    fn addr(&self) -> u64 {
+        match self {
+            Mem::Heap(b) => b.addr(),
+            Mem::Ucx { addr, .. } => *addr,
+        }
+    }
+
+    fn bytes(&mut self) -> &mut [u8] {
+        match self {
+            Mem::Heap(b) => &mut b.0,
+            // SAFETY: `len` bytes the backend allocated and keeps mapped until `free`
+            // (called only by `release`, which consumes the Mem); read and written only
+            // while no transfer into them is in flight.
+            Mem::Ucx { addr, len } => unsafe {
+                std::slice::from_raw_parts_mut(*addr as *mut u8, *len)
+            },
+        }
+    }
+
+    fn register(&self, ucx: &mut UcxBackend) -> (u64, Vec<u8>) {
+        let len = match self {
+            Mem::Heap(b) => b.len(),
+            Mem::Ucx { len, .. } => *len,
+        };
+        let r = ucx
+            .register_t(&ferry_backend_api::RegionSpec {
+                kind: MemKind::Dram,
+                desc: ferry_backend_api::Desc::new(self.addr(), len as u64, 0),
+                path: None,
+            })
+            .expect("register");
+        (r.token, r.public_md)
+    }
+
+    /// Free an allocation (after its registration is gone): nothing is left allocated.
+    fn release(self, ucx: &mut UcxBackend) {
+        if let Mem::Ucx { addr, .. } = self {
+            // SAFETY: deregistered, and nothing touches the bytes after this.
+            unsafe { ucx.free(MemKind::Dram, addr) }.expect("free");
+        }
+        assert_eq!(ucx.allocations(), 0, "an allocation outlived its free");
+    }
 }
 
 // ---- framing over the socket --------------------------------------------------------
@@ -55,23 +125,43 @@ fn recv_frame(stream: &mut TcpStream) -> Vec<u8> {
 
 fn child_main(addr: &str) {
     let transports = std::env::var("FERRY_UCX_TRANSPORTS").unwrap_or_default();
-    // Declared before the backend so it is dropped after it: the backend unmaps the
-    // registration when dropped, and the memory must still be there then.
-    let mut buf = Buffer::new(TARGET_LEN);
-    let mut ucx = backend("target", &transports, &[]);
-    pattern(READ_SEED, &mut buf.0);
-    let (token, md) = register(&mut ucx, &buf);
+    let error_handling = std::env::var("FERRY_UCX_ERROR_HANDLING").unwrap_or("peer".into());
+    let through_ucx = std::env::var_os(ALLOC_VAR).is_some();
+    // The heap variant is declared before the backend so it is dropped after it: the
+    // backend unmaps the registration when dropped, and the memory must still be there.
+    let mut heap = (!through_ucx).then(|| Buffer::new(TARGET_LEN));
+    let mut ucx = backend(
+        "target",
+        &transports,
+        &[("error_handling", error_handling.as_str())],
+    );
+    let mut mem = match heap.take() {
+        Some(buffer) => Mem::Heap(buffer),
+        None => Mem::new(&mut ucx, TARGET_LEN, true),
+    };
+    pattern(READ_SEED, mem.bytes());
+    let (token, md) = mem.register(&mut ucx);
     let mut stream = TcpStream::connect(addr).expect("child connects to parent");
     send_frame(&mut stream, &ucx.conn_info());
     send_frame(&mut stream, &token.to_le_bytes());
     send_frame(&mut stream, &md);
-    send_frame(&mut stream, &buf.addr().to_le_bytes());
+    send_frame(&mut stream, &mem.addr().to_le_bytes());
 
     // Serve: progress, and check each notification's claim against memory at once.
     let mut done = Completions::with_capacity(16);
     let mut inbox = Inbox::default();
     let mut expected = Vec::new();
+    let mut looked = Instant::now();
     loop {
+        // A parent that died (a killed test run) closes the socket: stop serving rather
+        // than spin on as an orphan.
+        if looked.elapsed() > Duration::from_millis(100) {
+            looked = Instant::now();
+            if parent_gone(&stream) {
+                eprintln!("target: the initiator's socket closed; exiting");
+                std::process::exit(3);
+            }
+        }
         ucx.progress(&mut done);
         done.clear();
         ucx.drain_notifications(&mut inbox);
@@ -83,10 +173,12 @@ fn child_main(addr: &str) {
                     let (off, len): (usize, usize) = (off.parse().unwrap(), len.parse().unwrap());
                     expected.resize(len, 0);
                     pattern(seed.parse().unwrap(), &mut expected);
-                    let ok = buf.0[off..off + len] == expected[..];
+                    let ok = mem.bytes()[off..off + len] == expected[..];
                     send_frame(&mut stream, if ok { b"ok" } else { b"bad" });
                 }
                 ["Q"] => {
+                    ucx.deregister_t(MemKind::Dram, token).expect("deregister");
+                    mem.release(&mut ucx);
                     send_frame(&mut stream, format!("bye {from}").as_bytes());
                     return;
                 }
@@ -95,6 +187,18 @@ fn child_main(addr: &str) {
         }
         std::thread::yield_now();
     }
+}
+
+/// Whether the initiator closed its end (it never sends on the socket, so any read
+/// other than "would block" means it is gone).
+fn parent_gone(stream: &TcpStream) -> bool {
+    if stream.set_nonblocking(true).is_err() {
+        return true;
+    }
+    let mut byte = [0u8; 1];
+    let gone =
+        !matches!(stream.peek(&mut byte), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock);
+    stream.set_nonblocking(false).is_err() || gone
 }
 
 // ---- parent (initiator) -------------------------------------------------------------
@@ -108,14 +212,27 @@ struct Target {
     md: Vec<u8>,
 }
 
-fn spawn_target(transports: &str, ucx: &mut UcxBackend, peer: PeerId) -> Target {
+/// How one scenario runs: transports, endpoint error handling, where the memory is.
+#[derive(Clone, Copy)]
+struct Variant {
+    transports: &'static str,
+    error_handling: &'static str,
+    /// Both sides' buffers allocated through UCX (`Backend::alloc`).
+    alloc: bool,
+}
+
+fn spawn_target(v: Variant, ucx: &mut UcxBackend, peer: PeerId) -> Target {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1");
-    let child = Command::new(std::env::current_exe().unwrap())
+    let mut command = Command::new(std::env::current_exe().unwrap());
+    command
         .env(CHILD_VAR, listener.local_addr().unwrap().to_string())
-        .env("FERRY_UCX_TRANSPORTS", transports)
-        .stdin(Stdio::null())
-        .spawn()
-        .expect("spawn target process");
+        .env("FERRY_UCX_TRANSPORTS", v.transports)
+        .env("FERRY_UCX_ERROR_HANDLING", v.error_handling)
+        .stdin(Stdio::null());
+    if v.alloc {
+        command.env(ALLOC_VAR, "1");
+    }
+    let child = command.spawn().expect("spawn target process");
     let (mut stream, _) = listener.accept().expect("child connects");
     stream.set_read_timeout(Some(TIMEOUT)).unwrap();
     let conn_info = recv_frame(&mut stream);
@@ -160,24 +277,31 @@ fn transfer(ucx: &mut UcxBackend, peer: PeerId, posts: &[Post<'_>]) {
     }
 }
 
-fn scenario(transports: &str, error_handling: &str) {
-    let label = format!(
-        "{}, error_handling={error_handling}",
-        if transports.is_empty() {
+fn label(v: Variant) -> String {
+    format!(
+        "{}, error_handling={}{}",
+        if v.transports.is_empty() {
             "default"
         } else {
-            transports
-        }
-    );
+            v.transports
+        },
+        v.error_handling,
+        if v.alloc { ", UCX-allocated" } else { "" }
+    )
+}
+
+fn scenario(v: Variant) {
+    let (transports, error_handling) = (v.transports, v.error_handling);
+    let label = label(v);
     let mut ucx = backend(
         "initiator",
         transports,
         &[("error_handling", error_handling)],
     );
-    let mut local = Buffer::new(TARGET_LEN);
-    let (ltok, _) = register(&mut ucx, &local);
+    let mut local = Mem::new(&mut ucx, TARGET_LEN, v.alloc);
+    let (ltok, _) = local.register(&mut ucx);
     let peer = peer_id(1);
-    let mut t = spawn_target(transports, &mut ucx, peer);
+    let mut t = spawn_target(v, &mut ucx, peer);
     ucx.connect(peer).expect("connect");
     let (summary, _) = ucx.endpoint_transports(Endpoint::Peer(peer)).unwrap();
     eprintln!(
@@ -216,7 +340,7 @@ fn scenario(transports: &str, error_handling: &str) {
         let ranges = [range(0, ro, len, t.token, t.addr)];
         transfer(&mut ucx, peer, &[post(round, Op::Read, &ranges, None)]);
         assert!(
-            local.0[..len] == whole[ro..ro + len],
+            local.bytes()[..len] == whole[ro..ro + len],
             "[{label}] READ of {len} bytes at {ro} differs"
         );
     }
@@ -230,7 +354,7 @@ fn scenario(transports: &str, error_handling: &str) {
         }) as usize;
         let ro = rng.below((TARGET_LEN - len + 1) as u64) as usize;
         let seed = 1000 + round;
-        pattern(seed, &mut local.0[..len]);
+        pattern(seed, &mut local.bytes()[..len]);
         let ranges = [range(0, ro, len, t.token, t.addr)];
         let notif = format!("W {ro} {len} {seed}");
         transfer(
@@ -256,7 +380,8 @@ fn scenario(transports: &str, error_handling: &str) {
     let mut expected = vec![0u8; 1024 * 4096];
     pattern(7, &mut expected);
     for (i, &j) in order.iter().enumerate() {
-        local.0[j * 4096..(j + 1) * 4096].copy_from_slice(&expected[i * 4096..(i + 1) * 4096]);
+        local.bytes()[j * 4096..(j + 1) * 4096]
+            .copy_from_slice(&expected[i * 4096..(i + 1) * 4096]);
     }
     let ranges: Vec<Range> = order
         .iter()
@@ -284,6 +409,8 @@ fn scenario(transports: &str, error_handling: &str) {
         }
         assert!(recv_frame(&mut t.stream).starts_with(b"bye"));
         assert!(t.child.wait().unwrap().success());
+        ucx.deregister_t(MemKind::Dram, ltok).unwrap();
+        local.release(&mut ucx);
         return;
     }
 
@@ -373,8 +500,8 @@ fn scenario(transports: &str, error_handling: &str) {
 
     // The engine invalidates the peer's metadata; the target restarts; reload; works.
     ucx.unload_remote(peer);
-    let mut t = spawn_target(transports, &mut ucx, peer);
-    pattern(77, &mut local.0[..1 << 20]);
+    let mut t = spawn_target(v, &mut ucx, peer);
+    pattern(77, &mut local.bytes()[..1 << 20]);
     let ranges = [range(0, 4096, 1 << 20, t.token, t.addr)];
     let notif = format!("W 4096 {} 77", 1 << 20);
     transfer(
@@ -468,6 +595,7 @@ fn scenario(transports: &str, error_handling: &str) {
     let status = t.child.wait().unwrap();
     assert!(status.success(), "[{label}] target exited with {status}");
     ucx.deregister_t(MemKind::Dram, ltok).unwrap();
+    local.release(&mut ucx);
 }
 
 fn main() {
@@ -482,17 +610,21 @@ fn main() {
     }
     let mut passed = 0;
     let mut failed = 0;
-    let variants = [("", "peer"), ("tcp", "peer"), ("", "none")];
-    for (transports, error_handling) in variants {
-        let label = format!(
-            "{}, error_handling={error_handling}",
-            if transports.is_empty() {
-                "default"
-            } else {
-                transports
-            }
-        );
-        let result = std::panic::catch_unwind(|| scenario(transports, error_handling));
+    let variant = |transports, error_handling, alloc| Variant {
+        transports,
+        error_handling,
+        alloc,
+    };
+    let variants = [
+        variant("", "peer", false),
+        variant("tcp", "peer", false),
+        variant("", "none", false),
+        variant("", "none", true),
+        variant("tcp", "peer", true),
+    ];
+    for v in variants {
+        let label = label(v);
+        let result = std::panic::catch_unwind(|| scenario(v));
         match result {
             Ok(()) => {
                 println!("test two_processes[{label}] ... ok");

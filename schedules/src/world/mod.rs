@@ -162,6 +162,9 @@ pub struct World {
     pub(crate) arena: bumpalo::Bump,
     /// Regions deregistered so far (part of the published metadata generation).
     pub(crate) deregistrations: u64,
+    /// Regions whose memory a backend allocated (`alloc_region`): region, the
+    /// allocating backend's slot, address to free at deregistration.
+    pub(crate) allocations: Vec<(RegionId, usize, u64)>,
     /// Counters and histograms (`crate::metrics`), shared with readers.
     pub(crate) metrics: std::sync::Arc<crate::metrics::Metrics>,
     /// Measured cost model per backend slot (`crate::cost`).
@@ -189,6 +192,7 @@ impl World {
             completions: Completions::with_capacity(xfers),
             arena: bumpalo::Bump::with_capacity(64 * 1024),
             deregistrations: 0,
+            allocations: Vec::new(),
             metrics: Default::default(),
             costs: Default::default(),
             bounds,

@@ -11,7 +11,7 @@ use std::path::Path;
 
 use ferry_backend_api::RegionSpec;
 use ferry_storage::{
-    BackendMask, Desc, Error, MemKind, RegionId, RegionRow, Subject, MAX_BACKENDS,
+    BackendId, BackendMask, Desc, Error, MemKind, RegionId, RegionRow, Subject, MAX_BACKENDS,
 };
 
 use super::World;
@@ -157,6 +157,59 @@ impl World {
         }
         self.regions.remove(id);
         self.deregistrations += 1;
+        if let Some(at) = self.allocations.iter().position(|a| a.0 == id) {
+            let (_, slot, addr) = self.allocations.swap_remove(at);
+            if let Some(backend) = self.backends.backends[slot].as_mut() {
+                // SAFETY: the region was just deregistered from every backend that held
+                // it (it is the whole allocation), and its handle is gone, so nothing
+                // this world does reaches the bytes again.
+                if let Err(e) = unsafe { backend.free(kind, addr) } {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
         first_error.map_or(Ok(()), Err)
+    }
+
+    /// Allocate `len` bytes of `kind` memory through `backend`
+    /// ([`Backend::alloc`](ferry_backend_api::Backend::alloc)) and register them with every
+    /// backend that supports `kind` (the allocating one reuses its mapping). The memory is
+    /// freed when the region is deregistered (or when the backend goes).
+    // Reason: calls the backend's `unsafe fn free` (backend safety contract).
+    #[allow(unsafe_code)]
+    pub fn alloc_region(
+        &mut self,
+        backend: BackendId,
+        kind: MemKind,
+        len: u64,
+    ) -> Result<(RegionId, Desc), Error> {
+        let slot = self.backend_slot(backend)?;
+        if self.regions.len() >= self.bounds.regions_max {
+            return Err(Error::Capacity {
+                what: "registered regions",
+                limit: self.bounds.regions_max,
+            });
+        }
+        let backend = self.backends.backends[slot]
+            .as_mut()
+            .expect("slot of a live id is filled");
+        let allocation = backend.alloc(kind, len)?;
+        let desc = Desc::new(allocation.addr, allocation.len, 0);
+        // The backend owns the allocation and frees it only from `deregister_region`
+        // (after every backend released it) or when it is dropped with the world.
+        match self.register_region(kind, desc, BackendMask::ALL, None) {
+            Ok(id) => {
+                self.allocations.push((id, slot, allocation.addr));
+                Ok((id, desc))
+            }
+            Err(e) => {
+                let backend = self.backends.backends[slot]
+                    .as_mut()
+                    .expect("slot of a live id is filled");
+                // SAFETY: no backend registered it (the registration failed as a whole).
+                let _ = unsafe { backend.free(kind, allocation.addr) };
+                Err(e)
+            }
+        }
     }
 }

@@ -65,7 +65,8 @@ pub(crate) use diagnostics::errno_of;
 #[cfg(test)]
 pub(crate) use diagnostics::summarize_lanes;
 use diagnostics::ucx_error;
-use memory::MemEntry;
+pub(crate) use memory::ALLOC_LEN_MAX;
+use memory::{AllocEntry, MemEntry};
 use notifications::Inbox;
 use peers::{Grave, PeerState};
 use requests::{Deferred, Slot, SlotState};
@@ -109,6 +110,8 @@ pub(crate) struct Core {
     slots: Vec<Slot>,
     free_slots: Vec<u32>,
     mems: Vec<Option<MemEntry>>,
+    /// Memory UCX allocated for this backend (`memory.rs`).
+    allocs: Vec<AllocEntry>,
     mem_generations: Vec<u32>,
     free_mems: Vec<u32>,
     peers: HashMap<PeerId, PeerState>,
@@ -279,6 +282,7 @@ impl Core {
             slots,
             free_slots: (0..slot_count as u32).rev().collect(),
             mems: Vec::new(),
+            allocs: Vec::new(),
             mem_generations: Vec::new(),
             free_mems: Vec::new(),
             peers: HashMap::new(),
@@ -434,8 +438,16 @@ impl Drop for Core {
                 if !entry.self_rkey.is_null() {
                     api.ucp_rkey_destroy(entry.self_rkey);
                 }
-                api.ucp_mem_unmap(self.context, entry.memh);
+                // A registration inside an allocation borrows its mapping (freed below).
+                if entry.alloc_addr.is_none() {
+                    api.ucp_mem_unmap(self.context, entry.memh);
+                }
             }
+        }
+        for alloc in self.allocs.drain(..) {
+            // SAFETY: our own allocation; its registrations are gone (above) and no
+            // endpoint is left to use it.
+            unsafe { api.ucp_mem_unmap(self.context, alloc.memh) };
         }
         for worker in self.workers.drain(..) {
             // SAFETY: all eps of this worker are closed; callbacks during destroy only
