@@ -177,11 +177,64 @@ pub const PARAMS: &[ParamSpec] = &[
               completes as a whole: raise it above the longest batch (bytes / link rate)",
     },
     ParamSpec {
+        name: "am_batch",
+        default: "auto",
+        doc: "pack small WRITE ranges of a batch into active messages ('auto': on endpoints \
+              whose lanes are all shared memory, tcp or self, where UCX emulates small puts \
+              with active messages; 'on'; 'off')",
+    },
+    ParamSpec {
+        name: "am_batch_range_bytes",
+        default: "4096",
+        doc: "largest WRITE range that is batched into active messages (0 = batching off; \
+              at most am_batch_bytes - 28)",
+    },
+    ParamSpec {
+        name: "am_batch_bytes",
+        default: "32768",
+        doc: "largest batch message (header, range entries and data), 1024..=1048576",
+    },
+    ParamSpec {
+        name: "am_batch_messages",
+        default: "256",
+        doc: "batch messages in flight at once (their buffers are allocated on first use and \
+              reused); with none free a small range is put one by one",
+    },
+    ParamSpec {
         name: "max_requests",
         default: "8192",
         doc: "requests (and standalone notifications) in flight at once",
     },
 ];
+
+/// When small WRITE ranges are batched into active messages (`am_batch`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AmBatchMode {
+    /// On endpoints whose transports emulate small RMA with active messages.
+    Auto,
+    /// On every peer endpoint.
+    On,
+    /// Never.
+    Off,
+}
+
+/// Counters of the batched-WRITE protocol (see [`UcxBackend::batch_counts`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BatchCounts {
+    /// Batch messages from peers refused here (malformed, or a range outside registered
+    /// memory); nothing of them was written.
+    pub refused: u64,
+    /// Acks received here that were malformed or did not fit the ack queue.
+    pub dropped_acks: u64,
+    /// Acks received here that named no message waiting for one.
+    pub stale_acks: u64,
+    /// Acks this backend could not send back (no reply endpoint, or the send failed).
+    pub unsent_acks: u64,
+    /// Acks whose send buffer had to be allocated (the pool was empty).
+    pub allocated_acks: u64,
+    /// This backend's batch messages in flight now.
+    pub in_flight: usize,
+}
 
 /// Endpoint error-handling mode.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -230,6 +283,14 @@ pub struct Config {
     /// Segment size of UCX's shared-memory transports to set (`None` = leave UCX's
     /// configuration alone).
     pub shm_seg_bytes: Option<u32>,
+    /// When small WRITEs are batched into active messages.
+    pub am_batch: AmBatchMode,
+    /// Largest batched range (0 = off).
+    pub am_batch_range_bytes: u64,
+    /// Largest batch message.
+    pub am_batch_bytes: usize,
+    /// Batch messages in flight at once.
+    pub am_batch_messages: usize,
 }
 
 /// Shared-memory FIFO size applied by `shm_fifo_size=auto`. UCX's default of 64 entries
@@ -381,7 +442,38 @@ impl Config {
             |_| true,
         )
         .map_err(|()| bad("shm_seg_bytes", "expected 'auto', 'ucx' or 4096..=32768"))?;
+        let am_batch = match get("am_batch") {
+            "auto" => AmBatchMode::Auto,
+            "on" | "true" => AmBatchMode::On,
+            "off" | "false" => AmBatchMode::Off,
+            _ => return Err(bad("am_batch", "expected 'auto', 'on' or 'off'")),
+        };
+        let am_batch_bytes: usize = get("am_batch_bytes")
+            .parse()
+            .ok()
+            .filter(|n| (1024..=1 << 20).contains(n))
+            .ok_or_else(|| bad("am_batch_bytes", "expected 1024..=1048576"))?;
+        let range_max = am_batch_bytes - wire::BATCH_HEADER_LEN_BYTES - wire::BATCH_ENTRY_LEN_BYTES;
+        let am_batch_range_bytes: u64 = get("am_batch_range_bytes")
+            .parse()
+            .ok()
+            .filter(|n| *n <= range_max as u64)
+            .ok_or_else(|| {
+                bad(
+                    "am_batch_range_bytes",
+                    &format!("expected 0..={range_max} (am_batch_bytes - 28)"),
+                )
+            })?;
+        let am_batch_messages: usize = get("am_batch_messages")
+            .parse()
+            .ok()
+            .filter(|n| (1..=65536).contains(n))
+            .ok_or_else(|| bad("am_batch_messages", "expected 1..=65536"))?;
         Ok(Config {
+            am_batch,
+            am_batch_range_bytes,
+            am_batch_bytes,
+            am_batch_messages,
             notif_entries_max,
             notif_bytes_max,
             close_rounds,
@@ -587,6 +679,17 @@ impl UcxBackend {
         self.core().has_perf_model()
     }
 
+    /// Counters of the batched-WRITE protocol (both roles).
+    pub fn batch_counts(&self) -> BatchCounts {
+        self.core().batch_counts()
+    }
+
+    /// Whether small WRITEs to `peer` are batched into active messages (`None` while
+    /// the peer is unknown or has no endpoint yet).
+    pub fn batches_to(&self, peer: PeerId) -> Option<bool> {
+        self.core().batches_to(peer)
+    }
+
     /// Whether a progress thread runs.
     pub fn has_progress_thread(&self) -> bool {
         self.thread.is_some()
@@ -765,6 +868,10 @@ mod tests {
             ("peer_timeout_ms", "soon"),
             ("peer_timeout_ms", "-5"),
             ("post_window_bytes", "100"),
+            ("am_batch", "sometimes"),
+            ("am_batch_bytes", "100"),
+            ("am_batch_range_bytes", "40000"),
+            ("am_batch_messages", "0"),
         ] {
             let mut params = defaults.clone();
             params.insert(key.into(), value.into());

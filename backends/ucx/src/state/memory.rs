@@ -9,6 +9,8 @@ pub(super) struct MemEntry {
     pub(super) packed_rkey: Vec<u8>,
     /// Rkey unpacked on the self endpoint, for local transfers.
     pub(super) self_rkey: ucp_rkey_h,
+    /// Host memory (peers' batch messages may write it; `batch.rs`).
+    pub(super) dram: bool,
 }
 
 impl Core {
@@ -63,7 +65,16 @@ impl Core {
             len,
             packed_rkey: packed,
             self_rkey: ptr::null_mut(),
+            dram: memory_type.is_none(),
         };
+        if entry.dram {
+            self.events
+                .batch
+                .regions
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .add(addr, len);
+        }
         let index = match self.free_mems.pop() {
             Some(i) => {
                 self.mems[i as usize] = Some(entry);
@@ -93,6 +104,14 @@ impl Core {
             .mem_index(token)
             .ok_or_else(|| Error::not_found(token_subject(token)))?;
         let entry = self.mems[index].take().expect("mem_index checked");
+        if entry.dram {
+            self.events
+                .batch
+                .regions
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(entry.addr, entry.len);
+        }
         let api = self.ucp.api();
         if !entry.self_rkey.is_null() {
             // SAFETY: rkey unpacked by us on the self ep, not used after this.

@@ -41,6 +41,8 @@ pub(super) struct PeerState {
     pub(super) transports: String,
     /// The endpoint's progress deadline (`deadline.rs`).
     pub(super) watch: Watch,
+    /// Whether small WRITEs to it are batched (`batch.rs`), decided per endpoint.
+    pub(super) am_batch: bool,
 }
 
 impl Core {
@@ -86,6 +88,7 @@ impl Core {
                 down: None,
                 transports: String::new(),
                 watch: Watch::default(),
+                am_batch: false,
             },
         );
         Ok(())
@@ -101,6 +104,8 @@ impl Core {
         if !ep.is_null() {
             // What the window kept from UCX never will go: fail it and flush now.
             self.cut_deferred(ep, ucs_status_t::UCS_ERR_CANCELED);
+            // Acks that will not come: fail their requests now, once each.
+            self.am_fail_ep(ep);
         }
         let Some(state) = self.peers.get_mut(&peer) else {
             return;
@@ -283,12 +288,19 @@ impl Core {
         });
         let ep = self.create_ep(worker, &state.remote_address, Some(&link))?;
         let transports = self.ep_transports(ep);
+        let am_batch = self.am.suits(&transports);
         let state = self.peers.get_mut(&peer).expect("present");
         state.link = Some(link);
+        state.am_batch = am_batch;
         log::info!(
-            "UCX {}: endpoint to '{}' on worker {worker} uses {transports}",
+            "UCX {}: endpoint to '{}' on worker {worker} uses {transports}; small writes {}",
             self.ucp.version(),
-            state.name
+            state.name,
+            if am_batch {
+                "batched"
+            } else {
+                "put one by one"
+            }
         );
         state.ep = ep;
         state.transports = transports;
