@@ -19,6 +19,11 @@
 //!   flush goes once the whole batch is with UCX. A notification attached to a request is sent (active message, eager, header
 //!   = sender agent name) only *after* that flush, so the target sees it only once the
 //!   data is there; the request completes when the notification is sent.
+//! - **Batched small ranges**: on endpoints whose transports emulate small RMA with
+//!   active messages (shared memory, tcp), ranges of at most `am_batch_range_bytes`
+//!   travel packed into active messages of at most `am_batch_bytes` (WRITE: the data;
+//!   READ: a request and a reply carrying the data); the target checks each range
+//!   against its registered memory and acks. See `state/batch.rs`.
 //! - **Local** transfers (both sides registered here) go through an endpoint to our own
 //!   worker 0; local notifications go straight to the inbox.
 //! - **Progress**: by default the executor's progress phase calls
@@ -179,14 +184,14 @@ pub const PARAMS: &[ParamSpec] = &[
     ParamSpec {
         name: "am_batch",
         default: "auto",
-        doc: "pack small WRITE ranges of a batch into active messages ('auto': on endpoints \
+        doc: "pack small WRITE and READ ranges of a batch into active messages ('auto': on endpoints \
               whose lanes are all shared memory, tcp or self, where UCX emulates small puts \
               with active messages; 'on'; 'off')",
     },
     ParamSpec {
         name: "am_batch_range_bytes",
         default: "4096",
-        doc: "largest WRITE range that is batched into active messages (0 = batching off; \
+        doc: "largest range that is batched into active messages (0 = batching off; \
               at most am_batch_bytes - 28)",
     },
     ParamSpec {
@@ -232,6 +237,8 @@ pub struct BatchCounts {
     pub unsent_acks: u64,
     /// Acks whose send buffer had to be allocated (the pool was empty).
     pub allocated_acks: u64,
+    /// READ replies whose buffer had to be allocated (none free for reuse).
+    pub allocated_replies: u64,
     /// This backend's batch messages in flight now.
     pub in_flight: usize,
 }

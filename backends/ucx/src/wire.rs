@@ -222,13 +222,24 @@ mod rkey_tests {
 // ack), `u32` range count (≥ 1), `u32` reserved (0) — then per range a 12-byte entry —
 // `u64` target address, `u32` length (≥ 1) — followed at once by that many data bytes.
 // The ack (AM id [`BATCH_ACK_AM_ID`]): `u64` cookie, `u32` status ([`BatchStatus`]),
-// `u32` reserved (0). Everything little-endian; every length is checked against the
+// `u32` reserved (0).
+//
+// A READ batch request (AM id [`BATCH_READ_AM_ID`]): the same 16-byte header, then per
+// range only its 12-byte entry (target address, length). The reply (AM id
+// [`BATCH_READ_REPLY_AM_ID`]): an ack's 16 bytes, then — status written — the ranges'
+// data in request order. Everything little-endian; every length is checked against the
 // message before use.
 
 /// Active-message id of a WRITE batch message (format 1).
 pub const BATCH_WRITE_AM_ID: u32 = 0x4653;
 /// Active-message id of the target's acknowledgement of a batch message (format 1).
 pub const BATCH_ACK_AM_ID: u32 = 0x4654;
+/// Active-message id of a READ batch request (format 1).
+pub const BATCH_READ_AM_ID: u32 = 0x4655;
+/// Active-message id of the target's reply to a READ batch request (format 1).
+pub const BATCH_READ_REPLY_AM_ID: u32 = 0x4656;
+/// Largest data a READ batch request may ask for in one reply.
+pub const BATCH_READ_DATA_MAX: usize = 1 << 20;
 /// Bytes of a batch message's header.
 pub const BATCH_HEADER_LEN_BYTES: usize = 16;
 /// Bytes of one range entry (before its data).
@@ -430,6 +441,93 @@ pub fn parse_batch_write(msg: &[u8]) -> Result<BatchWrite<'_>, BatchWireError> {
     })
 }
 
+/// A whole READ batch request of `(target address, length)` ranges.
+pub fn encode_batch_read(cookie: u64, ranges: &[(u64, u32)]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(BATCH_HEADER_LEN_BYTES + ranges.len() * BATCH_ENTRY_LEN_BYTES);
+    out.extend_from_slice(&batch_header(cookie, ranges.len() as u32));
+    for &(addr, len) in ranges {
+        out.extend_from_slice(&batch_entry(addr, len));
+    }
+    out
+}
+
+/// A parsed READ batch request: every entry checked, the data asked for at most
+/// [`BATCH_READ_DATA_MAX`].
+#[derive(Clone, Copy, Debug)]
+pub struct BatchRead<'a> {
+    /// The initiator's cookie.
+    pub cookie: u64,
+    /// Bytes asked for, all ranges together.
+    pub data_bytes: usize,
+    entries: &'a [u8],
+}
+
+impl<'a> BatchRead<'a> {
+    /// The ranges as (target address, length).
+    pub fn ranges(&self) -> impl Iterator<Item = (u64, u32)> + 'a {
+        self.entries
+            .chunks_exact(BATCH_ENTRY_LEN_BYTES)
+            .map(|e| (le_u64(e), le_u32(&e[8..])))
+    }
+}
+
+/// Parse a READ batch request.
+pub fn parse_batch_read(msg: &[u8]) -> Result<BatchRead<'_>, BatchWireError> {
+    if msg.len() < BATCH_HEADER_LEN_BYTES {
+        return Err(BatchWireError::Truncated);
+    }
+    let cookie = le_u64(msg);
+    let count = le_u32(&msg[8..]) as usize;
+    if le_u32(&msg[12..]) != 0 {
+        return Err(BatchWireError::Reserved);
+    }
+    if count == 0 {
+        return Err(BatchWireError::Empty);
+    }
+    let entries = &msg[BATCH_HEADER_LEN_BYTES..];
+    let whole = entries.len() / BATCH_ENTRY_LEN_BYTES;
+    if whole < count {
+        return Err(BatchWireError::RangeTruncated {
+            index: whole as u32,
+        });
+    }
+    if entries.len() != count * BATCH_ENTRY_LEN_BYTES {
+        return Err(BatchWireError::Trailing {
+            bytes: entries.len() - count * BATCH_ENTRY_LEN_BYTES,
+        });
+    }
+    let mut data_bytes = 0usize;
+    for (index, e) in entries.chunks_exact(BATCH_ENTRY_LEN_BYTES).enumerate() {
+        let len = le_u32(&e[8..]) as usize;
+        if len == 0 {
+            return Err(BatchWireError::ZeroLength {
+                index: index as u32,
+            });
+        }
+        data_bytes += len;
+        if data_bytes > BATCH_READ_DATA_MAX {
+            return Err(BatchWireError::RangeTruncated {
+                index: index as u32,
+            });
+        }
+    }
+    Ok(BatchRead {
+        cookie,
+        data_bytes,
+        entries,
+    })
+}
+
+/// Parse a READ reply: (cookie, status as sent, data).
+pub fn parse_read_reply(bytes: &[u8]) -> Result<(u64, u32, &[u8]), BatchWireError> {
+    if bytes.len() < BATCH_ACK_LEN_BYTES {
+        return Err(BatchWireError::Truncated);
+    }
+    let (head, data) = bytes.split_at(BATCH_ACK_LEN_BYTES);
+    let (cookie, status) = parse_ack(head)?;
+    Ok((cookie, status, data))
+}
+
 /// An ack of the message `cookie`.
 pub fn encode_ack(cookie: u64, status: BatchStatus) -> [u8; BATCH_ACK_LEN_BYTES] {
     let mut a = [0u8; BATCH_ACK_LEN_BYTES];
@@ -486,6 +584,21 @@ mod batch_tests {
             parse_batch_write(&batch_header(1, 0)).unwrap_err(),
             BatchWireError::Empty
         );
+        let read = encode_batch_read(5, &[(0x10, 3), (0x20, 9)]);
+        let parsed = parse_batch_read(&read).unwrap();
+        assert_eq!(parsed.data_bytes, 12);
+        assert_eq!(
+            parsed.ranges().collect::<Vec<_>>(),
+            vec![(0x10, 3), (0x20, 9)]
+        );
+        for cut in 0..read.len() {
+            assert!(parse_batch_read(&read[..cut]).is_err(), "prefix {cut}");
+        }
+        let greedy = encode_batch_read(5, &[(0, u32::MAX)]);
+        assert!(parse_batch_read(&greedy).is_err());
+        let mut reply = encode_ack(5, BatchStatus::Written).to_vec();
+        reply.extend_from_slice(b"abc");
+        assert_eq!(parse_read_reply(&reply).unwrap(), (5, 0, &b"abc"[..]));
         let ack = encode_ack(77, BatchStatus::OutsideRegistered);
         assert_eq!(parse_ack(&ack).unwrap(), (77, 2));
         assert!(parse_ack(&ack[..15]).is_err());

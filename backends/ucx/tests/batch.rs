@@ -1,9 +1,10 @@
-//! Batched small WRITEs (`state/batch.rs`: small ranges packed into active messages)
+//! Batched small transfers (`state/batch.rs`: small ranges packed into active messages)
 //! between two backends in one process: byte-for-byte results of many random small
-//! ranges alone and mixed with large ones (with one batch message at a time, a small
-//! window, small messages), notifications only after the batched data, a message into
-//! memory the target no longer has registered refused whole without writing, and an
-//! unload with acks pending. Each under the default transports and `transports=tcp`.
+//! WRITE and READ ranges alone and mixed with large ones (with one batch message at a
+//! time, a small window, small messages), notifications only after the batched data, a
+//! message into memory the target no longer has registered refused whole without
+//! writing (or reading), and an unload with acks and replies pending. Each under the
+//! default transports and `transports=tcp`.
 
 // Reason: the tests call the backend's unsafe methods (through `common::TestCalls`).
 #![allow(unsafe_code)]
@@ -72,9 +73,13 @@ fn range(p: &Pair, local_off: usize, remote_off: usize, len: usize) -> Range {
 }
 
 fn post<'a>(tag: u64, ranges: &'a [Range], notif: Option<&'a [u8]>) -> Post<'a> {
+    post_op(tag, Op::Write, ranges, notif)
+}
+
+fn post_op<'a>(tag: u64, op: Op, ranges: &'a [Range], notif: Option<&'a [u8]>) -> Post<'a> {
     Post {
         tag,
-        op: Op::Write,
+        op,
         local_kind: MemKind::Dram,
         remote_kind: MemKind::Dram,
         ranges,
@@ -173,6 +178,21 @@ fn random_small_and_mixed_writes_land_byte_for_byte() {
                 let mut inbox = Inbox::default();
                 wait_notifs(&mut [&mut p.b, &mut p.a], 0, &mut inbox, 1, TIMEOUT);
                 assert_eq!(inbox.0, vec![("agent-a".to_string(), notif.to_vec())]);
+
+                // The same ranges read back from fresh target bytes.
+                rng.fill(&mut p.b_buf.0[512 << 10..]);
+                let posts = [
+                    post_op(round * 10 + 5, Op::Read, &ranges[..third], None),
+                    post_op(round * 10 + 6, Op::Read, &ranges[third..], None),
+                ];
+                for c in run(&mut p, &posts) {
+                    assert_eq!(c.result, Ok(()), "read request {} failed", c.tag);
+                }
+                assert!(
+                    p.a_buf.0[..written] == p.b_buf.0[512 << 10..(512 << 10) + written],
+                    "[{}] {extra:?} round {round}: read bytes differ",
+                    label(transports)
+                );
             }
             let counts = p.a.batch_counts();
             assert_eq!(counts.in_flight, 0, "{counts:?}");
@@ -277,6 +297,20 @@ fn a_message_into_memory_no_longer_registered_is_refused_whole_without_writing()
             "a refused message must write nothing"
         );
         assert_eq!(p.b.batch_counts().refused, 1);
+        // Reading it is refused as well, and writes nothing locally.
+        p.a_buf.0[..4096].fill(0);
+        let got = run(&mut p, &[post_op(9, Op::Read, &ranges, None)]);
+        let failure = got[0].result.expect_err("the target must refuse the read");
+        assert_eq!(
+            (failure.kind, failure.errno),
+            (FailureKind::Backend, libc::EFAULT)
+        );
+        assert!(
+            p.a_buf.0[..4096].iter().all(|&b| b == 0),
+            "refused read wrote"
+        );
+        assert_eq!(p.b.batch_counts().refused, 2);
+        p.a_buf.0[..4096].fill(0xab);
         // The same backend pair still works.
         for c in run(&mut p, &[post(8, &ranges[..1], None)]) {
             assert_eq!(c.result, Ok(()));
@@ -297,7 +331,12 @@ fn unloading_the_target_with_acks_pending_fails_each_request_once() {
             .map(|i| range(&p, i * 64, (i * 997 % 256) * 64, 64))
             .collect();
         let mut done = Completions::with_capacity(8);
-        let posts: Vec<Post<'_>> = (0..4).map(|t| post(t, &ranges, None)).collect();
+        let posts: Vec<Post<'_>> = (0..4)
+            .map(|t| {
+                let op = if t < 2 { Op::Write } else { Op::Read };
+                post_op(t, op, &ranges, None)
+            })
+            .collect();
         p.a.post_t(Endpoint::Peer(p.peer_b), &posts, &mut done)
             .unwrap();
         // The target never progressed: no ack can have come.

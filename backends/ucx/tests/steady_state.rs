@@ -1,6 +1,7 @@
-//! Steady state of batched small WRITEs (`state/batch.rs`): after warm-up, posting
-//! batched writes to a peer and progressing both backends allocate nothing (the batch
-//! message buffers, the ack buffers and queues are pooled), and the loop leaves no
+//! Steady state of batched small transfers (`state/batch.rs`): after warm-up, posting
+//! batched writes and reads to a peer and progressing both backends allocate nothing
+//! (the batch message buffers, the ack and reply buffers and queues are pooled), and
+//! the loop leaves no
 //! request slot or batch message behind. One test only in this binary, so the global
 //! allocation counter sees nothing but the backends and this loop. (UCX's own
 //! allocations go through libc, not the counted Rust allocator.)
@@ -55,6 +56,15 @@ fn batched_writes_allocate_nothing_once_warm() {
         let large: Vec<Range> = (0..4)
             .map(|i| range((64 << 10) + i * 8192, (64 << 10) + i * 8192, 8192))
             .collect();
+        let reads: Vec<Range> = (0..256)
+            .map(|i| {
+                range(
+                    (128 << 10) + i * 64,
+                    (128 << 10) + ((i * 31) % 256) * 64,
+                    64,
+                )
+            })
+            .collect();
         let mut done = Completions::with_capacity(4);
         let notif = b"n";
         let mut cycle = |a: &mut ferry_ucx::UcxBackend, b: &mut ferry_ucx::UcxBackend, i: u64| {
@@ -77,9 +87,18 @@ fn batched_writes_allocate_nothing_once_warm() {
                     notif: None,
                 },
             ];
+            let read = [Post {
+                tag: u64::MAX - i,
+                op: Op::Read,
+                local_kind: MemKind::Dram,
+                remote_kind: MemKind::Dram,
+                ranges: &reads,
+                notif: None,
+            }];
             a.post_t(Endpoint::Peer(peer), &posts, &mut done).unwrap();
             let deadline = Instant::now() + Duration::from_secs(30);
-            while done.len() < 2 {
+            a.post_t(Endpoint::Peer(peer), &read, &mut done).unwrap();
+            while done.len() < 3 {
                 a.progress(&mut done);
                 b.progress(&mut done);
                 assert!(Instant::now() < deadline, "cycle {i} timed out");
@@ -112,11 +131,15 @@ fn batched_writes_allocate_nothing_once_warm() {
         assert_eq!(a.in_flight(), 0, "leaked request slots");
         assert_eq!(a.batch_counts().in_flight, 0, "leaked batch messages");
         assert_eq!(b.batch_counts().allocated_acks, 0, "ack pool ran dry");
+        assert!(
+            b.batch_counts().allocated_replies <= 64,
+            "reply pool kept growing"
+        );
         for (i, &j) in order.iter().enumerate() {
             assert!(b_buf.0[j * 64..(j + 1) * 64] == a_buf.0[i * 64..(i + 1) * 64]);
         }
         eprintln!(
-            "[{transports}] {iterations} cycles of 512 × 64 B + 4 × 8 KiB in {:?}, 0 allocations",
+            "[{transports}] {iterations} cycles of 512 × 64 B + 4 × 8 KiB WRITE, 256 × 64 B READ in {:?}, 0 allocations",
             started.elapsed()
         );
     }

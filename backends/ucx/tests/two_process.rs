@@ -2,8 +2,8 @@
 //! the `FERRY_UCX_CHILD` variable) and the two exchange metadata over a TCP socket on
 //! 127.0.0.1. Covered: READ and WRITE of random sizes verified byte for byte, a
 //! notification that the target checks against its memory the moment it arrives, a
-//! shuffled 1024-range batch, scattered small WRITEs batched into active messages (and
-//! mixed with large ranges), and a target killed mid-transfer, batched writes with
+//! shuffled 1024-range batch, scattered small WRITEs and READs batched into active
+//! messages (and mixed with large ranges), and a target killed mid-transfer, batched writes with
 //! acks pending included (its requests fail with
 //! remote-disconnect within a bounded time; after a restart and reload, transfers work
 //! again). Runs under the default transports and `transports=tcp`.
@@ -311,6 +311,15 @@ fn scenario(transports: &str, error_handling: &str) {
         "[{label}] batched small writes differ at the target"
     );
     assert_eq!(ucx.batch_counts().in_flight, 0);
+    // The same ranges READ back (the target checked them above).
+    let mut written = vec![0u8; total];
+    pattern(11, &mut written);
+    local.0[..total].fill(0);
+    transfer(&mut ucx, peer, &[post(601, Op::Read, &ranges, None)]);
+    assert!(
+        local.0[..total] == written[..],
+        "[{label}] batched small reads differ"
+    );
 
     if error_handling == "none" {
         // Without peer error handling a dead peer is not detected: stop here.

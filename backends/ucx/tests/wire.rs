@@ -46,6 +46,18 @@ fn valid_seeds() -> Vec<(&'static str, Vec<u8>)> {
             ),
         ),
         (
+            "batch-read",
+            wire::encode_batch_read(11, &[(0x7f00_0000_1000, 64), (0x40, 4096)]),
+        ),
+        (
+            "batch-read-reply",
+            [
+                &wire::encode_ack(11, wire::BatchStatus::Written)[..],
+                &bytes(80)[..],
+            ]
+            .concat(),
+        ),
+        (
             "batch-ack",
             wire::encode_ack(42, wire::BatchStatus::OutsideRegistered).to_vec(),
         ),
@@ -117,7 +129,29 @@ fn parse_both(bytes: &[u8]) -> bool {
             false
         }
     };
-    conn || rkey || batch || ack
+    let read = match wire::parse_batch_read(bytes) {
+        Ok(read) => {
+            let ranges: Vec<(u64, u32)> = read.ranges().collect();
+            assert!(ranges.iter().all(|&(_, len)| len > 0));
+            assert!(read.data_bytes <= wire::BATCH_READ_DATA_MAX);
+            assert_eq!(
+                read.data_bytes,
+                ranges.iter().map(|&(_, l)| l as usize).sum::<usize>()
+            );
+            assert_eq!(
+                wire::encode_batch_read(read.cookie, &ranges),
+                bytes,
+                "read request round trip"
+            );
+            true
+        }
+        Err(why) => {
+            assert!(!why.to_string().is_empty());
+            false
+        }
+    };
+    let reply = wire::parse_read_reply(bytes).is_ok();
+    conn || rkey || batch || ack || read || reply
 }
 
 /// The committed seeds exist and still parse: a format change that makes them invalid

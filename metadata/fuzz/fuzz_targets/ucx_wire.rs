@@ -32,6 +32,15 @@ fn check_batch(bytes: &[u8]) {
         assert!(ranges.iter().all(|(_, d)| !d.is_empty()));
         assert_eq!(wire::encode_batch_write(batch.cookie, &ranges), bytes);
     }
+    if let Ok(read) = wire::parse_batch_read(bytes) {
+        let ranges: Vec<(u64, u32)> = read.ranges().collect();
+        assert!(ranges.iter().all(|&(_, len)| len > 0));
+        assert!(read.data_bytes <= wire::BATCH_READ_DATA_MAX);
+        assert_eq!(wire::encode_batch_read(read.cookie, &ranges), bytes);
+    }
+    if let Ok((_, _, data)) = wire::parse_read_reply(bytes) {
+        assert_eq!(data.len() + wire::BATCH_ACK_LEN_BYTES, bytes.len());
+    }
     if let Ok((cookie, status)) = wire::parse_ack(bytes) {
         if let Some(status) = wire::BatchStatus::from_wire(status) {
             assert_eq!(wire::encode_ack(cookie, status), bytes);

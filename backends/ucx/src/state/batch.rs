@@ -1,5 +1,5 @@
-//! Batched small WRITEs: the small ranges of one posted batch to one peer travel packed
-//! into active messages instead of one `ucp_put_nbx` each.
+//! Batched small transfers: the small ranges of one posted batch to one peer travel
+//! packed into active messages instead of one `ucp_put_nbx` / `ucp_get_nbx` each.
 //!
 //! # Why
 //!
@@ -30,6 +30,14 @@
 //!   ([`BatchEvents::refused`]); the initiator's request fails with
 //!   [`FailureKind::Backend`] and errno `EFAULT` (outside registered memory) or `EPROTO`
 //!   (malformed).
+//! - **READ** works the same way with a request message listing (target address,
+//!   length) and at most `am_batch_bytes` of data in all; the target checks every range
+//!   as above and replies with one message carrying the data (reply buffers are pooled,
+//!   [`REPLY_POOL_MAX`] kept for reuse). The initiator's reply handler scatters the
+//!   data into the local ranges the message was posted with, found by cookie in
+//!   `BatchEvents::reads` — under a lock that the core also takes to forget a message's
+//!   cookie before its request may complete (failure, unload), so a late reply never
+//!   writes into memory the caller may have reused. Then it queues the ack.
 //! - **Acks** arrive in a bounded queue ([`BatchEvents`]) that `Core::pump` drains. An
 //!   ack whose cookie (message index + generation) names no message waiting for one is
 //!   ignored and counted. When a peer's endpoint closes (unload, death, deadline), its
@@ -48,6 +56,8 @@ use crate::AmBatchMode;
 
 /// Ack buffers a target keeps for sends UCX has not completed yet.
 pub(super) const ACK_POOL_LEN: usize = 1024;
+/// READ reply buffers a target keeps for reuse (more may be in flight; those are freed).
+const REPLY_POOL_MAX: usize = 64;
 
 /// Memory registered (DRAM) with this backend, as the AM handler checks a peer's target
 /// ranges against it: a range must lie inside the union of registered regions.
@@ -141,10 +151,35 @@ pub(crate) struct BatchEvents {
     pub(crate) unsent_acks: AtomicU64,
     /// Acks whose buffer was allocated because the pool was empty.
     pub(crate) allocated_acks: AtomicU64,
+    /// READ replies whose buffer was allocated (none free in the pool).
+    pub(crate) allocated_replies: AtomicU64,
     ack_pool: Box<[AckBuf]>,
     free_acks: ArrayQueue<u32>,
+    /// Initiator: per batch message, where a READ reply's data goes.
+    reads: Mutex<Vec<ReadWait>>,
+    /// Target: READ reply buffers for reuse. Boxed on purpose: a box's address is what
+    /// travels through UCX as `user_data`, taken back without allocating.
+    #[allow(clippy::vec_box)]
+    replies: Mutex<Vec<Box<ReplyBuf>>>,
     am_send: AmSendFn,
     request_free: unsafe extern "C" fn(*mut c_void),
+}
+
+/// Where the data of a READ batch message's reply goes (initiator).
+#[derive(Default)]
+struct ReadWait {
+    /// The message's cookie while its reply is awaited.
+    cookie: Option<u64>,
+    /// Bytes the reply must carry.
+    data_bytes: usize,
+    /// (local address, length) per range, in request order.
+    locals: Vec<(u64, u32)>,
+}
+
+/// A READ reply's send buffer (the `user_data` of its send).
+struct ReplyBuf {
+    events: *const Events,
+    bytes: Vec<u8>,
 }
 
 impl BatchEvents {
@@ -162,6 +197,9 @@ impl BatchEvents {
             dropped_acks: AtomicU64::new(0),
             unsent_acks: AtomicU64::new(0),
             allocated_acks: AtomicU64::new(0),
+            allocated_replies: AtomicU64::new(0),
+            reads: Mutex::new((0..messages).map(|_| ReadWait::default()).collect()),
+            replies: Mutex::new(Vec::new()),
             ack_pool: (0..ACK_POOL_LEN as u32)
                 .map(|index| AckBuf {
                     events,
@@ -344,6 +382,199 @@ pub(super) unsafe extern "C" fn on_batch_ack(
     ucs_status_t::UCS_OK
 }
 
+unsafe extern "C" fn on_reply_sent(
+    request: *mut c_void,
+    status: ucs_status_t,
+    user_data: *mut c_void,
+) {
+    // SAFETY: user_data is the Box<ReplyBuf> given to this send, now done.
+    let buf = unsafe { Box::from_raw(user_data as *mut ReplyBuf) };
+    // SAFETY: `events` outlives every worker.
+    let events = unsafe { &*buf.events };
+    if status.is_err() {
+        events.batch.unsent_acks.fetch_add(1, Ordering::Relaxed);
+    }
+    events.batch.recycle_reply(buf);
+    // SAFETY: the request this callback completes; freeing it here is allowed.
+    unsafe { (events.batch.request_free)(request) };
+}
+
+impl BatchEvents {
+    fn recycle_reply(&self, buf: Box<ReplyBuf>) {
+        let mut pool = self.replies.lock().unwrap_or_else(|e| e.into_inner());
+        if pool.len() < REPLY_POOL_MAX {
+            pool.push(buf);
+        }
+    }
+
+    /// Answer a READ batch request on `ep` (a reply endpoint, valid during the handler).
+    fn send_read_reply(&self, events: *const Events, ep: ucp_ep_h, msg: &[u8]) {
+        let popped = self.replies.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let mut buf = popped.unwrap_or_else(|| {
+            self.allocated_replies.fetch_add(1, Ordering::Relaxed);
+            Box::new(ReplyBuf {
+                events,
+                bytes: Vec::new(),
+            })
+        });
+        buf.bytes.clear();
+        let mut cookie = [0u8; 8];
+        cookie.copy_from_slice(&msg[..8]);
+        let cookie = u64::from_le_bytes(cookie);
+        let status = match wire::parse_batch_read(msg) {
+            Err(_) => BatchStatus::Malformed,
+            Ok(read) => {
+                let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
+                if read
+                    .ranges()
+                    .all(|(addr, len)| regions.covers(addr, u64::from(len)))
+                {
+                    buf.bytes
+                        .reserve(wire::BATCH_ACK_LEN_BYTES + read.data_bytes);
+                    buf.bytes
+                        .extend_from_slice(&wire::encode_ack(cookie, BatchStatus::Written));
+                    for (addr, len) in read.ranges() {
+                        // SAFETY: inside memory registered with this backend (checked
+                        // above, registration excluded meanwhile as for writes); only
+                        // read. Registered memory is the caller's promise to keep valid
+                        // and to let peers read.
+                        let data =
+                            unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) };
+                        buf.bytes.extend_from_slice(data);
+                    }
+                    BatchStatus::Written
+                } else {
+                    BatchStatus::OutsideRegistered
+                }
+            }
+        };
+        if status != BatchStatus::Written {
+            self.refused.fetch_add(1, Ordering::Relaxed);
+            buf.bytes
+                .extend_from_slice(&wire::encode_ack(cookie, status));
+        }
+        let mut param = request_param();
+        param.op_attr_mask =
+            UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+        param.flags = UCP_AM_SEND_FLAG_EAGER;
+        param.cb.send = Some(on_reply_sent);
+        let (data, len) = (buf.bytes.as_ptr() as *const c_void, buf.bytes.len());
+        let raw = Box::into_raw(buf);
+        param.user_data = raw as *mut c_void;
+        // SAFETY: `ep` is the reply endpoint of the running handler; the buffer (a Box
+        // handed over as user_data) stays untouched until the send reports.
+        let request = unsafe {
+            (self.am_send)(
+                ep,
+                wire::BATCH_READ_REPLY_AM_ID,
+                ptr::null(),
+                0,
+                data,
+                len,
+                &param,
+            )
+        };
+        if !ucs_ptr_is_ptr(request) {
+            if ucs_ptr_is_err(request) {
+                self.unsent_acks.fetch_add(1, Ordering::Relaxed);
+            }
+            // SAFETY: UCX is done with the buffer; the Box is taken back once.
+            self.recycle_reply(unsafe { Box::from_raw(raw) });
+        }
+    }
+}
+
+/// Handler of [`wire::BATCH_READ_AM_ID`] (target side).
+pub(super) unsafe extern "C" fn on_batch_read(
+    arg: *mut c_void,
+    _header: *const c_void,
+    _header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const ucp_am_recv_param_t,
+) -> ucs_status_t {
+    let events_ptr = arg as *const Events;
+    // SAFETY: arg is the core's Arc<Events>, alive until the worker is destroyed.
+    let events = unsafe { &*events_ptr };
+    // SAFETY: UCX passes a valid param for the duration of the callback.
+    let (recv_attr, reply_ep) = unsafe { ((*param).recv_attr, (*param).reply_ep) };
+    let msg: &[u8] = if length == 0 || recv_attr & u64::from(UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 {
+        &[]
+    } else {
+        // SAFETY: eager data is readable during the callback.
+        unsafe { std::slice::from_raw_parts(data as *const u8, length) }
+    };
+    if msg.len() < 8 || recv_attr & u64::from(UCP_AM_RECV_ATTR_FIELD_REPLY_EP) == 0 {
+        events.batch.refused.fetch_add(1, Ordering::Relaxed);
+        events.batch.unsent_acks.fetch_add(1, Ordering::Relaxed);
+        return ucs_status_t::UCS_OK;
+    }
+    events.batch.send_read_reply(events_ptr, reply_ep, msg);
+    ucs_status_t::UCS_OK
+}
+
+/// Handler of [`wire::BATCH_READ_REPLY_AM_ID`] (initiator side): scatter the data into
+/// the local ranges the message was posted with, then queue its ack.
+pub(super) unsafe extern "C" fn on_batch_read_reply(
+    arg: *mut c_void,
+    _header: *const c_void,
+    _header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const ucp_am_recv_param_t,
+) -> ucs_status_t {
+    // SAFETY: arg is the core's Arc<Events>, alive until the worker is destroyed.
+    let events = unsafe { &*(arg as *const Events) };
+    // SAFETY: UCX passes a valid param for the duration of the callback.
+    let recv_attr = unsafe { (*param).recv_attr };
+    let bytes: &[u8] = if length == 0 || recv_attr & u64::from(UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 {
+        &[]
+    } else {
+        // SAFETY: eager data is readable during the callback.
+        unsafe { std::slice::from_raw_parts(data as *const u8, length) }
+    };
+    let batch = &events.batch;
+    let Ok((cookie, mut status, payload)) = wire::parse_read_reply(bytes) else {
+        batch.dropped_acks.fetch_add(1, Ordering::Relaxed);
+        return ucs_status_t::UCS_OK;
+    };
+    {
+        let mut reads = batch.reads.lock().unwrap_or_else(|e| e.into_inner());
+        let index = (cookie & u64::from(u32::MAX)) as usize;
+        let Some(wait) = reads.get_mut(index).filter(|w| w.cookie == Some(cookie)) else {
+            drop(reads);
+            batch.dropped_acks.fetch_add(1, Ordering::Relaxed);
+            return ucs_status_t::UCS_OK;
+        };
+        wait.cookie = None;
+        if status == BatchStatus::Written as u32 {
+            if payload.len() == wait.data_bytes {
+                let mut at = 0usize;
+                for &(addr, len) in &wait.locals {
+                    let len = len as usize;
+                    // SAFETY: the local ranges were validated inside registered regions
+                    // at post, and stay valid until the request completes, which waits
+                    // for this reply (or forgets the cookie, under this lock, first).
+                    unsafe {
+                        ptr::copy_nonoverlapping(
+                            payload[at..at + len].as_ptr(),
+                            addr as *mut u8,
+                            len,
+                        )
+                    };
+                    at += len;
+                }
+            } else {
+                status = BatchStatus::Malformed as u32;
+            }
+        }
+    }
+    if batch.acks_in.push((cookie, status)).is_err() {
+        batch.dropped_acks.fetch_add(1, Ordering::Relaxed);
+    }
+    ucs_status_t::UCS_OK
+}
+
 /// Whether an endpoint whose lanes are `summary` (see `summarize_lanes`) should batch
 /// small WRITEs under `am_batch=auto`: when no lane is an RDMA or GPU transport, i.e.
 /// UCX would emulate small RMA with active messages (shared memory: posix, sysv, cma,
@@ -362,6 +593,11 @@ pub(crate) fn am_batch_suits(summary: &str) -> bool {
 
 /// One batch message of the initiator.
 pub(super) struct AmMsg {
+    op: ferry_backend_api::Op,
+    /// READ: (local address, length) per range (moved to `BatchEvents::reads` at send).
+    locals: Vec<(u64, u32)>,
+    /// READ: data the reply will carry.
+    data_bytes: usize,
     generation: u32,
     in_use: bool,
     /// Its send is with UCX (the buffer may not be touched).
@@ -401,6 +637,9 @@ impl AmBatch {
         AmBatch {
             msgs: (0..count)
                 .map(|_| AmMsg {
+                    op: ferry_backend_api::Op::Write,
+                    locals: Vec::new(),
+                    data_bytes: 0,
                     generation: 0,
                     in_use: false,
                     sending: false,
@@ -444,10 +683,13 @@ impl AmBatch {
 }
 
 impl Core {
-    /// Copy the range into the open message of batch `head` (starting one if needed).
-    /// False if no message is free (the caller then puts the range).
+    /// Add the range to the open message of batch `head` (starting one if needed): a
+    /// WRITE's data is copied in, a READ's local range kept for the reply. False if no
+    /// message is free (the caller then puts or gets the range).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn am_pack(
         &mut self,
+        op: ferry_backend_api::Op,
         head: u32,
         slot: u32,
         ep: ucp_ep_h,
@@ -455,10 +697,17 @@ impl Core {
         remote_addr: u64,
         len: u64,
     ) -> bool {
-        let need = wire::BATCH_ENTRY_LEN_BYTES + len as usize;
+        let write = op == ferry_backend_api::Op::Write;
         if self.am.open != NONE {
             let msg = &self.am.msgs[self.am.open as usize];
-            if msg.head != head || msg.ep != ep || msg.buf.len() + need > self.am.msg_bytes {
+            let fits = if write {
+                msg.buf.len() + wire::BATCH_ENTRY_LEN_BYTES + len as usize <= self.am.msg_bytes
+            } else {
+                msg.buf.len() + wire::BATCH_ENTRY_LEN_BYTES <= self.am.msg_bytes
+                    && wire::BATCH_ACK_LEN_BYTES + msg.data_bytes + len as usize
+                        <= self.am.msg_bytes
+            };
+            if msg.head != head || msg.ep != ep || msg.op != op || !fits {
                 self.am_send_open();
             }
         }
@@ -474,6 +723,9 @@ impl Core {
             msg.buf.clear();
             msg.buf
                 .extend_from_slice(&[0u8; wire::BATCH_HEADER_LEN_BYTES]);
+            msg.op = op;
+            msg.locals.clear();
+            msg.data_bytes = 0;
             msg.in_use = true;
             msg.sending = false;
             msg.acked = false;
@@ -487,10 +739,15 @@ impl Core {
         let msg = &mut self.am.msgs[self.am.open as usize];
         msg.buf
             .extend_from_slice(&wire::batch_entry(remote_addr, len as u32));
-        // SAFETY: the local range lies inside a registered region (validated at post) and
-        // stays valid until the request completes (backend contract); it is only read.
-        let data = unsafe { std::slice::from_raw_parts(local_addr as *const u8, len as usize) };
-        msg.buf.extend_from_slice(data);
+        if write {
+            // SAFETY: the local range lies inside a registered region (validated at post)
+            // and stays valid until the request completes (backend contract); only read.
+            let data = unsafe { std::slice::from_raw_parts(local_addr as *const u8, len as usize) };
+            msg.buf.extend_from_slice(data);
+        } else {
+            msg.locals.push((local_addr, len as u32));
+            msg.data_bytes += len as usize;
+        }
         msg.count += 1;
         msg.last = slot;
         true
@@ -508,6 +765,22 @@ impl Core {
         msg.buf[..wire::BATCH_HEADER_LEN_BYTES]
             .copy_from_slice(&wire::batch_header(cookie, msg.count));
         msg.sending = true;
+        let am_id = if msg.op == ferry_backend_api::Op::Write {
+            wire::BATCH_WRITE_AM_ID
+        } else {
+            // Where the reply's data goes, for its handler (swapped: no allocation).
+            let mut reads = self
+                .events
+                .batch
+                .reads
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            let wait = &mut reads[m as usize];
+            wait.cookie = Some(cookie);
+            wait.data_bytes = msg.data_bytes;
+            std::mem::swap(&mut wait.locals, &mut msg.locals);
+            wire::BATCH_READ_AM_ID
+        };
         let mut param = request_param();
         param.op_attr_mask =
             UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
@@ -520,7 +793,7 @@ impl Core {
         let request = unsafe {
             self.ucp.api().ucp_am_send_nbx(
                 msg.ep,
-                wire::BATCH_WRITE_AM_ID,
+                am_id,
                 ptr::null(),
                 0,
                 msg.buf.as_ptr() as *const c_void,
@@ -610,6 +883,20 @@ impl Core {
     fn am_acked(&mut self, m: u32) {
         let msg = &mut self.am.msgs[m as usize];
         msg.acked = true;
+        if msg.op == ferry_backend_api::Op::Read {
+            // A reply that comes after this must not scatter: the request may complete.
+            let cookie = (u64::from(msg.generation) << 32) | u64::from(m);
+            let mut reads = self
+                .events
+                .batch
+                .reads
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            if reads[m as usize].cookie == Some(cookie) {
+                reads[m as usize].cookie = None;
+            }
+        }
+        let msg = &mut self.am.msgs[m as usize];
         let head = msg.head;
         let sending = msg.sending;
         if !sending {

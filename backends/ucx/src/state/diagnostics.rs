@@ -86,6 +86,7 @@ impl Core {
             stale_acks: self.am.stale_acks,
             unsent_acks: b.unsent_acks.load(Ordering::Relaxed),
             allocated_acks: b.allocated_acks.load(Ordering::Relaxed),
+            allocated_replies: b.allocated_replies.load(Ordering::Relaxed),
             in_flight: self.am.in_flight(),
         }
     }

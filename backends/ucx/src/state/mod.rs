@@ -58,7 +58,9 @@ use ferry_ucx_sys::*;
 
 use crate::{Config, ErrorMode, BACKEND};
 
-use batch::{on_batch_ack, on_batch_write, AmBatch, BatchEvents};
+use batch::{
+    on_batch_ack, on_batch_read, on_batch_read_reply, on_batch_write, AmBatch, BatchEvents,
+};
 pub(crate) use callbacks::Events;
 use callbacks::{on_ep_error, on_notif, on_op_done, CompletionQueue, OpCell, PeerLink};
 use config::{may_use_shared_memory, rndv_thresh_override, zcopy_thresh_override};
@@ -371,6 +373,8 @@ impl Core {
             (NOTIF_AM_ID, on_notif as AmRecvFn),
             (crate::wire::BATCH_WRITE_AM_ID, on_batch_write),
             (crate::wire::BATCH_ACK_AM_ID, on_batch_ack),
+            (crate::wire::BATCH_READ_AM_ID, on_batch_read),
+            (crate::wire::BATCH_READ_REPLY_AM_ID, on_batch_read_reply),
         ];
         for (id, cb) in handlers {
             am.id = id;

@@ -132,10 +132,8 @@ impl Core {
         let mut deferred = 0u32;
         let batching = peer.is_some_and(|p| self.peers.get(&p).is_some_and(|s| s.am_batch));
         for post in batch {
-            let batch_post = batching
-                && post.op == ferry_backend_api::Op::Write
-                && post.local_kind == MemKind::Dram
-                && post.remote_kind == MemKind::Dram;
+            let batch_post =
+                batching && post.local_kind == MemKind::Dram && post.remote_kind == MemKind::Dram;
             let slot_index = self.free_slots.pop().expect("checked capacity");
             if head == NONE {
                 head = slot_index;
@@ -187,6 +185,7 @@ impl Core {
                         continue;
                     }
                     if self.am_pack(
+                        post.op,
                         head,
                         slot_index,
                         ep,
@@ -326,6 +325,7 @@ impl Core {
             if !done
                 && piece.am
                 && self.am_pack(
+                    piece.op,
                     head,
                     piece.slot,
                     piece.ep,
