@@ -196,8 +196,10 @@ pub const PARAMS: &[ParamSpec] = &[
     },
     ParamSpec {
         name: "am_batch_bytes",
-        default: "32768",
-        doc: "largest batch message (header, range entries and data), 1024..=1048576",
+        default: "16384",
+        doc: "largest batch message (header, range entries and data; for a READ also the \
+              data of its reply), 1024..=65536 (larger messages measured far slower on shared \
+              memory)",
     },
     ParamSpec {
         name: "am_batch_messages",
@@ -458,8 +460,8 @@ impl Config {
         let am_batch_bytes: usize = get("am_batch_bytes")
             .parse()
             .ok()
-            .filter(|n| (1024..=1 << 20).contains(n))
-            .ok_or_else(|| bad("am_batch_bytes", "expected 1024..=1048576"))?;
+            .filter(|n| (1024..=1 << 16).contains(n))
+            .ok_or_else(|| bad("am_batch_bytes", "expected 1024..=65536"))?;
         let range_max = am_batch_bytes - wire::BATCH_HEADER_LEN_BYTES - wire::BATCH_ENTRY_LEN_BYTES;
         let am_batch_range_bytes: u64 = get("am_batch_range_bytes")
             .parse()
@@ -878,6 +880,7 @@ mod tests {
             ("am_batch", "sometimes"),
             ("am_batch_bytes", "100"),
             ("am_batch_range_bytes", "40000"),
+            ("am_batch_bytes", "131072"),
             ("am_batch_messages", "0"),
         ] {
             let mut params = defaults.clone();
