@@ -960,6 +960,50 @@ mod tests {
     }
 
     #[test]
+    fn a_forged_message_writes_nothing_unless_every_range_is_registered() {
+        let mut target = vec![0u8; 4096];
+        let base = target.as_mut_ptr() as u64;
+        let mut regions = RegionIndex::new();
+        regions.add(base, 4096);
+        let good = wire::encode_batch_write(1, &[(base + 10, b"abc"), (base + 4093, b"xyz")]);
+        assert_eq!(apply_batch_write(&mut regions, &good), BatchStatus::Written);
+        assert_eq!(&target[10..13], b"abc");
+        assert_eq!(&target[4093..], b"xyz");
+        // One range a byte past the registered end: the whole message is refused.
+        let past = wire::encode_batch_write(2, &[(base, b"123"), (base + 4094, b"xyz")]);
+        assert_eq!(
+            apply_batch_write(&mut regions, &past),
+            BatchStatus::OutsideRegistered
+        );
+        assert_eq!(
+            &target[..3],
+            &[0, 0, 0],
+            "nothing of a refused message is written"
+        );
+        // Malformed: truncated, inflated length, trailing bytes.
+        let mut bad = wire::encode_batch_write(3, &[(base, b"123")]);
+        for cut in 0..bad.len() {
+            assert_eq!(
+                apply_batch_write(&mut regions, &bad[..cut]),
+                BatchStatus::Malformed
+            );
+        }
+        bad[16 + 8] = 200;
+        assert_eq!(
+            apply_batch_write(&mut regions, &bad),
+            BatchStatus::Malformed
+        );
+        assert_eq!(&target[..3], &[0, 0, 0]);
+        // Deregistered: refused.
+        regions.remove(base, 4096);
+        assert_eq!(
+            apply_batch_write(&mut regions, &good),
+            BatchStatus::OutsideRegistered
+        );
+        drop(target);
+    }
+
+    #[test]
     fn batching_suits_emulated_transports_only() {
         assert!(am_batch_suits(
             "posix/memory [am am_bw#0], cma/memory [rma_bw#0]"
