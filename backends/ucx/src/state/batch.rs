@@ -591,6 +591,20 @@ pub(crate) fn am_batch_suits(summary: &str) -> bool {
     })
 }
 
+/// `am_batch_bytes=auto`: [`crate::AM_BATCH_BYTES_TCP`] when the lane that carries
+/// active messages (role `am`) is tcp, else [`crate::AM_BATCH_BYTES_SHM`].
+pub(crate) fn am_batch_bytes_for(summary: &str) -> usize {
+    let am_over_tcp = summary.split(", ").any(|lane| {
+        let (transport, roles) = lane.split_once(" [").unwrap_or((lane, ""));
+        transport.starts_with("tcp") && roles.trim_end_matches(']').split(' ').any(|r| r == "am")
+    });
+    if am_over_tcp {
+        crate::AM_BATCH_BYTES_TCP
+    } else {
+        crate::AM_BATCH_BYTES_SHM
+    }
+}
+
 /// One batch message of the initiator.
 pub(super) struct AmMsg {
     op: ferry_backend_api::Op,
@@ -623,7 +637,8 @@ pub(super) struct AmBatch {
     open: u32,
     /// Largest range that is batched (0: batching off).
     pub(super) range_max: u64,
-    msg_bytes: usize,
+    /// `am_batch_bytes` (`None`: per endpoint, see [`am_batch_bytes_for`]).
+    msg_bytes: Option<usize>,
     mode: AmBatchMode,
     /// Index in `Core::cells` of message 0's send cell.
     cell_base: u32,
@@ -666,14 +681,21 @@ impl AmBatch {
         }
     }
 
-    /// Whether batching is used on an endpoint whose lanes are `summary`.
-    pub(super) fn suits(&self, summary: &str) -> bool {
-        self.range_max > 0
+    /// The batch message size on an endpoint whose lanes are `summary`; 0 = batching
+    /// is not used there.
+    pub(super) fn suits(&self, summary: &str) -> usize {
+        let on = self.range_max > 0
             && match self.mode {
                 AmBatchMode::Off => false,
                 AmBatchMode::On => true,
                 AmBatchMode::Auto => am_batch_suits(summary),
-            }
+            };
+        if on {
+            self.msg_bytes
+                .unwrap_or_else(|| am_batch_bytes_for(summary))
+        } else {
+            0
+        }
     }
 
     /// Messages in flight (sent or open, not yet acked and reported).
@@ -696,16 +718,16 @@ impl Core {
         local_addr: u64,
         remote_addr: u64,
         len: u64,
+        msg_bytes: usize,
     ) -> bool {
         let write = op == ferry_backend_api::Op::Write;
         if self.am.open != NONE {
             let msg = &self.am.msgs[self.am.open as usize];
             let fits = if write {
-                msg.buf.len() + wire::BATCH_ENTRY_LEN_BYTES + len as usize <= self.am.msg_bytes
+                msg.buf.len() + wire::BATCH_ENTRY_LEN_BYTES + len as usize <= msg_bytes
             } else {
-                msg.buf.len() + wire::BATCH_ENTRY_LEN_BYTES <= self.am.msg_bytes
-                    && wire::BATCH_ACK_LEN_BYTES + msg.data_bytes + len as usize
-                        <= self.am.msg_bytes
+                msg.buf.len() + wire::BATCH_ENTRY_LEN_BYTES <= msg_bytes
+                    && wire::BATCH_ACK_LEN_BYTES + msg.data_bytes + len as usize <= msg_bytes
             };
             if msg.head != head || msg.ep != ep || msg.op != op || !fits {
                 self.am_send_open();
@@ -715,7 +737,6 @@ impl Core {
             let Some(m) = self.am.free.pop() else {
                 return false;
             };
-            let msg_bytes = self.am.msg_bytes;
             let msg = &mut self.am.msgs[m as usize];
             if msg.buf.capacity() < msg_bytes {
                 msg.buf = Vec::with_capacity(msg_bytes);
@@ -1014,5 +1035,17 @@ mod tests {
         ));
         assert!(!am_batch_suits("cuda_ipc/cuda [rma_bw#0]"));
         assert!(!am_batch_suits("unknown transports"));
+        assert_eq!(
+            am_batch_bytes_for("tcp/lo [am keepalive], cma/memory [rma_bw#0]"),
+            crate::AM_BATCH_BYTES_TCP
+        );
+        assert_eq!(
+            am_batch_bytes_for("sysv/memory [am am_bw#0], posix/memory [], cma/memory [rma_bw#0]"),
+            crate::AM_BATCH_BYTES_SHM
+        );
+        assert_eq!(
+            am_batch_bytes_for("posix/memory [am], tcp/lo [am_bw#0]"),
+            crate::AM_BATCH_BYTES_SHM
+        );
     }
 }

@@ -96,7 +96,7 @@ impl Core {
         self.peers
             .get(&peer)
             .filter(|s| !s.ep.is_null())
-            .map(|s| s.am_batch)
+            .map(|s| s.am_msg_bytes > 0)
     }
 
     /// Number of requests in flight.

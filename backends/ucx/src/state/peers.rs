@@ -41,8 +41,9 @@ pub(super) struct PeerState {
     pub(super) transports: String,
     /// The endpoint's progress deadline (`deadline.rs`).
     pub(super) watch: Watch,
-    /// Whether small WRITEs to it are batched (`batch.rs`), decided per endpoint.
-    pub(super) am_batch: bool,
+    /// Batch message size on its endpoint (`batch.rs`), decided per endpoint; 0 = small
+    /// ranges are not batched.
+    pub(super) am_msg_bytes: usize,
 }
 
 impl Core {
@@ -88,7 +89,7 @@ impl Core {
                 down: None,
                 transports: String::new(),
                 watch: Watch::default(),
-                am_batch: false,
+                am_msg_bytes: 0,
             },
         );
         Ok(())
@@ -288,18 +289,18 @@ impl Core {
         });
         let ep = self.create_ep(worker, &state.remote_address, Some(&link))?;
         let transports = self.ep_transports(ep);
-        let am_batch = self.am.suits(&transports);
+        let am_msg_bytes = self.am.suits(&transports);
         let state = self.peers.get_mut(&peer).expect("present");
         state.link = Some(link);
-        state.am_batch = am_batch;
+        state.am_msg_bytes = am_msg_bytes;
         log::info!(
-            "UCX {}: endpoint to '{}' on worker {worker} uses {transports}; small writes {}",
+            "UCX {}: endpoint to '{}' on worker {worker} uses {transports}; small ranges {}",
             self.ucp.version(),
             state.name,
-            if am_batch {
-                "batched"
+            if am_msg_bytes > 0 {
+                format!("batched in messages of up to {am_msg_bytes} bytes")
             } else {
-                "put one by one"
+                "put/get one by one".to_string()
             }
         );
         state.ep = ep;

@@ -34,6 +34,10 @@ pub(super) struct Slot {
     pub(super) flushed: Option<ucs_status_t>,
 }
 
+/// Bytes a batch message needs besides one range's data (header and entry).
+const AM_RANGE_OVERHEAD_BYTES: usize =
+    crate::wire::BATCH_HEADER_LEN_BYTES + crate::wire::BATCH_ENTRY_LEN_BYTES;
+
 /// (The rest of) a range of a posted batch that the window kept from UCX so far.
 #[derive(Clone, Copy)]
 pub(super) struct Deferred {
@@ -51,8 +55,9 @@ pub(super) struct Deferred {
     pub(super) local_addr: u64,
     pub(super) remote_addr: u64,
     pub(super) len: u64,
-    /// A small WRITE range to pack into a batch message (`batch.rs`), never split.
-    pub(super) am: bool,
+    /// For a small range to pack into a batch message (`batch.rs`, never split): the
+    /// endpoint's message size; 0 = a put/get.
+    pub(super) am_bytes: u32,
 }
 
 impl Core {
@@ -130,10 +135,13 @@ impl Core {
         // What this post may hand to UCX; the rest waits in `deferred` for `pump`.
         let mut budget = self.window_bytes;
         let mut deferred = 0u32;
-        let batching = peer.is_some_and(|p| self.peers.get(&p).is_some_and(|s| s.am_batch));
+        let am_bytes = peer
+            .and_then(|p| self.peers.get(&p))
+            .map_or(0, |s| s.am_msg_bytes);
         for post in batch {
-            let batch_post =
-                batching && post.local_kind == MemKind::Dram && post.remote_kind == MemKind::Dram;
+            let batch_post = am_bytes > 0
+                && post.local_kind == MemKind::Dram
+                && post.remote_kind == MemKind::Dram;
             let slot_index = self.free_slots.pop().expect("checked capacity");
             if head == NONE {
                 head = slot_index;
@@ -176,9 +184,16 @@ impl Core {
                     local_addr: range.local_addr,
                     remote_addr: range.remote_addr,
                     len: range.len,
-                    am: batch_post && range.len <= self.am.range_max,
+                    am_bytes: if batch_post
+                        && range.len <= self.am.range_max
+                        && range.len as usize + AM_RANGE_OVERHEAD_BYTES <= am_bytes
+                    {
+                        am_bytes as u32
+                    } else {
+                        0
+                    },
                 };
-                if piece.am {
+                if piece.am_bytes > 0 {
                     if budget == 0 {
                         self.deferred.push_back(piece);
                         deferred += 1;
@@ -192,6 +207,7 @@ impl Core {
                         range.local_addr,
                         range.remote_addr,
                         range.len,
+                        am_bytes,
                     ) {
                         budget = budget.saturating_sub(range.len);
                         continue;
@@ -323,7 +339,7 @@ impl Core {
             let (head, slot) = (piece.head, piece.slot as usize);
             let mut done = self.slots[slot].failure.is_some();
             if !done
-                && piece.am
+                && piece.am_bytes > 0
                 && self.am_pack(
                     piece.op,
                     head,
@@ -332,6 +348,7 @@ impl Core {
                     piece.local_addr,
                     piece.remote_addr,
                     piece.len,
+                    piece.am_bytes as usize,
                 )
             {
                 budget = budget.saturating_sub(piece.len);
