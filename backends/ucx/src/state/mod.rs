@@ -25,7 +25,12 @@
 //! unloaded meanwhile (the force close cancels the request and UCX reports it): every
 //! post yields exactly one completion, after UCX is done with its buffers.
 //!
-//! Split by concern: [`callbacks`] (what UCX calls, and the bounded queue it feeds),
+//! Small ranges to a peer whose transports emulate RMA with active messages travel in
+//! Ferry's own batch messages ([`batch`]); a batch then also waits for their acks
+//! (`Slot::acks`) before the notification step.
+//!
+//! Split by concern: [`batch`] (batched small transfers), [`callbacks`] (what UCX calls,
+//! and the bounded queue it feeds),
 //! [`config`] (UCX configuration and tuning), [`memory`] (registration), [`peers`]
 //! (endpoints, rkeys, closing), [`requests`] (posting, completion, progress),
 //! [`notifications`] (the inbox, sending), [`diagnostics`] (transport summaries, counts).
