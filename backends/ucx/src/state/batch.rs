@@ -5,7 +5,9 @@
 //!
 //! On shared memory and TCP, UCX carries a small put as an active message of its own
 //! (software emulation, ~80–100 ns and one message per range). Packing many ranges into
-//! one message of at most `am_batch_bytes` costs a memcpy at each end and one message.
+//! one message of at most `am_batch_bytes` (by default 16 KiB where the active messages
+//! go over shared memory, 64 KiB over tcp: [`am_batch_bytes_for`]) costs a memcpy at
+//! each end and one message.
 //! On RDMA transports a put needs no target CPU, so there batching is off (see
 //! [`am_batch_suits`]).
 //!
@@ -44,9 +46,15 @@
 //!   messages still waiting for an ack fail their requests (remote-disconnect) once,
 //!   and a message's buffer returns to the pool only after UCX reported its send.
 //!
+//! - **Lost acks**: a target that cannot answer (no reply endpoint, a failed ack send —
+//!   counted in `unsent_acks`) or a peer whose build has no handler for these ids (UCX
+//!   drops the message) leaves the request waiting; `peer_timeout_ms` then ends it with
+//!   remote-disconnect like any peer that stopped making progress.
+//!
 //! Bounds: messages in flight (`am_batch_messages`), the ack queue (as many), the
 //! target's ack buffers ([`ACK_POOL_LEN`]; beyond, an ack's 16-byte buffer is allocated
-//! and counted rather than lost).
+//! and counted rather than lost), a READ reply (at most
+//! [`wire::BATCH_READ_DATA_MAX`] whatever a peer asks).
 
 use std::cell::UnsafeCell;
 
