@@ -48,8 +48,10 @@
 //!
 //! - **Lost acks**: a target that cannot answer (no reply endpoint, a failed ack send —
 //!   counted in `unsent_acks`) or a peer whose build has no handler for these ids (UCX
-//!   drops the message) leaves the request waiting; `peer_timeout_ms` then ends it with
-//!   remote-disconnect like any peer that stopped making progress.
+//!   drops the message) leaves the request waiting until its endpoint closes (unload,
+//!   failure) or, if nothing else completes on the endpoint, `peer_timeout_ms` ends it
+//!   with remote-disconnect. (UCX always hands a reply endpoint when the sender asks
+//!   for one, as ours do; an ack send fails when the link does.)
 //!
 //! Bounds: messages in flight (`am_batch_messages`), the ack queue (as many), the
 //! target's ack buffers ([`ACK_POOL_LEN`]; beyond, an ack's 16-byte buffer is allocated
