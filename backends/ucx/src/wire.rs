@@ -213,3 +213,394 @@ mod rkey_tests {
         assert!(unframe_rkey(&flipped).is_err());
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Batched small transfers (active messages between two Ferry UCX backends).
+//
+// A WRITE batch message (AM id [`BATCH_WRITE_AM_ID`], so the id is the format version):
+// a 16-byte header — `u64` cookie (the initiator's name for the message, echoed in the
+// ack), `u32` range count (≥ 1), `u32` reserved (0) — then per range a 12-byte entry —
+// `u64` target address, `u32` length (≥ 1) — followed at once by that many data bytes.
+// The ack (AM id [`BATCH_ACK_AM_ID`]): `u64` cookie, `u32` status ([`BatchStatus`]),
+// `u32` reserved (0).
+//
+// A READ batch request (AM id [`BATCH_READ_AM_ID`]): the same 16-byte header, then per
+// range only its 12-byte entry (target address, length). The reply (AM id
+// [`BATCH_READ_REPLY_AM_ID`]): an ack's 16 bytes, then — status written — the ranges'
+// data in request order. Everything little-endian; every length is checked against the
+// message before use.
+
+/// Active-message id of a WRITE batch message (format 1).
+pub const BATCH_WRITE_AM_ID: u32 = 0x4653;
+/// Active-message id of the target's acknowledgement of a batch message (format 1).
+pub const BATCH_ACK_AM_ID: u32 = 0x4654;
+/// Active-message id of a READ batch request (format 1).
+pub const BATCH_READ_AM_ID: u32 = 0x4655;
+/// Active-message id of the target's reply to a READ batch request (format 1).
+pub const BATCH_READ_REPLY_AM_ID: u32 = 0x4656;
+/// Largest data a READ batch request may ask for in one reply.
+pub const BATCH_READ_DATA_MAX: usize = 1 << 20;
+/// Bytes of a batch message's header.
+pub const BATCH_HEADER_LEN_BYTES: usize = 16;
+/// Bytes of one range entry (before its data).
+pub const BATCH_ENTRY_LEN_BYTES: usize = 12;
+/// Bytes of an ack.
+pub const BATCH_ACK_LEN_BYTES: usize = 16;
+
+/// Why a batch message or ack is refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BatchWireError {
+    /// Shorter than its header.
+    Truncated,
+    /// A reserved field is not zero.
+    Reserved,
+    /// A count of zero ranges.
+    Empty,
+    /// Range entry `index` (or its data) runs past the end of the message.
+    RangeTruncated {
+        /// Index of the range.
+        index: u32,
+    },
+    /// Range `index` has length zero.
+    ZeroLength {
+        /// Index of the range.
+        index: u32,
+    },
+    /// Bytes left after the last range, or an ack of the wrong length.
+    Trailing {
+        /// How many.
+        bytes: usize,
+    },
+}
+
+impl std::fmt::Display for BatchWireError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BatchWireError::Truncated => f.write_str("batch message shorter than its header"),
+            BatchWireError::Reserved => f.write_str("batch message reserved field not zero"),
+            BatchWireError::Empty => f.write_str("batch message with no range"),
+            BatchWireError::RangeTruncated { index } => {
+                write!(f, "batch range #{index} runs past the end of the message")
+            }
+            BatchWireError::ZeroLength { index } => write!(f, "batch range #{index} is empty"),
+            BatchWireError::Trailing { bytes } => {
+                write!(f, "{bytes} trailing bytes after the batch message")
+            }
+        }
+    }
+}
+
+impl std::error::Error for BatchWireError {}
+
+/// The outcome a target reports in an ack.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BatchStatus {
+    /// Every range was written.
+    Written = 0,
+    /// The message did not parse ([`BatchWireError`]); nothing was written.
+    Malformed = 1,
+    /// A range is not inside memory registered with the target's UCX backend; nothing
+    /// was written.
+    OutsideRegistered = 2,
+}
+
+impl BatchStatus {
+    /// The status for a wire value (an unknown value is `None`).
+    pub fn from_wire(value: u32) -> Option<BatchStatus> {
+        match value {
+            0 => Some(BatchStatus::Written),
+            1 => Some(BatchStatus::Malformed),
+            2 => Some(BatchStatus::OutsideRegistered),
+            _ => None,
+        }
+    }
+}
+
+fn le_u32(bytes: &[u8]) -> u32 {
+    u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]])
+}
+
+fn le_u64(bytes: &[u8]) -> u64 {
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&bytes[..8]);
+    u64::from_le_bytes(b)
+}
+
+/// The header of a batch message with `count` ranges.
+pub fn batch_header(cookie: u64, count: u32) -> [u8; BATCH_HEADER_LEN_BYTES] {
+    let mut h = [0u8; BATCH_HEADER_LEN_BYTES];
+    h[..8].copy_from_slice(&cookie.to_le_bytes());
+    h[8..12].copy_from_slice(&count.to_le_bytes());
+    h
+}
+
+/// The entry that precedes `len` data bytes for target address `addr`.
+pub fn batch_entry(addr: u64, len: u32) -> [u8; BATCH_ENTRY_LEN_BYTES] {
+    let mut e = [0u8; BATCH_ENTRY_LEN_BYTES];
+    e[..8].copy_from_slice(&addr.to_le_bytes());
+    e[8..].copy_from_slice(&len.to_le_bytes());
+    e
+}
+
+/// A whole WRITE batch message of `(target address, data)` ranges (tests, tools; the
+/// backend packs into its pooled buffers with [`batch_header`] and [`batch_entry`]).
+pub fn encode_batch_write(cookie: u64, ranges: &[(u64, &[u8])]) -> Vec<u8> {
+    let body: usize = ranges
+        .iter()
+        .map(|(_, d)| BATCH_ENTRY_LEN_BYTES + d.len())
+        .sum();
+    let mut out = Vec::with_capacity(BATCH_HEADER_LEN_BYTES + body);
+    out.extend_from_slice(&batch_header(cookie, ranges.len() as u32));
+    for (addr, data) in ranges {
+        out.extend_from_slice(&batch_entry(*addr, data.len() as u32));
+        out.extend_from_slice(data);
+    }
+    out
+}
+
+/// A parsed WRITE batch message: every entry was checked against the message length.
+#[derive(Clone, Copy, Debug)]
+pub struct BatchWrite<'a> {
+    /// The initiator's cookie.
+    pub cookie: u64,
+    /// Number of ranges.
+    pub count: u32,
+    body: &'a [u8],
+}
+
+impl<'a> BatchWrite<'a> {
+    /// The ranges as (target address, data).
+    pub fn ranges(&self) -> BatchRanges<'a> {
+        BatchRanges {
+            rest: self.body,
+            left: self.count,
+        }
+    }
+}
+
+/// Iterator over the ranges of a parsed [`BatchWrite`].
+#[derive(Clone, Debug)]
+pub struct BatchRanges<'a> {
+    rest: &'a [u8],
+    left: u32,
+}
+
+impl<'a> Iterator for BatchRanges<'a> {
+    type Item = (u64, &'a [u8]);
+
+    fn next(&mut self) -> Option<(u64, &'a [u8])> {
+        if self.left == 0 || self.rest.len() < BATCH_ENTRY_LEN_BYTES {
+            return None;
+        }
+        let addr = le_u64(self.rest);
+        let len = le_u32(&self.rest[8..]) as usize;
+        let rest = &self.rest[BATCH_ENTRY_LEN_BYTES..];
+        let (data, rest) = rest.split_at(len.min(rest.len()));
+        self.rest = rest;
+        self.left -= 1;
+        Some((addr, data))
+    }
+}
+
+/// Parse a WRITE batch message, checking every entry and length before anything uses it.
+pub fn parse_batch_write(msg: &[u8]) -> Result<BatchWrite<'_>, BatchWireError> {
+    if msg.len() < BATCH_HEADER_LEN_BYTES {
+        return Err(BatchWireError::Truncated);
+    }
+    let cookie = le_u64(msg);
+    let count = le_u32(&msg[8..]);
+    if le_u32(&msg[12..]) != 0 {
+        return Err(BatchWireError::Reserved);
+    }
+    if count == 0 {
+        return Err(BatchWireError::Empty);
+    }
+    let body = &msg[BATCH_HEADER_LEN_BYTES..];
+    let mut rest = body;
+    for index in 0..count {
+        if rest.len() < BATCH_ENTRY_LEN_BYTES {
+            return Err(BatchWireError::RangeTruncated { index });
+        }
+        let len = le_u32(&rest[8..]) as usize;
+        if len == 0 {
+            return Err(BatchWireError::ZeroLength { index });
+        }
+        rest = &rest[BATCH_ENTRY_LEN_BYTES..];
+        if len > rest.len() {
+            return Err(BatchWireError::RangeTruncated { index });
+        }
+        rest = &rest[len..];
+    }
+    if !rest.is_empty() {
+        return Err(BatchWireError::Trailing { bytes: rest.len() });
+    }
+    Ok(BatchWrite {
+        cookie,
+        count,
+        body,
+    })
+}
+
+/// A whole READ batch request of `(target address, length)` ranges.
+pub fn encode_batch_read(cookie: u64, ranges: &[(u64, u32)]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(BATCH_HEADER_LEN_BYTES + ranges.len() * BATCH_ENTRY_LEN_BYTES);
+    out.extend_from_slice(&batch_header(cookie, ranges.len() as u32));
+    for &(addr, len) in ranges {
+        out.extend_from_slice(&batch_entry(addr, len));
+    }
+    out
+}
+
+/// A parsed READ batch request: every entry checked, the data asked for at most
+/// [`BATCH_READ_DATA_MAX`].
+#[derive(Clone, Copy, Debug)]
+pub struct BatchRead<'a> {
+    /// The initiator's cookie.
+    pub cookie: u64,
+    /// Bytes asked for, all ranges together.
+    pub data_bytes: usize,
+    entries: &'a [u8],
+}
+
+impl<'a> BatchRead<'a> {
+    /// The ranges as (target address, length).
+    pub fn ranges(&self) -> impl Iterator<Item = (u64, u32)> + 'a {
+        self.entries
+            .chunks_exact(BATCH_ENTRY_LEN_BYTES)
+            .map(|e| (le_u64(e), le_u32(&e[8..])))
+    }
+}
+
+/// Parse a READ batch request.
+pub fn parse_batch_read(msg: &[u8]) -> Result<BatchRead<'_>, BatchWireError> {
+    if msg.len() < BATCH_HEADER_LEN_BYTES {
+        return Err(BatchWireError::Truncated);
+    }
+    let cookie = le_u64(msg);
+    let count = le_u32(&msg[8..]) as usize;
+    if le_u32(&msg[12..]) != 0 {
+        return Err(BatchWireError::Reserved);
+    }
+    if count == 0 {
+        return Err(BatchWireError::Empty);
+    }
+    let entries = &msg[BATCH_HEADER_LEN_BYTES..];
+    let whole = entries.len() / BATCH_ENTRY_LEN_BYTES;
+    if whole < count {
+        return Err(BatchWireError::RangeTruncated {
+            index: whole as u32,
+        });
+    }
+    if entries.len() != count * BATCH_ENTRY_LEN_BYTES {
+        return Err(BatchWireError::Trailing {
+            bytes: entries.len() - count * BATCH_ENTRY_LEN_BYTES,
+        });
+    }
+    let mut data_bytes = 0usize;
+    for (index, e) in entries.chunks_exact(BATCH_ENTRY_LEN_BYTES).enumerate() {
+        let len = le_u32(&e[8..]) as usize;
+        if len == 0 {
+            return Err(BatchWireError::ZeroLength {
+                index: index as u32,
+            });
+        }
+        data_bytes += len;
+        if data_bytes > BATCH_READ_DATA_MAX {
+            return Err(BatchWireError::RangeTruncated {
+                index: index as u32,
+            });
+        }
+    }
+    Ok(BatchRead {
+        cookie,
+        data_bytes,
+        entries,
+    })
+}
+
+/// Parse a READ reply: (cookie, status as sent, data).
+pub fn parse_read_reply(bytes: &[u8]) -> Result<(u64, u32, &[u8]), BatchWireError> {
+    if bytes.len() < BATCH_ACK_LEN_BYTES {
+        return Err(BatchWireError::Truncated);
+    }
+    let (head, data) = bytes.split_at(BATCH_ACK_LEN_BYTES);
+    let (cookie, status) = parse_ack(head)?;
+    Ok((cookie, status, data))
+}
+
+/// An ack of the message `cookie`.
+pub fn encode_ack(cookie: u64, status: BatchStatus) -> [u8; BATCH_ACK_LEN_BYTES] {
+    let mut a = [0u8; BATCH_ACK_LEN_BYTES];
+    a[..8].copy_from_slice(&cookie.to_le_bytes());
+    a[8..12].copy_from_slice(&(status as u32).to_le_bytes());
+    a
+}
+
+/// Parse an ack: (cookie, status as sent; see [`BatchStatus::from_wire`]).
+pub fn parse_ack(bytes: &[u8]) -> Result<(u64, u32), BatchWireError> {
+    if bytes.len() < BATCH_ACK_LEN_BYTES {
+        return Err(BatchWireError::Truncated);
+    }
+    if bytes.len() > BATCH_ACK_LEN_BYTES {
+        return Err(BatchWireError::Trailing {
+            bytes: bytes.len() - BATCH_ACK_LEN_BYTES,
+        });
+    }
+    if le_u32(&bytes[12..]) != 0 {
+        return Err(BatchWireError::Reserved);
+    }
+    Ok((le_u64(bytes), le_u32(&bytes[8..])))
+}
+
+#[cfg(test)]
+mod batch_tests {
+    use super::*;
+
+    #[test]
+    fn batch_round_trip_and_refusals() {
+        let a = [1u8; 5];
+        let b = [2u8; 70];
+        let msg = encode_batch_write(0xabc, &[(0x1000, &a), (0x2000, &b)]);
+        let parsed = parse_batch_write(&msg).unwrap();
+        assert_eq!(parsed.cookie, 0xabc);
+        let ranges: Vec<(u64, &[u8])> = parsed.ranges().collect();
+        assert_eq!(ranges, vec![(0x1000, &a[..]), (0x2000, &b[..])]);
+        for cut in 0..msg.len() {
+            assert!(parse_batch_write(&msg[..cut]).is_err(), "prefix {cut}");
+        }
+        let mut trailing = msg.clone();
+        trailing.push(0);
+        assert_eq!(
+            parse_batch_write(&trailing).unwrap_err(),
+            BatchWireError::Trailing { bytes: 1 }
+        );
+        let mut huge = msg.clone();
+        huge[16 + 8..16 + 12].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(
+            parse_batch_write(&huge).unwrap_err(),
+            BatchWireError::RangeTruncated { index: 0 }
+        );
+        assert_eq!(
+            parse_batch_write(&batch_header(1, 0)).unwrap_err(),
+            BatchWireError::Empty
+        );
+        let read = encode_batch_read(5, &[(0x10, 3), (0x20, 9)]);
+        let parsed = parse_batch_read(&read).unwrap();
+        assert_eq!(parsed.data_bytes, 12);
+        assert_eq!(
+            parsed.ranges().collect::<Vec<_>>(),
+            vec![(0x10, 3), (0x20, 9)]
+        );
+        for cut in 0..read.len() {
+            assert!(parse_batch_read(&read[..cut]).is_err(), "prefix {cut}");
+        }
+        let greedy = encode_batch_read(5, &[(0, u32::MAX)]);
+        assert!(parse_batch_read(&greedy).is_err());
+        let mut reply = encode_ack(5, BatchStatus::Written).to_vec();
+        reply.extend_from_slice(b"abc");
+        assert_eq!(parse_read_reply(&reply).unwrap(), (5, 0, &b"abc"[..]));
+        let ack = encode_ack(77, BatchStatus::OutsideRegistered);
+        assert_eq!(parse_ack(&ack).unwrap(), (77, 2));
+        assert!(parse_ack(&ack[..15]).is_err());
+    }
+}

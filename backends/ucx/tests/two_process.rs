@@ -2,7 +2,9 @@
 //! the `FERRY_UCX_CHILD` variable) and the two exchange metadata over a TCP socket on
 //! 127.0.0.1. Covered: READ and WRITE of random sizes verified byte for byte, a
 //! notification that the target checks against its memory the moment it arrives, a
-//! shuffled 1024-range batch, and a target killed mid-transfer (its requests fail with
+//! shuffled 1024-range batch, scattered small WRITEs and READs batched into active
+//! messages (and mixed with large ranges), and a target killed mid-transfer, batched writes with
+//! acks pending included (its requests fail with
 //! remote-disconnect within a bounded time; after a restart and reload, transfers work
 //! again). Runs under the default transports and `transports=tcp`, on heap memory and
 //! on memory both sides allocated through the backend (`Backend::alloc`, UCX's
@@ -400,6 +402,50 @@ fn scenario(v: Variant) {
         "[{label}] shuffled batch differs at the target"
     );
 
+    // Scattered small ranges (1..=2000 bytes, shuffled) tiling 512 KiB, mixed with four
+    // 64 KiB ranges: the small ones travel batched in active messages.
+    assert_eq!(
+        ucx.batches_to(peer),
+        Some(true),
+        "[{label}] small writes are batched on shared memory and tcp"
+    );
+    let base = 8 << 20;
+    let total = 768 << 10;
+    pattern(11, &mut local.bytes()[..total]);
+    let mut ranges: Vec<Range> = Vec::new();
+    let mut at = 0;
+    while at < 512 << 10 {
+        let len = (1 + rng.below(2000) as usize).min((512 << 10) - at);
+        ranges.push(range(at, base + at, len, t.token, t.addr));
+        at += len;
+    }
+    for i in 0..4 {
+        let off = (512 << 10) + i * (64 << 10);
+        ranges.push(range(off, base + off, 64 << 10, t.token, t.addr));
+    }
+    rng.shuffle(&mut ranges);
+    let notif = format!("W {base} {total} 11");
+    transfer(
+        &mut ucx,
+        peer,
+        &[post(600, Op::Write, &ranges, Some(notif.as_bytes()))],
+    );
+    assert_eq!(
+        recv_frame(&mut t.stream),
+        b"ok",
+        "[{label}] batched small writes differ at the target"
+    );
+    assert_eq!(ucx.batch_counts().in_flight, 0);
+    // The same ranges READ back (the target checked them above).
+    let mut written = vec![0u8; total];
+    pattern(11, &mut written);
+    local.bytes()[..total].fill(0);
+    transfer(&mut ucx, peer, &[post(601, Op::Read, &ranges, None)]);
+    assert!(
+        local.bytes()[..total] == written[..],
+        "[{label}] batched small reads differ"
+    );
+
     if error_handling == "none" {
         // Without peer error handling a dead peer is not detected: stop here.
         ucx.notify(Endpoint::Peer(peer), b"Q").unwrap();
@@ -416,8 +462,21 @@ fn scenario(v: Variant) {
 
     // Kill the target in the middle of a stream of 64 MiB writes.
     let big = [range(0, 0, TARGET_LEN, t.token, t.addr)];
+    let small: Vec<Range> = (0..1024)
+        .map(|i| range(i * 64, ((i * 7919) % 1024) * 64, 64, t.token, t.addr))
+        .collect();
     let mut done = Completions::with_capacity(64);
     let mut outstanding: Vec<u64> = Vec::new();
+    // Batched small writes first: their acks are pending when the target dies.
+    for tag in 1100..1104u64 {
+        ucx.post_t(
+            Endpoint::Peer(peer),
+            &[post(tag, Op::Write, &small, None)],
+            &mut done,
+        )
+        .expect("post before kill");
+        outstanding.push(tag);
+    }
     for tag in 1000..1008u64 {
         ucx.post_t(
             Endpoint::Peer(peer),
@@ -447,9 +506,14 @@ fn scenario(v: Variant) {
             break;
         }
         if outstanding.len() < 64 {
+            let ranges = if tag.is_multiple_of(2) {
+                &big[..]
+            } else {
+                &small[..]
+            };
             match ucx.post_t(
                 Endpoint::Peer(peer),
-                &[post(tag, Op::Write, &big, None)],
+                &[post(tag, Op::Write, ranges, None)],
                 &mut done,
             ) {
                 Ok(()) => outstanding.push(tag),
@@ -487,6 +551,16 @@ fn scenario(v: Variant) {
     eprintln!(
         "[{label}] target killed: detected after {detected_after:?}, {failures} of {} requests failed with remote-disconnect",
         outstanding.len()
+    );
+    // Every batch message is accounted for once its send is reported.
+    let deadline = Instant::now() + TIMEOUT;
+    while ucx.batch_counts().in_flight > 0 && Instant::now() < deadline {
+        ucx.progress(&mut done);
+    }
+    assert_eq!(
+        ucx.batch_counts().in_flight,
+        0,
+        "[{label}] batch messages left after the kill"
     );
     let e = ucx.post_t(
         Endpoint::Peer(peer),

@@ -1,4 +1,5 @@
-//! The UCX backend's wire parsers (`ferry_ucx::wire`: connection info and framed rkeys)
+//! The UCX backend's wire parsers (`ferry_ucx::wire`: connection info, framed rkeys,
+//! batched-WRITE messages and acks)
 //! on a seed corpus of valid encodings — the fuzzer's committed seeds in
 //! `metadata/fuzz/seeds/ucx_wire` included — and thousands of mutations of it: nothing
 //! panics, every refusal is typed, everything accepted re-encodes to the same bytes.
@@ -29,6 +30,37 @@ fn valid_seeds() -> Vec<(&'static str, Vec<u8>)> {
         ("rkey-small", wire::frame_rkey(&bytes(1))),
         ("rkey-typical", wire::frame_rkey(&bytes(58))),
         ("rkey-large", wire::frame_rkey(&bytes(300))),
+        (
+            "batch-write-one",
+            wire::encode_batch_write(7, &[(0x7f00_0000_1000, &bytes(64))]),
+        ),
+        (
+            "batch-write-mixed",
+            wire::encode_batch_write(
+                (3 << 32) | 9,
+                &[
+                    (0x7f00_0000_2000, &bytes(1)),
+                    (0x7f00_0000_0040, &bytes(200)),
+                    (0x10, &bytes(13)),
+                ],
+            ),
+        ),
+        (
+            "batch-read",
+            wire::encode_batch_read(11, &[(0x7f00_0000_1000, 64), (0x40, 4096)]),
+        ),
+        (
+            "batch-read-reply",
+            [
+                &wire::encode_ack(11, wire::BatchStatus::Written)[..],
+                &bytes(80)[..],
+            ]
+            .concat(),
+        ),
+        (
+            "batch-ack",
+            wire::encode_ack(42, wire::BatchStatus::OutsideRegistered).to_vec(),
+        ),
     ]
 }
 
@@ -68,7 +100,58 @@ fn parse_both(bytes: &[u8]) -> bool {
             false
         }
     };
-    conn || rkey
+    let batch = match wire::parse_batch_write(bytes) {
+        Ok(batch) => {
+            let ranges: Vec<(u64, &[u8])> = batch.ranges().collect();
+            assert_eq!(ranges.len(), batch.count as usize);
+            assert!(ranges.iter().all(|(_, d)| !d.is_empty()));
+            assert_eq!(
+                wire::encode_batch_write(batch.cookie, &ranges),
+                bytes,
+                "batch message round trip"
+            );
+            true
+        }
+        Err(why) => {
+            assert!(!why.to_string().is_empty());
+            false
+        }
+    };
+    let ack = match wire::parse_ack(bytes) {
+        Ok((cookie, status)) => {
+            if let Some(status) = wire::BatchStatus::from_wire(status) {
+                assert_eq!(wire::encode_ack(cookie, status), bytes, "ack round trip");
+            }
+            true
+        }
+        Err(why) => {
+            assert!(!why.to_string().is_empty());
+            false
+        }
+    };
+    let read = match wire::parse_batch_read(bytes) {
+        Ok(read) => {
+            let ranges: Vec<(u64, u32)> = read.ranges().collect();
+            assert!(ranges.iter().all(|&(_, len)| len > 0));
+            assert!(read.data_bytes <= wire::BATCH_READ_DATA_MAX);
+            assert_eq!(
+                read.data_bytes,
+                ranges.iter().map(|&(_, l)| l as usize).sum::<usize>()
+            );
+            assert_eq!(
+                wire::encode_batch_read(read.cookie, &ranges),
+                bytes,
+                "read request round trip"
+            );
+            true
+        }
+        Err(why) => {
+            assert!(!why.to_string().is_empty());
+            false
+        }
+    };
+    let reply = wire::parse_read_reply(bytes).is_ok();
+    conn || rkey || batch || ack || read || reply
 }
 
 /// The committed seeds exist and still parse: a format change that makes them invalid

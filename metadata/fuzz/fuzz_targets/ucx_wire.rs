@@ -1,5 +1,6 @@
 //! Feed arbitrary bytes to the UCX backend's wire parsers (`ferry_ucx::wire`): the
-//! connection info (worker addresses) and the framed rkey of public region metadata.
+//! connection info (worker addresses), the framed rkey of public region metadata, and
+//! the batched-WRITE messages and acks peers send each other.
 //! No libucp is loaded. Any panic is a bug; so is an accepted input that does not
 //! re-encode to the same bytes, or a parser that accepts what it should refuse.
 #![no_main]
@@ -24,9 +25,33 @@ fn check_rkey(bytes: &[u8]) {
     }
 }
 
+fn check_batch(bytes: &[u8]) {
+    if let Ok(batch) = wire::parse_batch_write(bytes) {
+        let ranges: Vec<(u64, &[u8])> = batch.ranges().collect();
+        assert_eq!(ranges.len(), batch.count as usize);
+        assert!(ranges.iter().all(|(_, d)| !d.is_empty()));
+        assert_eq!(wire::encode_batch_write(batch.cookie, &ranges), bytes);
+    }
+    if let Ok(read) = wire::parse_batch_read(bytes) {
+        let ranges: Vec<(u64, u32)> = read.ranges().collect();
+        assert!(ranges.iter().all(|&(_, len)| len > 0));
+        assert!(read.data_bytes <= wire::BATCH_READ_DATA_MAX);
+        assert_eq!(wire::encode_batch_read(read.cookie, &ranges), bytes);
+    }
+    if let Ok((_, _, data)) = wire::parse_read_reply(bytes) {
+        assert_eq!(data.len() + wire::BATCH_ACK_LEN_BYTES, bytes.len());
+    }
+    if let Ok((cookie, status)) = wire::parse_ack(bytes) {
+        if let Some(status) = wire::BatchStatus::from_wire(status) {
+            assert_eq!(wire::encode_ack(cookie, status), bytes);
+        }
+    }
+}
+
 fuzz_target!(|data: &[u8]| {
     check_conn_info(data);
     check_rkey(data);
+    check_batch(data);
     // Also try the bytes behind valid headers, so the fuzzer need not find them: the
     // first byte as the worker count, and an rkey frame whose length field is right
     // (the checksum is what must refuse it, unless the fuzzer forged it).

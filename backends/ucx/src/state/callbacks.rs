@@ -1,6 +1,7 @@
 //! What UCX calls back into: completion of requests, endpoint errors, inbound
 //! notifications. Callbacks never touch the core; they write into [`Events`].
 
+use super::batch::BatchEvents;
 use super::notifications::Inbox;
 use super::*;
 
@@ -19,8 +20,10 @@ const NO_STATUS: i32 = i32::MAX;
 /// callback-bearing UCX request outstanding: a batch's slots share one endpoint flush
 /// (reported on the head slot's even cell) and each slot's notification is sent only
 /// after that flush was handled (reported on its odd cell); put/get requests carry no
-/// callback. A slot is freed only after its last report was taken. So at most one index
-/// per slot is queued at any time and the queue cannot be full. Should that reasoning
+/// callback. A slot is freed only after its last report was taken. Batch messages
+/// (`batch.rs`) have one cell each, after the slots' cells, and one send outstanding at
+/// most. So at most one index per slot and one per message is queued at any time and
+/// the queue (sized for both) cannot be full. Should that reasoning
 /// ever fail, nothing is lost either: a report that does not fit sets `overflow`, and the
 /// consumer then takes every cell's stored status in one scan (each status is taken
 /// exactly once, by whoever swaps it out of its cell first).
@@ -66,6 +69,8 @@ pub(crate) struct Events {
     /// Peers' notifications refused because the inbox was full.
     pub(crate) refused_notifs: AtomicU64,
     pub(super) request_free: unsafe extern "C" fn(*mut c_void),
+    /// Batched transfers (`batch.rs`): what the AM handlers and ack sends touch.
+    pub(super) batch: BatchEvents,
 }
 
 /// `user_data` of a UCX request: where to report its completion.

@@ -77,6 +77,28 @@ impl Core {
         self.peers.get(&peer).map(|s| s.down.is_some())
     }
 
+    /// Counters of the batched-WRITE protocol.
+    pub(crate) fn batch_counts(&self) -> crate::BatchCounts {
+        let b = &self.events.batch;
+        crate::BatchCounts {
+            refused: b.refused.load(Ordering::Relaxed),
+            dropped_acks: b.dropped_acks.load(Ordering::Relaxed),
+            stale_acks: self.am.stale_acks,
+            unsent_acks: b.unsent_acks.load(Ordering::Relaxed),
+            allocated_acks: b.allocated_acks.load(Ordering::Relaxed),
+            allocated_replies: b.allocated_replies.load(Ordering::Relaxed),
+            in_flight: self.am.in_flight(),
+        }
+    }
+
+    /// Whether small WRITEs to `peer` are batched (None: unknown peer or no endpoint).
+    pub(crate) fn batches_to(&self, peer: PeerId) -> Option<bool> {
+        self.peers
+            .get(&peer)
+            .filter(|s| !s.ep.is_null())
+            .map(|s| s.am_msg_bytes > 0)
+    }
+
     /// Number of requests in flight.
     pub(crate) fn in_flight(&self) -> usize {
         self.slots.len() - self.free_slots.len()

@@ -34,6 +34,8 @@ pub(super) struct MemEntry {
     pub(super) packed_rkey: Vec<u8>,
     /// Rkey unpacked on the self endpoint, for local transfers.
     pub(super) self_rkey: ucp_rkey_h,
+    /// Host memory (peers' batch messages may write it; `batch.rs`).
+    pub(super) dram: bool,
 }
 
 impl Core {
@@ -46,7 +48,7 @@ impl Core {
             Some(index) => {
                 let alloc = &self.allocs[index];
                 let (memh, alloc_addr) = (alloc.memh, alloc.addr);
-                let registered = self.add_mem_entry(memh, Some(alloc_addr), addr, len)?;
+                let registered = self.add_mem_entry(memh, Some(alloc_addr), addr, len, true)?;
                 self.allocs[index].registrations += 1;
                 Ok(registered)
             }
@@ -168,7 +170,7 @@ impl Core {
         if !status.is_ok() {
             return Err(ucx_error(&self.ucp, "ucp_mem_map", status));
         }
-        let registered = self.add_mem_entry(memh, None, addr, len);
+        let registered = self.add_mem_entry(memh, None, addr, len, memory_type.is_none());
         if registered.is_err() {
             // SAFETY: undo the mapping made above; nothing else knows it.
             unsafe { self.ucp.api().ucp_mem_unmap(self.context, memh) };
@@ -176,13 +178,15 @@ impl Core {
         registered
     }
 
-    /// Pack `memh`'s rkey and enter the registration in the token table.
+    /// Pack `memh`'s rkey and enter the registration in the token table; `dram`: host
+    /// memory, which batched transfers from peers may write (`batch.rs`).
     fn add_mem_entry(
         &mut self,
         memh: ucp_mem_h,
         alloc_addr: Option<u64>,
         addr: u64,
         len: u64,
+        dram: bool,
     ) -> Result<(u64, Vec<u8>)> {
         let api = self.ucp.api();
         let mut buffer: *mut c_void = ptr::null_mut();
@@ -206,7 +210,16 @@ impl Core {
             len,
             packed_rkey: packed,
             self_rkey: ptr::null_mut(),
+            dram,
         };
+        if entry.dram {
+            self.events
+                .batch
+                .regions
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .add(addr, len);
+        }
         let index = match self.free_mems.pop() {
             Some(i) => {
                 self.mems[i as usize] = Some(entry);
@@ -236,6 +249,14 @@ impl Core {
             .mem_index(token)
             .ok_or_else(|| Error::not_found(token_subject(token)))?;
         let entry = self.mems[index].take().expect("mem_index checked");
+        if entry.dram {
+            self.events
+                .batch
+                .regions
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(entry.addr, entry.len);
+        }
         let api = self.ucp.api();
         if !entry.self_rkey.is_null() {
             // SAFETY: rkey unpacked by us on the self ep, not used after this.

@@ -25,11 +25,17 @@
 //! unloaded meanwhile (the force close cancels the request and UCX reports it): every
 //! post yields exactly one completion, after UCX is done with its buffers.
 //!
-//! Split by concern: [`callbacks`] (what UCX calls, and the bounded queue it feeds),
+//! Small ranges to a peer whose transports emulate RMA with active messages travel in
+//! Ferry's own batch messages ([`batch`]); a batch then also waits for their acks
+//! (`Slot::acks`) before the notification step.
+//!
+//! Split by concern: [`batch`] (batched small transfers), [`callbacks`] (what UCX calls,
+//! and the bounded queue it feeds),
 //! [`config`] (UCX configuration and tuning), [`memory`] (registration), [`peers`]
 //! (endpoints, rkeys, closing), [`requests`] (posting, completion, progress),
 //! [`notifications`] (the inbox, sending), [`diagnostics`] (transport summaries, counts).
 
+mod batch;
 mod callbacks;
 mod config;
 mod cost;
@@ -57,6 +63,9 @@ use ferry_ucx_sys::*;
 
 use crate::{Config, ErrorMode, BACKEND};
 
+use batch::{
+    on_batch_ack, on_batch_read, on_batch_read_reply, on_batch_write, AmBatch, BatchEvents,
+};
 pub(crate) use callbacks::Events;
 use callbacks::{on_ep_error, on_notif, on_op_done, CompletionQueue, OpCell, PeerLink};
 use config::{may_use_shared_memory, rndv_thresh_override, zcopy_thresh_override};
@@ -90,6 +99,16 @@ const PROGRESS_BUDGET: Duration = Duration::from_micros(100);
 const EP_CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Slot link terminator.
 const NONE: u32 = u32::MAX;
+
+/// The type of an active-message handler.
+type AmRecvFn = unsafe extern "C" fn(
+    *mut c_void,
+    *const c_void,
+    usize,
+    *mut c_void,
+    usize,
+    *const ucp_am_recv_param_t,
+) -> ucs_status_t;
 
 struct Worker {
     handle: ucp_worker_h,
@@ -135,6 +154,8 @@ pub(crate) struct Core {
     window_bytes: u64,
     /// Ranges of posted batches not handed to UCX yet, in post order.
     deferred: VecDeque<Deferred>,
+    /// Batched small WRITEs, initiator side (`batch.rs`).
+    am: AmBatch,
 }
 
 // SAFETY: the raw UCX handles in Core are only used by whichever thread holds the core
@@ -246,16 +267,20 @@ impl Core {
         }
 
         let slot_count = config.max_requests;
-        let events = Arc::new(Events {
-            completions: CompletionQueue::new(slot_count),
+        let messages = config.am_batch_messages;
+        let events = Arc::new_cyclic(|weak: &std::sync::Weak<Events>| Events {
+            // One report per slot and one per batch message at most (see CompletionQueue).
+            completions: CompletionQueue::new(slot_count + messages),
             ep_error: AtomicBool::new(false),
             inbox: Mutex::new(Inbox::new(config.notif_entries_max, config.notif_bytes_max)),
             refused_notifs: AtomicU64::new(0),
             dropped_notifs: AtomicU64::new(0),
             request_free: api.ucp_request_free,
+            batch: BatchEvents::new(api, weak.as_ptr(), messages),
         });
         let events_ptr = Arc::as_ptr(&events);
-        let cells: Box<[OpCell]> = (0..slot_count as u32 * 2)
+        // Two cells per slot (flush, notification), then one per batch message (send).
+        let cells: Box<[OpCell]> = (0..(slot_count * 2 + messages) as u32)
             .map(|index| OpCell::new(events_ptr, index))
             .collect();
         let slots = (0..slot_count)
@@ -269,6 +294,8 @@ impl Core {
                 next: NONE,
                 ep: ptr::null_mut(),
                 deferred: 0,
+                acks: 0,
+                flushed: None,
             })
             .collect();
         let mut core = Core {
@@ -292,6 +319,7 @@ impl Core {
             chunk_bytes: config.chunk_bytes,
             window_bytes: config.window_bytes,
             deferred: VecDeque::new(),
+            am: AmBatch::new(config, (slot_count * 2) as u32),
             graves: Vec::new(),
             close_rounds: config.close_rounds,
             close_force: config.close_force,
@@ -350,14 +378,25 @@ impl Core {
         am.flags = UCP_AM_FLAG_WHOLE_MSG;
         am.cb = Some(on_notif);
         am.arg = Arc::as_ptr(&self.events) as *mut c_void;
-        // SAFETY: worker live; the arg outlives the worker (see Events).
-        let status = unsafe { api.ucp_worker_set_am_recv_handler(handle, &am) };
-        if !status.is_ok() {
-            return Err(ucx_error(
-                &self.ucp,
-                "ucp_worker_set_am_recv_handler",
-                status,
-            ));
+        let handlers = [
+            (NOTIF_AM_ID, on_notif as AmRecvFn),
+            (crate::wire::BATCH_WRITE_AM_ID, on_batch_write),
+            (crate::wire::BATCH_ACK_AM_ID, on_batch_ack),
+            (crate::wire::BATCH_READ_AM_ID, on_batch_read),
+            (crate::wire::BATCH_READ_REPLY_AM_ID, on_batch_read_reply),
+        ];
+        for (id, cb) in handlers {
+            am.id = id;
+            am.cb = Some(cb);
+            // SAFETY: worker live; the arg outlives the worker (see Events).
+            let status = unsafe { api.ucp_worker_set_am_recv_handler(handle, &am) };
+            if !status.is_ok() {
+                return Err(ucx_error(
+                    &self.ucp,
+                    "ucp_worker_set_am_recv_handler",
+                    status,
+                ));
+            }
         }
         if wakeup {
             let mut efd = -1;

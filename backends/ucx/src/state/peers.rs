@@ -41,6 +41,9 @@ pub(super) struct PeerState {
     pub(super) transports: String,
     /// The endpoint's progress deadline (`deadline.rs`).
     pub(super) watch: Watch,
+    /// Batch message size on its endpoint (`batch.rs`), decided per endpoint; 0 = small
+    /// ranges are not batched.
+    pub(super) am_msg_bytes: usize,
 }
 
 impl Core {
@@ -86,6 +89,7 @@ impl Core {
                 down: None,
                 transports: String::new(),
                 watch: Watch::default(),
+                am_msg_bytes: 0,
             },
         );
         Ok(())
@@ -101,6 +105,8 @@ impl Core {
         if !ep.is_null() {
             // What the window kept from UCX never will go: fail it and flush now.
             self.cut_deferred(ep, ucs_status_t::UCS_ERR_CANCELED);
+            // Acks that will not come: fail their requests now, once each.
+            self.am_fail_ep(ep);
         }
         let Some(state) = self.peers.get_mut(&peer) else {
             return;
@@ -283,12 +289,19 @@ impl Core {
         });
         let ep = self.create_ep(worker, &state.remote_address, Some(&link))?;
         let transports = self.ep_transports(ep);
+        let am_msg_bytes = self.am.suits(&transports);
         let state = self.peers.get_mut(&peer).expect("present");
         state.link = Some(link);
+        state.am_msg_bytes = am_msg_bytes;
         log::info!(
-            "UCX {}: endpoint to '{}' on worker {worker} uses {transports}",
+            "UCX {}: endpoint to '{}' on worker {worker} uses {transports}; small ranges {}",
             self.ucp.version(),
-            state.name
+            state.name,
+            if am_msg_bytes > 0 {
+                format!("batched in messages of up to {am_msg_bytes} bytes")
+            } else {
+                "put/get one by one".to_string()
+            }
         );
         state.ep = ep;
         state.transports = transports;

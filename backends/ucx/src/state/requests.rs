@@ -28,9 +28,18 @@ pub(super) struct Slot {
     /// Head slot of a batch: its ranges still in `Core::deferred`; the batch's flush is
     /// issued when this reaches 0.
     pub(super) deferred: u32,
+    /// Head slot of a batch: its batch messages (`batch.rs`) whose ack is not in yet.
+    pub(super) acks: u32,
+    /// Head slot of a batch: the flush's status, kept while acks are missing.
+    pub(super) flushed: Option<ucs_status_t>,
 }
 
+/// Bytes a batch message needs besides one range's data (header and entry).
+const AM_RANGE_OVERHEAD_BYTES: usize =
+    crate::wire::BATCH_HEADER_LEN_BYTES + crate::wire::BATCH_ENTRY_LEN_BYTES;
+
 /// (The rest of) a range of a posted batch that the window kept from UCX so far.
+#[derive(Clone, Copy)]
 pub(super) struct Deferred {
     /// Head slot of the batch.
     pub(super) head: u32,
@@ -46,6 +55,9 @@ pub(super) struct Deferred {
     pub(super) local_addr: u64,
     pub(super) remote_addr: u64,
     pub(super) len: u64,
+    /// For a small range to pack into a batch message (`batch.rs`, never split): the
+    /// endpoint's message size; 0 = a put/get.
+    pub(super) am_bytes: u32,
 }
 
 impl Core {
@@ -123,10 +135,23 @@ impl Core {
         // What this post may hand to UCX; the rest waits in `deferred` for `pump`.
         let mut budget = self.window_bytes;
         let mut deferred = 0u32;
+        let am_bytes = peer
+            .and_then(|p| self.peers.get(&p))
+            .map_or(0, |s| s.am_msg_bytes);
         for post in batch {
+            let batch_post = am_bytes > 0
+                && post.local_kind == MemKind::Dram
+                && post.remote_kind == MemKind::Dram;
             let slot_index = self.free_slots.pop().expect("checked capacity");
             if head == NONE {
                 head = slot_index;
+            }
+            // Linked (and its peer known) before its ranges go: a batch message that
+            // fails at once marks every request it carries (`batch.rs`).
+            self.slots[slot_index as usize].next = NONE;
+            self.slots[slot_index as usize].peer = peer;
+            if tail != NONE {
+                self.slots[tail as usize].next = slot_index;
             }
             let mut failure = None;
             for (index, range) in post.ranges.iter().enumerate() {
@@ -159,7 +184,36 @@ impl Core {
                     local_addr: range.local_addr,
                     remote_addr: range.remote_addr,
                     len: range.len,
+                    am_bytes: if batch_post
+                        && range.len <= self.am.range_max
+                        && range.len as usize + AM_RANGE_OVERHEAD_BYTES <= am_bytes
+                    {
+                        am_bytes as u32
+                    } else {
+                        0
+                    },
                 };
+                if piece.am_bytes > 0 {
+                    if budget == 0 {
+                        self.deferred.push_back(piece);
+                        deferred += 1;
+                        continue;
+                    }
+                    if self.am_pack(
+                        post.op,
+                        head,
+                        slot_index,
+                        ep,
+                        range.local_addr,
+                        range.remote_addr,
+                        range.len,
+                        am_bytes,
+                    ) {
+                        budget = budget.saturating_sub(range.len);
+                        continue;
+                    }
+                    // No batch message free: the range takes the put path.
+                }
                 let now = piece.len.min(budget);
                 if now > 0 {
                     if let Err(status) = self.issue(&piece, now) {
@@ -180,7 +234,7 @@ impl Core {
             slot.state = SlotState::WaitFlush;
             slot.tag = Some(post.tag);
             slot.peer = peer;
-            slot.failure = failure;
+            slot.failure = slot.failure.or(failure);
             slot.has_notif = post.notif.is_some();
             slot.notif.clear();
             if let Some(notif) = post.notif {
@@ -198,6 +252,7 @@ impl Core {
         }
         self.slots[head as usize].ep = ep;
         self.slots[head as usize].deferred = deferred;
+        self.am_send_open();
         if deferred == 0 {
             self.flush_batch(head);
         }
@@ -280,9 +335,28 @@ impl Core {
             let Some(piece) = self.deferred.front() else {
                 break;
             };
+            let piece = *piece;
             let (head, slot) = (piece.head, piece.slot as usize);
             let mut done = self.slots[slot].failure.is_some();
+            if !done
+                && piece.am_bytes > 0
+                && self.am_pack(
+                    piece.op,
+                    head,
+                    piece.slot,
+                    piece.ep,
+                    piece.local_addr,
+                    piece.remote_addr,
+                    piece.len,
+                    piece.am_bytes as usize,
+                )
+            {
+                budget = budget.saturating_sub(piece.len);
+                done = true;
+                any = true;
+            }
             if !done {
+                let piece = &piece;
                 let now = piece.len.min(budget);
                 match self.issue(piece, now) {
                     Ok(()) => {
@@ -306,6 +380,7 @@ impl Core {
                 self.piece_done(head);
             }
         }
+        self.am_send_open();
         any
     }
 
@@ -343,8 +418,19 @@ impl Core {
         }
     }
 
-    /// The flush of the batch starting at `head` finished with `status`.
+    /// The flush of the batch starting at `head` finished with `status`: the batch is
+    /// complete unless some of its batch messages wait for their ack.
     pub(super) fn batch_flushed(&mut self, head: u32, status: ucs_status_t) {
+        let slot = &mut self.slots[head as usize];
+        if slot.acks > 0 {
+            slot.flushed = Some(status);
+            return;
+        }
+        self.batch_complete(head, status);
+    }
+
+    /// Every part of the batch starting at `head` is done (`status`: its flush's).
+    pub(super) fn batch_complete(&mut self, head: u32, status: ucs_status_t) {
         let mut index = head;
         while index != NONE {
             let next = self.slots[index as usize].next;
@@ -401,6 +487,8 @@ impl Core {
         slot.next = NONE;
         slot.ep = ptr::null_mut();
         slot.deferred = 0;
+        debug_assert_eq!(slot.acks, 0, "a slot freed with batch messages pending");
+        slot.flushed = None;
         self.free_slots.push(index);
     }
 
@@ -462,6 +550,7 @@ impl Core {
             any = true;
             self.cell_done(cell, status);
         }
+        any |= self.am_take_acks();
         if self.events.completions.overflowed() {
             for cell in 0..self.cells.len() as u32 {
                 if let Some(status) = self.cells[cell as usize].take() {
@@ -475,6 +564,10 @@ impl Core {
 
     /// The request of callback cell `cell` finished with `status`.
     fn cell_done(&mut self, cell: u32, status: ucs_status_t) {
+        if let Some(m) = self.am_cell(cell) {
+            self.am_sent(m, status);
+            return;
+        }
         let slot = cell / 2;
         if cell & 1 == 0 {
             self.batch_flushed(slot, status);

@@ -1,0 +1,1061 @@
+//! Batched small transfers: the small ranges of one posted batch to one peer travel
+//! packed into active messages instead of one `ucp_put_nbx` / `ucp_get_nbx` each.
+//!
+//! # Why
+//!
+//! On shared memory and TCP, UCX carries a small put as an active message of its own
+//! (software emulation, ~80–100 ns and one message per range). Packing many ranges into
+//! one message of at most `am_batch_bytes` (by default 16 KiB where the active messages
+//! go over shared memory, 64 KiB over tcp: [`am_batch_bytes_for`]) costs a memcpy at
+//! each end and one message.
+//! On RDMA transports a put needs no target CPU, so there batching is off (see
+//! [`am_batch_suits`]).
+//!
+//! # Protocol (wire format in `crate::wire`)
+//!
+//! - **Initiator.** A range of a WRITE to a peer whose endpoint suits batching, DRAM on
+//!   both sides, of at most `am_batch_range_bytes`, is copied into the open message of
+//!   its batch (a pooled buffer: `am_batch_messages` of them, allocated on first use
+//!   and reused). A message belongs to one batch; it is sent (eager, with a reply
+//!   endpoint) when full, when the batch's ranges are all issued, or at the end of a
+//!   window. The head slot of the batch counts its messages without an ack (`acks`);
+//!   the batch completes when its flush (the existing path, for its puts) **and** every
+//!   ack are in, so notifications still go after all data. With no free message a
+//!   range takes the put path.
+//! - **Target.** The AM handler checks the whole message (every length against the
+//!   message, every range fully inside memory registered with this backend, from the
+//!   [`RegionIndex`] kept beside the callbacks), copies the ranges only if all pass, and
+//!   answers on UCX's reply endpoint with an ack (cookie, status). It works inside the
+//!   callback: the reply endpoint is only sure to be valid there, the data need not be
+//!   kept, and the region index cannot change meanwhile (registration and progress
+//!   both hold the core). A refused message writes nothing and is counted
+//!   ([`BatchEvents::refused`]); the initiator's request fails with
+//!   [`FailureKind::Backend`] and errno `EFAULT` (outside registered memory) or `EPROTO`
+//!   (malformed).
+//! - **READ** works the same way with a request message listing (target address,
+//!   length) and at most `am_batch_bytes` of data in all; the target checks every range
+//!   as above and replies with one message carrying the data (reply buffers are pooled,
+//!   [`REPLY_POOL_MAX`] kept for reuse). The initiator's reply handler scatters the
+//!   data into the local ranges the message was posted with, found by cookie in
+//!   `BatchEvents::reads` — under a lock that the core also takes to forget a message's
+//!   cookie before its request may complete (failure, unload), so a late reply never
+//!   writes into memory the caller may have reused. Then it queues the ack.
+//! - **Acks** arrive in a bounded queue ([`BatchEvents`]) that `Core::pump` drains. An
+//!   ack whose cookie (message index + generation) names no message waiting for one is
+//!   ignored and counted. When a peer's endpoint closes (unload, death, deadline), its
+//!   messages still waiting for an ack fail their requests (remote-disconnect) once,
+//!   and a message's buffer returns to the pool only after UCX reported its send.
+//!
+//! - **Lost acks**: a target that cannot answer (no reply endpoint, a failed ack send —
+//!   counted in `unsent_acks`) or a peer whose build has no handler for these ids (UCX
+//!   drops the message) leaves the request waiting until its endpoint closes (unload,
+//!   failure) or, if nothing else completes on the endpoint, `peer_timeout_ms` ends it
+//!   with remote-disconnect. (UCX always hands a reply endpoint when the sender asks
+//!   for one, as ours do; an ack send fails when the link does.)
+//!
+//! Bounds: messages in flight (`am_batch_messages`), the ack queue (as many), the
+//! target's ack buffers ([`ACK_POOL_LEN`]; beyond, an ack's 16-byte buffer is allocated
+//! and counted rather than lost), a READ reply (at most
+//! [`wire::BATCH_READ_DATA_MAX`] whatever a peer asks).
+
+use std::cell::UnsafeCell;
+
+use super::*;
+use crate::wire::{self, BatchStatus};
+use crate::AmBatchMode;
+
+/// Ack buffers a target keeps for sends UCX has not completed yet.
+pub(super) const ACK_POOL_LEN: usize = 1024;
+/// READ reply buffers a target keeps for reuse (more may be in flight; those are freed).
+const REPLY_POOL_MAX: usize = 64;
+
+/// Memory registered (DRAM) with this backend, as the AM handler checks a peer's target
+/// ranges against it: a range must lie inside the union of registered regions.
+pub(crate) struct RegionIndex {
+    /// (start, end) of each registration, in no order.
+    regions: Vec<(u64, u64)>,
+    /// Sorted, disjoint union of `regions`; rebuilt on the first check after a change.
+    union: Vec<(u64, u64)>,
+    dirty: bool,
+}
+
+impl RegionIndex {
+    pub(super) fn new() -> RegionIndex {
+        RegionIndex {
+            regions: Vec::new(),
+            union: Vec::new(),
+            dirty: false,
+        }
+    }
+
+    pub(super) fn add(&mut self, addr: u64, len: u64) {
+        self.regions.push((addr, addr.saturating_add(len)));
+        self.dirty = true;
+    }
+
+    pub(super) fn remove(&mut self, addr: u64, len: u64) {
+        let key = (addr, addr.saturating_add(len));
+        if let Some(i) = self.regions.iter().position(|&r| r == key) {
+            self.regions.swap_remove(i);
+            self.dirty = true;
+        }
+    }
+
+    /// Whether `[addr, addr + len)` lies inside registered memory.
+    pub(super) fn covers(&mut self, addr: u64, len: u64) -> bool {
+        if self.dirty {
+            self.union.clear();
+            self.union.extend_from_slice(&self.regions);
+            self.union.sort_unstable();
+            let mut merged = 0usize;
+            for i in 0..self.union.len() {
+                let (start, end) = self.union[i];
+                if merged > 0 && start <= self.union[merged - 1].1 {
+                    let last = &mut self.union[merged - 1];
+                    last.1 = last.1.max(end);
+                } else {
+                    self.union[merged] = (start, end);
+                    merged += 1;
+                }
+            }
+            self.union.truncate(merged);
+            self.dirty = false;
+        }
+        let Some(end) = addr.checked_add(len) else {
+            return false;
+        };
+        let i = self.union.partition_point(|&(start, _)| start <= addr);
+        i > 0 && end <= self.union[i - 1].1
+    }
+}
+
+type AmSendFn = unsafe extern "C" fn(
+    ucp_ep_h,
+    std::ffi::c_uint,
+    *const c_void,
+    usize,
+    *const c_void,
+    usize,
+    *const ucp_request_param_t,
+) -> ucs_status_ptr_t;
+
+/// One ack's send buffer (the `user_data` of its send).
+pub(super) struct AckBuf {
+    events: *const Events,
+    /// Index in the pool; `u32::MAX` for one allocated because the pool was empty.
+    index: u32,
+    bytes: UnsafeCell<[u8; wire::BATCH_ACK_LEN_BYTES]>,
+}
+
+/// What the batch AM handlers and ack sends touch (inside [`Events`]).
+pub(crate) struct BatchEvents {
+    pub(super) regions: Mutex<RegionIndex>,
+    /// Acks received: (cookie, status), for `Core::pump`.
+    acks_in: ArrayQueue<(u64, u32)>,
+    /// Batch messages from peers this backend refused (malformed, or a range outside
+    /// registered memory); nothing of them was written.
+    pub(crate) refused: AtomicU64,
+    /// Acks not taken: malformed, or the ack queue was full.
+    pub(crate) dropped_acks: AtomicU64,
+    /// Acks this target could not send (no reply endpoint, or the send failed).
+    pub(crate) unsent_acks: AtomicU64,
+    /// Acks whose buffer was allocated because the pool was empty.
+    pub(crate) allocated_acks: AtomicU64,
+    /// READ replies whose buffer was allocated (none free in the pool).
+    pub(crate) allocated_replies: AtomicU64,
+    ack_pool: Box<[AckBuf]>,
+    free_acks: ArrayQueue<u32>,
+    /// Initiator: per batch message, where a READ reply's data goes.
+    reads: Mutex<Vec<ReadWait>>,
+    /// Target: READ reply buffers for reuse. Boxed on purpose: a box's address is what
+    /// travels through UCX as `user_data`, taken back without allocating.
+    #[allow(clippy::vec_box)]
+    replies: Mutex<Vec<Box<ReplyBuf>>>,
+    am_send: AmSendFn,
+    request_free: unsafe extern "C" fn(*mut c_void),
+}
+
+/// Where the data of a READ batch message's reply goes (initiator).
+#[derive(Default)]
+struct ReadWait {
+    /// The message's cookie while its reply is awaited.
+    cookie: Option<u64>,
+    /// Bytes the reply must carry.
+    data_bytes: usize,
+    /// (local address, length) per range, in request order.
+    locals: Vec<(u64, u32)>,
+}
+
+/// A READ reply's send buffer (the `user_data` of its send).
+struct ReplyBuf {
+    events: *const Events,
+    bytes: Vec<u8>,
+}
+
+impl BatchEvents {
+    /// State for `messages` initiator messages in flight; `events` is where the
+    /// enclosing [`Events`] will live.
+    pub(super) fn new(api: &UcpApi, events: *const Events, messages: usize) -> BatchEvents {
+        let free_acks = ArrayQueue::new(ACK_POOL_LEN);
+        for i in 0..ACK_POOL_LEN as u32 {
+            let _ = free_acks.push(i);
+        }
+        BatchEvents {
+            regions: Mutex::new(RegionIndex::new()),
+            acks_in: ArrayQueue::new(messages.max(1)),
+            refused: AtomicU64::new(0),
+            dropped_acks: AtomicU64::new(0),
+            unsent_acks: AtomicU64::new(0),
+            allocated_acks: AtomicU64::new(0),
+            allocated_replies: AtomicU64::new(0),
+            reads: Mutex::new((0..messages).map(|_| ReadWait::default()).collect()),
+            replies: Mutex::new(Vec::new()),
+            ack_pool: (0..ACK_POOL_LEN as u32)
+                .map(|index| AckBuf {
+                    events,
+                    index,
+                    bytes: UnsafeCell::new([0; wire::BATCH_ACK_LEN_BYTES]),
+                })
+                .collect(),
+            free_acks,
+            am_send: api.ucp_am_send_nbx,
+            request_free: api.ucp_request_free,
+        }
+    }
+
+    /// Send an ack on `ep` (a reply endpoint, valid for the duration of the handler).
+    fn send_ack(&self, events: *const Events, ep: ucp_ep_h, cookie: u64, status: BatchStatus) {
+        let buf: *const AckBuf = match self.free_acks.pop() {
+            Some(i) => &self.ack_pool[i as usize],
+            None => {
+                self.allocated_acks.fetch_add(1, Ordering::Relaxed);
+                Box::into_raw(Box::new(AckBuf {
+                    events,
+                    index: u32::MAX,
+                    bytes: UnsafeCell::new([0; wire::BATCH_ACK_LEN_BYTES]),
+                }))
+            }
+        };
+        // SAFETY: `buf` is ours alone until it is released (popped from the free list or
+        // just allocated); nothing else reads or writes its bytes meanwhile.
+        let bytes = unsafe {
+            *(*buf).bytes.get() = wire::encode_ack(cookie, status);
+            (*buf).bytes.get() as *const c_void
+        };
+        let mut param = request_param();
+        param.op_attr_mask =
+            UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+        param.flags = UCP_AM_SEND_FLAG_EAGER;
+        param.cb.send = Some(on_ack_sent);
+        param.user_data = buf as *mut c_void;
+        // SAFETY: `ep` is the reply endpoint UCX handed to the running handler; the buffer
+        // stays untouched until the send's callback (or the immediate return) releases it.
+        let request = unsafe {
+            (self.am_send)(
+                ep,
+                wire::BATCH_ACK_AM_ID,
+                ptr::null(),
+                0,
+                bytes,
+                wire::BATCH_ACK_LEN_BYTES,
+                &param,
+            )
+        };
+        if !ucs_ptr_is_ptr(request) {
+            if ucs_ptr_is_err(request) {
+                self.unsent_acks.fetch_add(1, Ordering::Relaxed);
+            }
+            // SAFETY: UCX is done with the buffer (completed or failed at once).
+            unsafe { release_ack(buf) };
+        }
+    }
+}
+
+/// Return an ack buffer to its pool (or free an allocated one).
+///
+/// # Safety
+///
+/// `buf` came from [`BatchEvents::send_ack`] and UCX no longer uses it; called once.
+unsafe fn release_ack(buf: *const AckBuf) {
+    // SAFETY: per the contract, `buf` is live; its `events` outlives every worker.
+    unsafe {
+        if (*buf).index == u32::MAX {
+            drop(Box::from_raw(buf as *mut AckBuf));
+        } else {
+            let _ = (*(*buf).events).batch.free_acks.push((*buf).index);
+        }
+    }
+}
+
+unsafe extern "C" fn on_ack_sent(
+    request: *mut c_void,
+    status: ucs_status_t,
+    user_data: *mut c_void,
+) {
+    let buf = user_data as *const AckBuf;
+    // SAFETY: user_data is the ack buffer given to this send; `events` outlives workers.
+    let events = unsafe { &*(*buf).events };
+    if status.is_err() {
+        events.batch.unsent_acks.fetch_add(1, Ordering::Relaxed);
+    }
+    // SAFETY: the send is complete: UCX is done with the buffer; released once.
+    unsafe { release_ack(buf) };
+    // SAFETY: the request this callback completes; freeing it here is allowed.
+    unsafe { (events.batch.request_free)(request) };
+}
+
+/// Check a WRITE batch message against the region index and write it: all or nothing.
+fn apply_batch_write(regions: &mut RegionIndex, msg: &[u8]) -> BatchStatus {
+    let Ok(batch) = wire::parse_batch_write(msg) else {
+        return BatchStatus::Malformed;
+    };
+    if !batch
+        .ranges()
+        .all(|(addr, data)| regions.covers(addr, data.len() as u64))
+    {
+        return BatchStatus::OutsideRegistered;
+    }
+    for (addr, data) in batch.ranges() {
+        // SAFETY: the range lies inside memory registered with this backend (checked just
+        // above, with registration excluded meanwhile: it needs the core, which the
+        // progressing thread holds). Registered memory is the caller's promise to keep
+        // valid and to let peers write (as for UCX's own RMA); the source is the message.
+        unsafe { ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) };
+    }
+    BatchStatus::Written
+}
+
+/// Handler of [`wire::BATCH_WRITE_AM_ID`] (target side).
+pub(super) unsafe extern "C" fn on_batch_write(
+    arg: *mut c_void,
+    _header: *const c_void,
+    _header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const ucp_am_recv_param_t,
+) -> ucs_status_t {
+    let events_ptr = arg as *const Events;
+    // SAFETY: arg is the core's Arc<Events>, alive until the worker is destroyed.
+    let events = unsafe { &*events_ptr };
+    let batch = &events.batch;
+    // SAFETY: UCX passes a valid param for the duration of the callback.
+    let (recv_attr, reply_ep) = unsafe { ((*param).recv_attr, (*param).reply_ep) };
+    let msg: &[u8] = if length == 0 || recv_attr & u64::from(UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 {
+        // Senders force eager; a rendezvous message is not one of ours.
+        &[]
+    } else {
+        // SAFETY: eager data is readable during the callback.
+        unsafe { std::slice::from_raw_parts(data as *const u8, length) }
+    };
+    let status = {
+        let mut regions = batch.regions.lock().unwrap_or_else(|e| e.into_inner());
+        apply_batch_write(&mut regions, msg)
+    };
+    if status != BatchStatus::Written {
+        batch.refused.fetch_add(1, Ordering::Relaxed);
+    }
+    if msg.len() < 8 || recv_attr & u64::from(UCP_AM_RECV_ATTR_FIELD_REPLY_EP) == 0 {
+        batch.unsent_acks.fetch_add(1, Ordering::Relaxed);
+        return ucs_status_t::UCS_OK;
+    }
+    let mut cookie = [0u8; 8];
+    cookie.copy_from_slice(&msg[..8]);
+    batch.send_ack(events_ptr, reply_ep, u64::from_le_bytes(cookie), status);
+    ucs_status_t::UCS_OK
+}
+
+/// Handler of [`wire::BATCH_ACK_AM_ID`] (initiator side).
+pub(super) unsafe extern "C" fn on_batch_ack(
+    arg: *mut c_void,
+    _header: *const c_void,
+    _header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const ucp_am_recv_param_t,
+) -> ucs_status_t {
+    // SAFETY: arg is the core's Arc<Events>, alive until the worker is destroyed.
+    let events = unsafe { &*(arg as *const Events) };
+    // SAFETY: UCX passes a valid param for the duration of the callback.
+    let recv_attr = unsafe { (*param).recv_attr };
+    let bytes: &[u8] = if length == 0 || recv_attr & u64::from(UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 {
+        &[]
+    } else {
+        // SAFETY: eager data is readable during the callback.
+        unsafe { std::slice::from_raw_parts(data as *const u8, length) }
+    };
+    match wire::parse_ack(bytes) {
+        Ok(ack) if events.batch.acks_in.push(ack).is_ok() => {}
+        _ => {
+            events.batch.dropped_acks.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    ucs_status_t::UCS_OK
+}
+
+unsafe extern "C" fn on_reply_sent(
+    request: *mut c_void,
+    status: ucs_status_t,
+    user_data: *mut c_void,
+) {
+    // SAFETY: user_data is the Box<ReplyBuf> given to this send, now done.
+    let buf = unsafe { Box::from_raw(user_data as *mut ReplyBuf) };
+    // SAFETY: `events` outlives every worker.
+    let events = unsafe { &*buf.events };
+    if status.is_err() {
+        events.batch.unsent_acks.fetch_add(1, Ordering::Relaxed);
+    }
+    events.batch.recycle_reply(buf);
+    // SAFETY: the request this callback completes; freeing it here is allowed.
+    unsafe { (events.batch.request_free)(request) };
+}
+
+impl BatchEvents {
+    fn recycle_reply(&self, buf: Box<ReplyBuf>) {
+        let mut pool = self.replies.lock().unwrap_or_else(|e| e.into_inner());
+        if pool.len() < REPLY_POOL_MAX {
+            pool.push(buf);
+        }
+    }
+
+    /// Answer a READ batch request on `ep` (a reply endpoint, valid during the handler).
+    fn send_read_reply(&self, events: *const Events, ep: ucp_ep_h, msg: &[u8]) {
+        let popped = self.replies.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let mut buf = popped.unwrap_or_else(|| {
+            self.allocated_replies.fetch_add(1, Ordering::Relaxed);
+            Box::new(ReplyBuf {
+                events,
+                bytes: Vec::new(),
+            })
+        });
+        buf.bytes.clear();
+        let mut cookie = [0u8; 8];
+        cookie.copy_from_slice(&msg[..8]);
+        let cookie = u64::from_le_bytes(cookie);
+        let status = match wire::parse_batch_read(msg) {
+            Err(_) => BatchStatus::Malformed,
+            Ok(read) => {
+                let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
+                if read
+                    .ranges()
+                    .all(|(addr, len)| regions.covers(addr, u64::from(len)))
+                {
+                    buf.bytes
+                        .reserve(wire::BATCH_ACK_LEN_BYTES + read.data_bytes);
+                    buf.bytes
+                        .extend_from_slice(&wire::encode_ack(cookie, BatchStatus::Written));
+                    for (addr, len) in read.ranges() {
+                        // SAFETY: inside memory registered with this backend (checked
+                        // above, registration excluded meanwhile as for writes); only
+                        // read. Registered memory is the caller's promise to keep valid
+                        // and to let peers read.
+                        let data =
+                            unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) };
+                        buf.bytes.extend_from_slice(data);
+                    }
+                    BatchStatus::Written
+                } else {
+                    BatchStatus::OutsideRegistered
+                }
+            }
+        };
+        if status != BatchStatus::Written {
+            self.refused.fetch_add(1, Ordering::Relaxed);
+            buf.bytes
+                .extend_from_slice(&wire::encode_ack(cookie, status));
+        }
+        let mut param = request_param();
+        param.op_attr_mask =
+            UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+        param.flags = UCP_AM_SEND_FLAG_EAGER;
+        param.cb.send = Some(on_reply_sent);
+        let (data, len) = (buf.bytes.as_ptr() as *const c_void, buf.bytes.len());
+        let raw = Box::into_raw(buf);
+        param.user_data = raw as *mut c_void;
+        // SAFETY: `ep` is the reply endpoint of the running handler; the buffer (a Box
+        // handed over as user_data) stays untouched until the send reports.
+        let request = unsafe {
+            (self.am_send)(
+                ep,
+                wire::BATCH_READ_REPLY_AM_ID,
+                ptr::null(),
+                0,
+                data,
+                len,
+                &param,
+            )
+        };
+        if !ucs_ptr_is_ptr(request) {
+            if ucs_ptr_is_err(request) {
+                self.unsent_acks.fetch_add(1, Ordering::Relaxed);
+            }
+            // SAFETY: UCX is done with the buffer; the Box is taken back once.
+            self.recycle_reply(unsafe { Box::from_raw(raw) });
+        }
+    }
+}
+
+/// Handler of [`wire::BATCH_READ_AM_ID`] (target side).
+pub(super) unsafe extern "C" fn on_batch_read(
+    arg: *mut c_void,
+    _header: *const c_void,
+    _header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const ucp_am_recv_param_t,
+) -> ucs_status_t {
+    let events_ptr = arg as *const Events;
+    // SAFETY: arg is the core's Arc<Events>, alive until the worker is destroyed.
+    let events = unsafe { &*events_ptr };
+    // SAFETY: UCX passes a valid param for the duration of the callback.
+    let (recv_attr, reply_ep) = unsafe { ((*param).recv_attr, (*param).reply_ep) };
+    let msg: &[u8] = if length == 0 || recv_attr & u64::from(UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 {
+        &[]
+    } else {
+        // SAFETY: eager data is readable during the callback.
+        unsafe { std::slice::from_raw_parts(data as *const u8, length) }
+    };
+    if msg.len() < 8 || recv_attr & u64::from(UCP_AM_RECV_ATTR_FIELD_REPLY_EP) == 0 {
+        events.batch.refused.fetch_add(1, Ordering::Relaxed);
+        events.batch.unsent_acks.fetch_add(1, Ordering::Relaxed);
+        return ucs_status_t::UCS_OK;
+    }
+    events.batch.send_read_reply(events_ptr, reply_ep, msg);
+    ucs_status_t::UCS_OK
+}
+
+/// Handler of [`wire::BATCH_READ_REPLY_AM_ID`] (initiator side): scatter the data into
+/// the local ranges the message was posted with, then queue its ack.
+pub(super) unsafe extern "C" fn on_batch_read_reply(
+    arg: *mut c_void,
+    _header: *const c_void,
+    _header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const ucp_am_recv_param_t,
+) -> ucs_status_t {
+    // SAFETY: arg is the core's Arc<Events>, alive until the worker is destroyed.
+    let events = unsafe { &*(arg as *const Events) };
+    // SAFETY: UCX passes a valid param for the duration of the callback.
+    let recv_attr = unsafe { (*param).recv_attr };
+    let bytes: &[u8] = if length == 0 || recv_attr & u64::from(UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 {
+        &[]
+    } else {
+        // SAFETY: eager data is readable during the callback.
+        unsafe { std::slice::from_raw_parts(data as *const u8, length) }
+    };
+    let batch = &events.batch;
+    let Ok((cookie, mut status, payload)) = wire::parse_read_reply(bytes) else {
+        batch.dropped_acks.fetch_add(1, Ordering::Relaxed);
+        return ucs_status_t::UCS_OK;
+    };
+    {
+        let mut reads = batch.reads.lock().unwrap_or_else(|e| e.into_inner());
+        let index = (cookie & u64::from(u32::MAX)) as usize;
+        let Some(wait) = reads.get_mut(index).filter(|w| w.cookie == Some(cookie)) else {
+            drop(reads);
+            batch.dropped_acks.fetch_add(1, Ordering::Relaxed);
+            return ucs_status_t::UCS_OK;
+        };
+        wait.cookie = None;
+        if status == BatchStatus::Written as u32 {
+            if payload.len() == wait.data_bytes {
+                let mut at = 0usize;
+                for &(addr, len) in &wait.locals {
+                    let len = len as usize;
+                    // SAFETY: the local ranges were validated inside registered regions
+                    // at post, and stay valid until the request completes, which waits
+                    // for this reply (or forgets the cookie, under this lock, first).
+                    unsafe {
+                        ptr::copy_nonoverlapping(
+                            payload[at..at + len].as_ptr(),
+                            addr as *mut u8,
+                            len,
+                        )
+                    };
+                    at += len;
+                }
+            } else {
+                status = BatchStatus::Malformed as u32;
+            }
+        }
+    }
+    if batch.acks_in.push((cookie, status)).is_err() {
+        batch.dropped_acks.fetch_add(1, Ordering::Relaxed);
+    }
+    ucs_status_t::UCS_OK
+}
+
+/// Whether an endpoint whose lanes are `summary` (see `summarize_lanes`) should batch
+/// small WRITEs under `am_batch=auto`: when no lane is an RDMA or GPU transport, i.e.
+/// UCX would emulate small RMA with active messages (shared memory: posix, sysv, cma,
+/// knem, xpmem; tcp; self). On InfiniBand/RoCE (rc, dc, ud), uGNI, CUDA IPC, GDR copy or
+/// ROCm a put needs no target CPU, and batching stays off.
+pub(crate) fn am_batch_suits(summary: &str) -> bool {
+    const ONE_SIDED: [&str; 9] = ["rc", "dc", "ud", "ib", "cuda", "gdr", "rocm", "ugni", "ze"];
+    if summary == "unknown transports" {
+        return false;
+    }
+    summary.split(", ").all(|lane| {
+        let transport = lane.split('/').next().unwrap_or(lane).trim();
+        !ONE_SIDED.iter().any(|p| transport.starts_with(p))
+    })
+}
+
+/// `am_batch_bytes=auto`: [`crate::AM_BATCH_BYTES_TCP`] when the lane that carries
+/// active messages (role `am`) is tcp, else [`crate::AM_BATCH_BYTES_SHM`].
+pub(crate) fn am_batch_bytes_for(summary: &str) -> usize {
+    let am_over_tcp = summary.split(", ").any(|lane| {
+        let (transport, roles) = lane.split_once(" [").unwrap_or((lane, ""));
+        transport.starts_with("tcp") && roles.trim_end_matches(']').split(' ').any(|r| r == "am")
+    });
+    if am_over_tcp {
+        crate::AM_BATCH_BYTES_TCP
+    } else {
+        crate::AM_BATCH_BYTES_SHM
+    }
+}
+
+/// One batch message of the initiator.
+pub(super) struct AmMsg {
+    op: ferry_backend_api::Op,
+    /// READ: (local address, length) per range (moved to `BatchEvents::reads` at send).
+    locals: Vec<(u64, u32)>,
+    /// READ: data the reply will carry.
+    data_bytes: usize,
+    generation: u32,
+    in_use: bool,
+    /// Its send is with UCX (the buffer may not be touched).
+    sending: bool,
+    /// Its ack arrived (or it failed): it no longer counts in its batch's `acks`.
+    acked: bool,
+    /// Head slot of its batch.
+    head: u32,
+    /// First and last request slot with a range in it (linked by `Slot::next`).
+    first: u32,
+    last: u32,
+    ep: ucp_ep_h,
+    count: u32,
+    /// Header and packed ranges; capacity `am_batch_bytes` once first used.
+    buf: Vec<u8>,
+}
+
+/// The initiator's batching state.
+pub(super) struct AmBatch {
+    msgs: Vec<AmMsg>,
+    free: Vec<u32>,
+    /// The message being filled (`NONE`: none).
+    open: u32,
+    /// Largest range that is batched (0: batching off).
+    pub(super) range_max: u64,
+    /// `am_batch_bytes` (`None`: per endpoint, see [`am_batch_bytes_for`]).
+    msg_bytes: Option<usize>,
+    mode: AmBatchMode,
+    /// Index in `Core::cells` of message 0's send cell.
+    cell_base: u32,
+    /// Acks that named no message waiting for one.
+    pub(super) stale_acks: u64,
+}
+
+impl AmBatch {
+    pub(super) fn new(config: &crate::Config, cell_base: u32) -> AmBatch {
+        let count = config.am_batch_messages;
+        AmBatch {
+            msgs: (0..count)
+                .map(|_| AmMsg {
+                    op: ferry_backend_api::Op::Write,
+                    locals: Vec::new(),
+                    data_bytes: 0,
+                    generation: 0,
+                    in_use: false,
+                    sending: false,
+                    acked: false,
+                    head: NONE,
+                    first: NONE,
+                    last: NONE,
+                    ep: ptr::null_mut(),
+                    count: 0,
+                    buf: Vec::new(),
+                })
+                .collect(),
+            free: (0..count as u32).rev().collect(),
+            open: NONE,
+            range_max: if config.am_batch == AmBatchMode::Off {
+                0
+            } else {
+                config.am_batch_range_bytes
+            },
+            msg_bytes: config.am_batch_bytes,
+            mode: config.am_batch,
+            cell_base,
+            stale_acks: 0,
+        }
+    }
+
+    /// The batch message size on an endpoint whose lanes are `summary`; 0 = batching
+    /// is not used there.
+    pub(super) fn suits(&self, summary: &str) -> usize {
+        let on = self.range_max > 0
+            && match self.mode {
+                AmBatchMode::Off => false,
+                AmBatchMode::On => true,
+                AmBatchMode::Auto => am_batch_suits(summary),
+            };
+        if on {
+            self.msg_bytes
+                .unwrap_or_else(|| am_batch_bytes_for(summary))
+        } else {
+            0
+        }
+    }
+
+    /// Messages in flight (sent or open, not yet acked and reported).
+    pub(super) fn in_flight(&self) -> usize {
+        self.msgs.len() - self.free.len()
+    }
+}
+
+impl Core {
+    /// Add the range to the open message of batch `head` (starting one if needed): a
+    /// WRITE's data is copied in, a READ's local range kept for the reply. False if no
+    /// message is free (the caller then puts or gets the range).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn am_pack(
+        &mut self,
+        op: ferry_backend_api::Op,
+        head: u32,
+        slot: u32,
+        ep: ucp_ep_h,
+        local_addr: u64,
+        remote_addr: u64,
+        len: u64,
+        msg_bytes: usize,
+    ) -> bool {
+        let write = op == ferry_backend_api::Op::Write;
+        if self.am.open != NONE {
+            let msg = &self.am.msgs[self.am.open as usize];
+            let fits = if write {
+                msg.buf.len() + wire::BATCH_ENTRY_LEN_BYTES + len as usize <= msg_bytes
+            } else {
+                msg.buf.len() + wire::BATCH_ENTRY_LEN_BYTES <= msg_bytes
+                    && wire::BATCH_ACK_LEN_BYTES + msg.data_bytes + len as usize <= msg_bytes
+            };
+            if msg.head != head || msg.ep != ep || msg.op != op || !fits {
+                self.am_send_open();
+            }
+        }
+        if self.am.open == NONE {
+            let Some(m) = self.am.free.pop() else {
+                return false;
+            };
+            let msg = &mut self.am.msgs[m as usize];
+            if msg.buf.capacity() < msg_bytes {
+                msg.buf = Vec::with_capacity(msg_bytes);
+            }
+            msg.buf.clear();
+            msg.buf
+                .extend_from_slice(&[0u8; wire::BATCH_HEADER_LEN_BYTES]);
+            msg.op = op;
+            msg.locals.clear();
+            msg.data_bytes = 0;
+            msg.in_use = true;
+            msg.sending = false;
+            msg.acked = false;
+            msg.head = head;
+            msg.first = slot;
+            msg.ep = ep;
+            msg.count = 0;
+            self.am.open = m;
+            self.slots[head as usize].acks += 1;
+        }
+        let msg = &mut self.am.msgs[self.am.open as usize];
+        msg.buf
+            .extend_from_slice(&wire::batch_entry(remote_addr, len as u32));
+        if write {
+            // SAFETY: the local range lies inside a registered region (validated at post)
+            // and stays valid until the request completes (backend contract); only read.
+            let data = unsafe { std::slice::from_raw_parts(local_addr as *const u8, len as usize) };
+            msg.buf.extend_from_slice(data);
+        } else {
+            msg.locals.push((local_addr, len as u32));
+            msg.data_bytes += len as usize;
+        }
+        msg.count += 1;
+        msg.last = slot;
+        true
+    }
+
+    /// Send the open message, if any.
+    pub(super) fn am_send_open(&mut self) {
+        let m = std::mem::replace(&mut self.am.open, NONE);
+        if m == NONE {
+            return;
+        }
+        let cell = self.am.cell_base + m;
+        let msg = &mut self.am.msgs[m as usize];
+        let cookie = (u64::from(msg.generation) << 32) | u64::from(m);
+        msg.buf[..wire::BATCH_HEADER_LEN_BYTES]
+            .copy_from_slice(&wire::batch_header(cookie, msg.count));
+        msg.sending = true;
+        let am_id = if msg.op == ferry_backend_api::Op::Write {
+            wire::BATCH_WRITE_AM_ID
+        } else {
+            // Where the reply's data goes, for its handler (swapped: no allocation).
+            let mut reads = self
+                .events
+                .batch
+                .reads
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            let wait = &mut reads[m as usize];
+            wait.cookie = Some(cookie);
+            wait.data_bytes = msg.data_bytes;
+            std::mem::swap(&mut wait.locals, &mut msg.locals);
+            wire::BATCH_READ_AM_ID
+        };
+        let mut param = request_param();
+        param.op_attr_mask =
+            UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+        param.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
+        param.cb.send = Some(on_op_done);
+        param.user_data = &self.cells[cell as usize] as *const OpCell as *mut c_void;
+        // SAFETY: ep live (messages of an endpoint are failed before it closes and none is
+        // open across calls); the buffer stays untouched until the send's callback reports
+        // (`sending`); the cell outlives the request.
+        let request = unsafe {
+            self.ucp.api().ucp_am_send_nbx(
+                msg.ep,
+                am_id,
+                ptr::null(),
+                0,
+                msg.buf.as_ptr() as *const c_void,
+                msg.buf.len(),
+                &param,
+            )
+        };
+        if !ucs_ptr_is_ptr(request) {
+            self.am_sent(m, ucs_ptr_status(request));
+        }
+    }
+
+    /// Cell `cell` belongs to a batch message.
+    pub(super) fn am_cell(&self, cell: u32) -> Option<u32> {
+        cell.checked_sub(self.am.cell_base)
+    }
+
+    /// UCX reported the send of message `m`.
+    pub(super) fn am_sent(&mut self, m: u32, status: ucs_status_t) {
+        let msg = &mut self.am.msgs[m as usize];
+        msg.sending = false;
+        let head = msg.head;
+        if !msg.acked && status.is_err() {
+            let gone = self.peer_gone(self.slots[head as usize].peer);
+            self.am_fail(m, failure_of(status, gone, None));
+            self.am_acked(m);
+        } else if self.am.msgs[m as usize].acked {
+            self.am_release(m);
+        }
+    }
+
+    /// Take the acks that arrived. Returns whether there were any.
+    pub(super) fn am_take_acks(&mut self) -> bool {
+        let mut any = false;
+        while let Some((cookie, status)) = self.events.batch.acks_in.pop() {
+            any = true;
+            let m = (cookie & u64::from(u32::MAX)) as u32;
+            let generation = (cookie >> 32) as u32;
+            let waiting = self.am.msgs.get(m as usize).is_some_and(|msg| {
+                msg.in_use && !msg.acked && msg.generation == generation && m != self.am.open
+            });
+            if !waiting {
+                self.am.stale_acks += 1;
+                continue;
+            }
+            match BatchStatus::from_wire(status) {
+                Some(BatchStatus::Written) => {}
+                refused => {
+                    let errno = if refused == Some(BatchStatus::OutsideRegistered) {
+                        libc::EFAULT
+                    } else {
+                        libc::EPROTO
+                    };
+                    self.am_fail(
+                        m,
+                        Failure {
+                            kind: FailureKind::Backend,
+                            errno,
+                            range: None,
+                        },
+                    );
+                }
+            }
+            self.am_acked(m);
+        }
+        any
+    }
+
+    /// Record `failure` on every request with a range in message `m` (first one wins).
+    fn am_fail(&mut self, m: u32, failure: Failure) {
+        let (first, last) = {
+            let msg = &self.am.msgs[m as usize];
+            (msg.first, msg.last)
+        };
+        let mut index = first;
+        while index != NONE {
+            let slot = &mut self.slots[index as usize];
+            slot.failure.get_or_insert(failure);
+            if index == last {
+                break;
+            }
+            index = slot.next;
+        }
+    }
+
+    /// Message `m` no longer waits for its ack: its batch may complete.
+    fn am_acked(&mut self, m: u32) {
+        let msg = &mut self.am.msgs[m as usize];
+        msg.acked = true;
+        if msg.op == ferry_backend_api::Op::Read {
+            // A reply that comes after this must not scatter: the request may complete.
+            let cookie = (u64::from(msg.generation) << 32) | u64::from(m);
+            let mut reads = self
+                .events
+                .batch
+                .reads
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            if reads[m as usize].cookie == Some(cookie) {
+                reads[m as usize].cookie = None;
+            }
+        }
+        let msg = &mut self.am.msgs[m as usize];
+        let head = msg.head;
+        let sending = msg.sending;
+        if !sending {
+            self.am_release(m);
+        }
+        let slot = &mut self.slots[head as usize];
+        slot.acks -= 1;
+        if slot.acks == 0 {
+            if let Some(status) = slot.flushed.take() {
+                self.batch_complete(head, status);
+            }
+        }
+    }
+
+    fn am_release(&mut self, m: u32) {
+        let msg = &mut self.am.msgs[m as usize];
+        debug_assert!(msg.in_use && msg.acked && !msg.sending);
+        msg.in_use = false;
+        msg.generation = msg.generation.wrapping_add(1);
+        msg.head = NONE;
+        msg.ep = ptr::null_mut();
+        self.am.free.push(m);
+    }
+
+    /// `ep` is about to close: its messages still waiting for an ack fail their requests
+    /// (remote-disconnect), once each.
+    pub(super) fn am_fail_ep(&mut self, ep: ucp_ep_h) {
+        for m in 0..self.am.msgs.len() as u32 {
+            let msg = &self.am.msgs[m as usize];
+            if msg.in_use && !msg.acked && msg.ep == ep && m != self.am.open {
+                self.am_fail(
+                    m,
+                    failure_of(ucs_status_t::UCS_ERR_CONNECTION_RESET, true, None),
+                );
+                self.am_acked(m);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn region_index_covers_only_registered_memory() {
+        let mut index = RegionIndex::new();
+        assert!(!index.covers(0x1000, 1));
+        index.add(0x1000, 0x1000);
+        index.add(0x2000, 0x1000);
+        index.add(0x8000, 0x100);
+        assert!(index.covers(0x1000, 0x2000), "adjacent regions together");
+        assert!(index.covers(0x80ff, 1));
+        assert!(!index.covers(0x80ff, 2));
+        assert!(!index.covers(0xfff, 2));
+        assert!(!index.covers(0x3000, 1));
+        assert!(!index.covers(u64::MAX, 2), "overflow");
+        index.remove(0x2000, 0x1000);
+        assert!(!index.covers(0x1000, 0x2000));
+        assert!(index.covers(0x1000, 0x1000));
+    }
+
+    #[test]
+    fn a_forged_message_writes_nothing_unless_every_range_is_registered() {
+        let mut target = vec![0u8; 4096];
+        let base = target.as_mut_ptr() as u64;
+        let mut regions = RegionIndex::new();
+        regions.add(base, 4096);
+        let good = wire::encode_batch_write(1, &[(base + 10, b"abc"), (base + 4093, b"xyz")]);
+        assert_eq!(apply_batch_write(&mut regions, &good), BatchStatus::Written);
+        assert_eq!(&target[10..13], b"abc");
+        assert_eq!(&target[4093..], b"xyz");
+        // One range a byte past the registered end: the whole message is refused.
+        let past = wire::encode_batch_write(2, &[(base, b"123"), (base + 4094, b"xyz")]);
+        assert_eq!(
+            apply_batch_write(&mut regions, &past),
+            BatchStatus::OutsideRegistered
+        );
+        assert_eq!(
+            &target[..3],
+            &[0, 0, 0],
+            "nothing of a refused message is written"
+        );
+        // Malformed: truncated, inflated length, trailing bytes.
+        let mut bad = wire::encode_batch_write(3, &[(base, b"123")]);
+        for cut in 0..bad.len() {
+            assert_eq!(
+                apply_batch_write(&mut regions, &bad[..cut]),
+                BatchStatus::Malformed
+            );
+        }
+        bad[16 + 8] = 200;
+        assert_eq!(
+            apply_batch_write(&mut regions, &bad),
+            BatchStatus::Malformed
+        );
+        assert_eq!(&target[..3], &[0, 0, 0]);
+        // Deregistered: refused.
+        regions.remove(base, 4096);
+        assert_eq!(
+            apply_batch_write(&mut regions, &good),
+            BatchStatus::OutsideRegistered
+        );
+        drop(target);
+    }
+
+    #[test]
+    fn batching_suits_emulated_transports_only() {
+        assert!(am_batch_suits(
+            "posix/memory [am am_bw#0], cma/memory [rma_bw#0]"
+        ));
+        assert!(am_batch_suits("tcp/lo [rma_bw#0 am am_bw#0]"));
+        assert!(!am_batch_suits(
+            "rc_mlx5/mlx5_0:1 [rma_bw#0 am], posix/memory [am]"
+        ));
+        assert!(!am_batch_suits("cuda_ipc/cuda [rma_bw#0]"));
+        assert!(!am_batch_suits("unknown transports"));
+        assert_eq!(
+            am_batch_bytes_for("tcp/lo [am keepalive], cma/memory [rma_bw#0]"),
+            crate::AM_BATCH_BYTES_TCP
+        );
+        assert_eq!(
+            am_batch_bytes_for("sysv/memory [am am_bw#0], posix/memory [], cma/memory [rma_bw#0]"),
+            crate::AM_BATCH_BYTES_SHM
+        );
+        assert_eq!(
+            am_batch_bytes_for("posix/memory [am], tcp/lo [am_bw#0]"),
+            crate::AM_BATCH_BYTES_SHM
+        );
+    }
+}

@@ -1,0 +1,390 @@
+//! Batched small transfers (`state/batch.rs`: small ranges packed into active messages)
+//! between two backends in one process: byte-for-byte results of many random small
+//! WRITE and READ ranges alone and mixed with large ones (with one batch message at a
+//! time, a small window, small messages), notifications only after the batched data, a
+//! message into memory the target no longer has registered refused whole without
+//! writing (or reading), and an unload with acks and replies pending. Each under the
+//! default transports and `transports=tcp`.
+
+// Reason: the tests call the backend's unsafe methods (through `common::TestCalls`).
+#![allow(unsafe_code)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use ferry_backend_api::{
+    Backend, Completion, Completions, Endpoint, FailureKind, MemKind, Op, PeerId, Post, Range,
+};
+use ferry_ucx::UcxBackend;
+
+const TIMEOUT: Duration = Duration::from_secs(30);
+const LEN: usize = 1 << 20;
+
+struct Pair {
+    a: UcxBackend,
+    b: UcxBackend,
+    a_buf: Buffer,
+    b_buf: Buffer,
+    a_token: u64,
+    b_token: u64,
+    b_md: Vec<u8>,
+    peer_b: PeerId,
+}
+
+fn pair(transports: &str, extra_a: &[(&str, &str)]) -> Pair {
+    let mut a = backend("agent-a", transports, extra_a);
+    let mut b = backend("agent-b", transports, &[]);
+    let a_buf = Buffer::new(LEN);
+    let b_buf = Buffer::new(LEN);
+    let (a_token, _) = register(&mut a, &a_buf);
+    let (b_token, b_md) = register(&mut b, &b_buf);
+    let peer_b = peer_id(1);
+    load(
+        &mut a,
+        peer_b,
+        "agent-b",
+        &b.conn_info(),
+        &[(b_token, b_md.clone())],
+    );
+    Pair {
+        a,
+        b,
+        a_buf,
+        b_buf,
+        a_token,
+        b_token,
+        b_md,
+        peer_b,
+    }
+}
+
+fn range(p: &Pair, local_off: usize, remote_off: usize, len: usize) -> Range {
+    Range {
+        local_addr: p.a_buf.addr() + local_off as u64,
+        remote_addr: p.b_buf.addr() + remote_off as u64,
+        len: len as u64,
+        local_dev: 0,
+        remote_dev: 0,
+        local_token: p.a_token,
+        remote_token: p.b_token,
+    }
+}
+
+fn post<'a>(tag: u64, ranges: &'a [Range], notif: Option<&'a [u8]>) -> Post<'a> {
+    post_op(tag, Op::Write, ranges, notif)
+}
+
+fn post_op<'a>(tag: u64, op: Op, ranges: &'a [Range], notif: Option<&'a [u8]>) -> Post<'a> {
+    Post {
+        tag,
+        op,
+        local_kind: MemKind::Dram,
+        remote_kind: MemKind::Dram,
+        ranges,
+        notif,
+    }
+}
+
+/// Post and wait: one completion per request.
+fn run(p: &mut Pair, posts: &[Post<'_>]) -> Vec<Completion> {
+    let mut done = Completions::with_capacity(posts.len());
+    p.a.post_t(Endpoint::Peer(p.peer_b), posts, &mut done)
+        .expect("post");
+    let mut got: Vec<Completion> = done.as_slice().to_vec();
+    let pending: Vec<u64> = posts
+        .iter()
+        .map(|x| x.tag)
+        .filter(|t| !got.iter().any(|c| c.tag == *t))
+        .collect();
+    got.extend(wait_for(&mut [&mut p.a, &mut p.b], &pending, TIMEOUT));
+    assert_eq!(got.len(), posts.len(), "one completion per request");
+    got
+}
+
+/// Disjoint ranges tiling `[0, total)`, each 1..=`max` bytes, in shuffled order.
+fn tiles(rng: &mut Rng, total: usize, max: usize) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while at < total {
+        let len = (1 + rng.below(max as u64) as usize).min(total - at);
+        out.push((at, len));
+        at += len;
+    }
+    rng.shuffle(&mut out);
+    out
+}
+
+fn label(transports: &str) -> &str {
+    if transports.is_empty() {
+        "default"
+    } else {
+        transports
+    }
+}
+
+#[test]
+fn random_small_and_mixed_writes_land_byte_for_byte() {
+    if !setup() {
+        return;
+    }
+    for &transports in TRANSPORTS {
+        let variants: [&[(&str, &str)]; 4] = [
+            &[],
+            &[("am_batch_messages", "1")],
+            &[("post_window_bytes", "4096")],
+            &[("am_batch_bytes", "1024"), ("am_batch_range_bytes", "700")],
+        ];
+        for extra in variants {
+            let mut p = pair(transports, extra);
+            p.a.connect(p.peer_b).unwrap();
+            assert_eq!(
+                p.a.batches_to(p.peer_b),
+                Some(true),
+                "[{}] {extra:?}: batching is on for shared memory and tcp",
+                label(transports)
+            );
+            let mut rng = Rng::new(0xba7c ^ transports.len() as u64);
+            for round in 0..4u64 {
+                rng.fill(&mut p.a_buf.0);
+                // Small ranges (some above am_batch_range_bytes) from [0, 256 KiB) to
+                // [512 KiB, 768 KiB), and large ones between.
+                let mut ranges: Vec<Range> = tiles(&mut rng, 256 << 10, 1500)
+                    .into_iter()
+                    .map(|(off, len)| range(&p, off, (512 << 10) + off, len))
+                    .collect();
+                for i in 0..3 {
+                    let off = (256 << 10) + i * (80 << 10);
+                    let at = rng.below(ranges.len() as u64) as usize;
+                    ranges.insert(at, range(&p, off, (512 << 10) + off, 80 << 10));
+                }
+                let third = ranges.len() / 3;
+                let notif = b"done";
+                let posts = [
+                    post(round * 10, &ranges[..third], None),
+                    post(round * 10 + 1, &ranges[third..2 * third], None),
+                    post(round * 10 + 2, &ranges[2 * third..], Some(notif)),
+                ];
+                for c in run(&mut p, &posts) {
+                    assert_eq!(c.result, Ok(()), "request {} failed", c.tag);
+                }
+                let written = 256 << 10 | 240 << 10;
+                assert!(
+                    p.a_buf.0[..written] == p.b_buf.0[512 << 10..(512 << 10) + written],
+                    "[{}] {extra:?} round {round}: target bytes differ",
+                    label(transports)
+                );
+                let mut inbox = Inbox::default();
+                wait_notifs(&mut [&mut p.b, &mut p.a], 0, &mut inbox, 1, TIMEOUT);
+                assert_eq!(inbox.0, vec![("agent-a".to_string(), notif.to_vec())]);
+
+                // The same ranges read back from fresh target bytes.
+                rng.fill(&mut p.b_buf.0[512 << 10..]);
+                let posts = [
+                    post_op(round * 10 + 5, Op::Read, &ranges[..third], None),
+                    post_op(round * 10 + 6, Op::Read, &ranges[third..], None),
+                ];
+                for c in run(&mut p, &posts) {
+                    assert_eq!(c.result, Ok(()), "read request {} failed", c.tag);
+                }
+                assert!(
+                    p.a_buf.0[..written] == p.b_buf.0[512 << 10..(512 << 10) + written],
+                    "[{}] {extra:?} round {round}: read bytes differ",
+                    label(transports)
+                );
+            }
+            let counts = p.a.batch_counts();
+            assert_eq!(counts.in_flight, 0, "{counts:?}");
+            assert_eq!(p.b.batch_counts().refused, 0);
+            assert_eq!(p.a.in_flight(), 0);
+        }
+        // Forced off: same results through puts.
+        let mut p = pair(transports, &[("am_batch", "off")]);
+        p.a.connect(p.peer_b).unwrap();
+        assert_eq!(p.a.batches_to(p.peer_b), Some(false));
+        let mut rng = Rng::new(5);
+        rng.fill(&mut p.a_buf.0);
+        let ranges: Vec<Range> = tiles(&mut rng, 64 << 10, 300)
+            .into_iter()
+            .map(|(off, len)| range(&p, off, off, len))
+            .collect();
+        for c in run(&mut p, &[post(1, &ranges, None)]) {
+            assert_eq!(c.result, Ok(()));
+        }
+        assert!(p.a_buf.0[..64 << 10] == p.b_buf.0[..64 << 10]);
+    }
+}
+
+#[test]
+fn notification_comes_only_after_the_batched_data() {
+    if !setup() {
+        return;
+    }
+    for &transports in TRANSPORTS {
+        let mut p = pair(transports, &[]);
+        let mut rng = Rng::new(17);
+        for round in 0..8u8 {
+            rng.fill(&mut p.a_buf.0[..128 << 10]);
+            let ranges: Vec<Range> = tiles(&mut rng, 128 << 10, 256)
+                .into_iter()
+                .map(|(off, len)| range(&p, off, off, len))
+                .collect();
+            let tag = [b'n', round];
+            let mut done = Completions::with_capacity(4);
+            p.a.post_t(
+                Endpoint::Peer(p.peer_b),
+                &[post(u64::from(round), &ranges, Some(&tag))],
+                &mut done,
+            )
+            .unwrap();
+            let mut inbox = Inbox::default();
+            let seen = wait_notifs(&mut [&mut p.b, &mut p.a], 0, &mut inbox, 1, TIMEOUT);
+            assert_eq!(inbox.0, vec![("agent-a".to_string(), tag.to_vec())]);
+            assert!(
+                p.a_buf.0[..128 << 10] == p.b_buf.0[..128 << 10],
+                "[{}] data incomplete at notification",
+                label(transports)
+            );
+            if done.is_empty() && seen.is_empty() {
+                wait_for(&mut [&mut p.a, &mut p.b], &[u64::from(round)], TIMEOUT);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_message_into_memory_no_longer_registered_is_refused_whole_without_writing() {
+    if !setup() {
+        return;
+    }
+    for &transports in TRANSPORTS {
+        let mut p = pair(transports, &[]);
+        let gone = Buffer::new(64 << 10);
+        let (gone_token, gone_md) = register(&mut p.b, &gone);
+        let b_info = p.b.conn_info();
+        load(
+            &mut p.a,
+            p.peer_b,
+            "agent-b",
+            &b_info,
+            &[(p.b_token, p.b_md.clone()), (gone_token, gone_md)],
+        );
+        // The initiator still holds the rkey; the target deregisters the region.
+        p.b.deregister_t(MemKind::Dram, gone_token).unwrap();
+        p.a_buf.0[..4096].fill(0xab);
+        let inside = range(&p, 0, 4096, 64);
+        let outside = Range {
+            remote_addr: gone.addr() + 100,
+            remote_token: gone_token,
+            ..range(&p, 64, 0, 64)
+        };
+        let ranges = [inside, outside];
+        let got = run(&mut p, &[post(7, &ranges, None)]);
+        let failure = got[0].result.expect_err("the target must refuse");
+        assert_eq!(
+            (failure.kind, failure.errno),
+            (FailureKind::Backend, libc::EFAULT),
+            "[{}] {failure:?}",
+            label(transports)
+        );
+        assert!(
+            gone.0.iter().all(|&b| b == 0),
+            "unregistered memory written"
+        );
+        assert!(
+            p.b_buf.0[4096..4096 + 64].iter().all(|&b| b == 0),
+            "a refused message must write nothing"
+        );
+        assert_eq!(p.b.batch_counts().refused, 1);
+        // Reading it is refused as well, and writes nothing locally.
+        p.a_buf.0[..4096].fill(0);
+        let got = run(&mut p, &[post_op(9, Op::Read, &ranges, None)]);
+        let failure = got[0].result.expect_err("the target must refuse the read");
+        assert_eq!(
+            (failure.kind, failure.errno),
+            (FailureKind::Backend, libc::EFAULT)
+        );
+        assert!(
+            p.a_buf.0[..4096].iter().all(|&b| b == 0),
+            "refused read wrote"
+        );
+        assert_eq!(p.b.batch_counts().refused, 2);
+        p.a_buf.0[..4096].fill(0xab);
+        // The same backend pair still works.
+        for c in run(&mut p, &[post(8, &ranges[..1], None)]) {
+            assert_eq!(c.result, Ok(()));
+        }
+        assert!(p.b_buf.0[4096..4096 + 64].iter().all(|&b| b == 0xab));
+    }
+}
+
+#[test]
+fn unloading_the_target_with_acks_pending_fails_each_request_once() {
+    if !setup() {
+        return;
+    }
+    for &transports in TRANSPORTS {
+        let mut p = pair(transports, &[]);
+        p.a.connect(p.peer_b).unwrap();
+        let ranges: Vec<Range> = (0..256)
+            .map(|i| range(&p, i * 64, (i * 997 % 256) * 64, 64))
+            .collect();
+        let mut done = Completions::with_capacity(8);
+        let posts: Vec<Post<'_>> = (0..4)
+            .map(|t| {
+                let op = if t < 2 { Op::Write } else { Op::Read };
+                post_op(t, op, &ranges, None)
+            })
+            .collect();
+        p.a.post_t(Endpoint::Peer(p.peer_b), &posts, &mut done)
+            .unwrap();
+        // The target never progressed: no ack can have come.
+        assert!(p.a.batch_counts().in_flight > 0);
+        p.a.unload_remote(p.peer_b);
+        let deadline = Instant::now() + TIMEOUT;
+        let mut reported: Vec<Completion> = Vec::new();
+        loop {
+            reported.extend_from_slice(done.as_slice());
+            done.clear();
+            if (reported.len() >= 4
+                && p.a.in_flight() == 0
+                && p.a.batch_counts().in_flight == 0
+                && p.a.closing_endpoints() == 0)
+                || Instant::now() > deadline
+            {
+                break;
+            }
+            p.a.progress(&mut done);
+            p.b.progress(&mut done);
+        }
+        for tag in 0..4 {
+            let mine: Vec<_> = reported.iter().filter(|c| c.tag == tag).collect();
+            assert_eq!(mine.len(), 1, "request {tag} reported {} times", mine.len());
+            let failure = mine[0].result.expect_err("no ack came");
+            assert!(
+                matches!(
+                    failure.kind,
+                    FailureKind::RemoteDisconnect | FailureKind::Canceled
+                ),
+                "{failure:?}"
+            );
+        }
+        assert_eq!(p.a.in_flight(), 0, "slots left");
+        assert_eq!(p.a.batch_counts().in_flight, 0, "batch messages left");
+        // Reloaded, the peer works again.
+        let b_info = p.b.conn_info();
+        load(
+            &mut p.a,
+            p.peer_b,
+            "agent-b",
+            &b_info,
+            &[(p.b_token, p.b_md.clone())],
+        );
+        p.a_buf.0[..256 * 64].fill(3);
+        for c in run(&mut p, &[post(9, &ranges, None)]) {
+            assert_eq!(c.result, Ok(()));
+        }
+        assert!(p.b_buf.0[..256 * 64].iter().all(|&b| b == 3));
+    }
+}

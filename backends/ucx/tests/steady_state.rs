@@ -1,0 +1,155 @@
+//! Steady state of batched small transfers (`state/batch.rs`): after warm-up, posting
+//! batched writes and reads to a peer and progressing both backends allocate nothing
+//! (the batch message buffers, the ack and reply buffers and queues are pooled), and
+//! the loop leaves no
+//! request slot or batch message behind. One test only in this binary, so the global
+//! allocation counter sees nothing but the backends and this loop. (UCX's own
+//! allocations go through libc, not the counted Rust allocator.)
+
+// Reason: the tests call the backend's unsafe methods (through `common::TestCalls`).
+#![allow(unsafe_code)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use ferry_backend_api::{Backend, Completions, Endpoint, MemKind, Op, Post, Range};
+use ferry_testkit::alloc::{self as counting, CountingAlloc};
+
+#[global_allocator]
+static GLOBAL: CountingAlloc = CountingAlloc;
+
+#[test]
+fn batched_writes_allocate_nothing_once_warm() {
+    if !setup() {
+        return;
+    }
+    for &transports in TRANSPORTS {
+        const LEN: usize = 1 << 20;
+        let mut a = backend("agent-a", transports, &[]);
+        let mut b = backend("agent-b", transports, &[]);
+        let a_buf = Buffer::new(LEN);
+        let b_buf = Buffer::new(LEN);
+        let (a_token, _) = register(&mut a, &a_buf);
+        let (b_token, b_md) = register(&mut b, &b_buf);
+        let peer = peer_id(1);
+        load(&mut a, peer, "agent-b", &b.conn_info(), &[(b_token, b_md)]);
+        a.connect(peer).unwrap();
+        assert_eq!(a.batches_to(peer), Some(true));
+        let range = |lo: usize, ro: usize, len: usize| Range {
+            local_addr: a_buf.addr() + lo as u64,
+            remote_addr: b_buf.addr() + ro as u64,
+            len: len as u64,
+            local_dev: 0,
+            remote_dev: 0,
+            local_token: a_token,
+            remote_token: b_token,
+        };
+        let mut order: Vec<usize> = (0..512).collect();
+        Rng::new(4).shuffle(&mut order);
+        let small: Vec<Range> = order
+            .iter()
+            .enumerate()
+            .map(|(i, &j)| range(i * 64, j * 64, 64))
+            .collect();
+        let large: Vec<Range> = (0..4)
+            .map(|i| range((64 << 10) + i * 8192, (64 << 10) + i * 8192, 8192))
+            .collect();
+        let reads: Vec<Range> = (0..256)
+            .map(|i| {
+                range(
+                    (128 << 10) + i * 64,
+                    (128 << 10) + ((i * 31) % 256) * 64,
+                    64,
+                )
+            })
+            .collect();
+        let mut done = Completions::with_capacity(4);
+        let notif = b"n";
+        let mut cycle = |a: &mut ferry_ucx::UcxBackend, b: &mut ferry_ucx::UcxBackend, i: u64| {
+            done.clear();
+            let posts = [
+                Post {
+                    tag: i * 2,
+                    op: Op::Write,
+                    local_kind: MemKind::Dram,
+                    remote_kind: MemKind::Dram,
+                    ranges: &small,
+                    notif: Some(notif),
+                },
+                Post {
+                    tag: i * 2 + 1,
+                    op: Op::Write,
+                    local_kind: MemKind::Dram,
+                    remote_kind: MemKind::Dram,
+                    ranges: &large,
+                    notif: None,
+                },
+            ];
+            let read = [Post {
+                tag: u64::MAX - i,
+                op: Op::Read,
+                local_kind: MemKind::Dram,
+                remote_kind: MemKind::Dram,
+                ranges: &reads,
+                notif: None,
+            }];
+            a.post_t(Endpoint::Peer(peer), &posts, &mut done).unwrap();
+            let deadline = Instant::now() + Duration::from_secs(30);
+            a.post_t(Endpoint::Peer(peer), &read, &mut done).unwrap();
+            while done.len() < 3 {
+                a.progress(&mut done);
+                b.progress(&mut done);
+                assert!(Instant::now() < deadline, "cycle {i} timed out");
+            }
+            for c in done.as_slice() {
+                assert_eq!(c.result, Ok(()));
+            }
+            // Drain the target's notification (its inbox storage is reused).
+            let mut sink = CountSink(0);
+            while sink.0 == 0 {
+                b.progress(&mut done);
+                b.drain_notifications(&mut sink);
+                assert!(Instant::now() < deadline, "cycle {i}: no notification");
+            }
+        };
+        for i in 0..200 {
+            cycle(&mut a, &mut b, i);
+        }
+        counting::start();
+        let iterations = 1_000;
+        let started = Instant::now();
+        for i in 200..200 + iterations {
+            cycle(&mut a, &mut b, i);
+        }
+        let allocations = counting::stop();
+        assert_eq!(
+            allocations, 0,
+            "[{transports}] {allocations} allocations over {iterations} batched post/progress cycles"
+        );
+        assert_eq!(a.in_flight(), 0, "leaked request slots");
+        assert_eq!(a.batch_counts().in_flight, 0, "leaked batch messages");
+        assert_eq!(b.batch_counts().allocated_acks, 0, "ack pool ran dry");
+        assert!(
+            b.batch_counts().allocated_replies <= 64,
+            "reply pool kept growing"
+        );
+        for (i, &j) in order.iter().enumerate() {
+            assert!(b_buf.0[j * 64..(j + 1) * 64] == a_buf.0[i * 64..(i + 1) * 64]);
+        }
+        eprintln!(
+            "[{transports}] {iterations} cycles of 512 × 64 B + 4 × 8 KiB WRITE, 256 × 64 B READ in {:?}, 0 allocations",
+            started.elapsed()
+        );
+    }
+}
+
+/// Counts delivered notifications without storing them.
+struct CountSink(usize);
+
+impl ferry_backend_api::NotifSink for CountSink {
+    fn deliver(&mut self, _from: &str, _payload: &[u8]) {
+        self.0 += 1;
+    }
+}
