@@ -4,6 +4,12 @@
 //! - `prepared/{contiguous,shuffled}/N`: lists prepped once; make + post + check +
 //!   release every turn.
 //! - `full/{contiguous,shuffled}/N`: prep + make + post + check + release every turn.
+//! - `create/{contiguous,shuffled}/N`: one-shot `create` (prep of both lists + make) +
+//!   release, nothing posted: the work of NIXL's `initialize_xfer` +
+//!   `release_xfer_handle` (`backends/ucx/bench/control-compare.sh` runs both).
+//! - `ucx/create/{contiguous,shuffled}/N`: the same between two agents of this process
+//!   over the UCX backend (skipped, with the reason, where UCX cannot load;
+//!   `FERRY_UCX_LIBRARY` names the libucp). Only N = 1,024 and 16,384.
 //! - `round_trip/1`: one-descriptor post + check of an existing request.
 //!
 //! Throughput is in descriptors, so criterion reports descriptors per second; divide
@@ -14,8 +20,10 @@
 //! benchmarks the destination is compared with the source block by block.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use ferry::{CommandBuffer, Desc, MemKind, Op, Side, Ticket, XferStatus};
-use ferry_tests::{assert_shuffled_copy, pair, Buffer, Pair, Rng};
+use ferry::{
+    Agent, AgentConfig, CommandBuffer, Desc, MemKind, Op, Params, Side, Ticket, XferStatus,
+};
+use ferry_tests::{assert_shuffled_copy, pair, register, unique, Buffer, Pair, Rng};
 
 const BLOCK: usize = 64;
 
@@ -58,6 +66,79 @@ fn setup(n: usize, shuffled: bool) -> Setup {
     }
 }
 
+/// One `create` + release turn (nothing posted), checked: no command failed (a failed
+/// create fails its release too).
+fn create_turn(
+    cmds: &mut CommandBuffer,
+    a: &Agent,
+    peer: ferry::PeerId,
+    local: &[Desc],
+    remote: &[Desc],
+) {
+    cmds.clear();
+    let x = cmds
+        .create(Op::Write, MemKind::Dram, local, peer, MemKind::Dram, remote)
+        .ticket();
+    cmds.release(x);
+    a.flush(cmds);
+    if let Some((index, error)) = cmds.errors().next() {
+        panic!("command {index} of the timed flush failed: {error}");
+    }
+}
+
+/// `ucx/create/{layout}/N`: `create` + release between two agents of this process over
+/// UCX (`UCX_NET_DEVICES=lo` unless set), each with one registered buffer.
+fn ucx_create(c: &mut Criterion) {
+    std::env::set_var(
+        "UCX_NET_DEVICES",
+        std::env::var("UCX_NET_DEVICES").unwrap_or("lo".into()),
+    );
+    std::env::set_var("UCX_WARN_UNUSED_ENV_VARS", "n");
+    if let Some(reason) = Agent::available_backends()
+        .iter()
+        .find(|f| f.name == "UCX")
+        .and_then(|f| f.available.clone().err())
+    {
+        eprintln!("skipping control_path/ucx: UCX unavailable ({reason})");
+        return;
+    }
+    let n_max = 16384;
+    let mut rng = Rng::new(12);
+    let src = Buffer::random(n_max * BLOCK, &mut rng);
+    let dst = Buffer::zeroed(n_max * BLOCK);
+    let agent = |name: &str| {
+        let agent = Agent::new(AgentConfig::named(unique(name))).expect("agent");
+        agent
+            .create_backend("UCX", &Params::new())
+            .expect("UCX backend");
+        agent
+    };
+    let (a, b) = (agent("ctl-ucx-a"), agent("ctl-ucx-b"));
+    register(&a, &src);
+    register(&b, &dst);
+    let b_at_a = a
+        .load_remote_md(&b.local_md().expect("md b"))
+        .expect("load b");
+    let mut group = c.benchmark_group("control_path/ucx");
+    let mut cmds = CommandBuffer::with_capacity(4);
+    for &n in &[1024usize, 16384] {
+        for &shuffled in &[false, true] {
+            let layout = if shuffled { "shuffled" } else { "contiguous" };
+            let mut order: Vec<usize> = (0..n).collect();
+            if shuffled {
+                rng.shuffle(&mut order);
+            }
+            let local: Vec<Desc> = (0..n).map(|i| src.desc(i * BLOCK, BLOCK)).collect();
+            let remote: Vec<Desc> = order.iter().map(|&j| dst.desc(j * BLOCK, BLOCK)).collect();
+            group.throughput(Throughput::Elements(n as u64));
+            group.bench_function(BenchmarkId::new(format!("create/{layout}"), n), |bench| {
+                bench.iter(|| create_turn(&mut cmds, &a, b_at_a, &local, &remote))
+            });
+        }
+    }
+    group.finish();
+}
+
 fn control_path(c: &mut Criterion) {
     let mut group = c.benchmark_group("control_path");
     for &n in &[1usize, 32, 1024, 16384] {
@@ -96,6 +177,9 @@ fn control_path(c: &mut Criterion) {
                     assert_done(&cmds, done);
                 })
             });
+            group.bench_function(BenchmarkId::new(format!("create/{layout}"), n), |b| {
+                b.iter(|| create_turn(&mut cmds, &s.p.a, s.p.b_at_a, &s.local, &s.remote))
+            });
             // One untimed turn, so the copy is checked also when a filter skipped the
             // timed ones.
             cmds.clear();
@@ -109,6 +193,7 @@ fn control_path(c: &mut Criterion) {
         }
     }
     group.finish();
+    ucx_create(c);
 
     // One-descriptor post + check round trip of an existing request.
     let s = setup(1, false);
