@@ -301,18 +301,19 @@ impl World {
             let backend = self.backends.backends[slot]
                 .as_ref()
                 .expect("chosen slot is filled");
-            backend.validate(
-                endpoint,
-                &Post {
-                    tag: 0,
-                    op,
-                    local_kind: lkind,
-                    remote_kind: rkind,
-                    ranges: &ranges,
-                    notif,
-                },
-            )
-            .map(|()| bytes)
+            backend
+                .validate(
+                    endpoint,
+                    &Post {
+                        tag: 0,
+                        op,
+                        local_kind: lkind,
+                        remote_kind: rkind,
+                        ranges: &ranges,
+                        notif,
+                    },
+                )
+                .map(|()| bytes)
         });
         let bytes = match built {
             Ok(bytes) => bytes,
