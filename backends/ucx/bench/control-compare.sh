@@ -7,6 +7,7 @@
 #
 #   backends/ucx/bench/control-compare.sh            # 3 rounds
 #   ROUNDS=5 backends/ucx/bench/control-compare.sh
+#   FERRY_BENCHES="before=/tmp/a after=/tmp/b" backends/ucx/bench/control-compare.sh
 #
 # The NIXL venv is made as nixl-compare.sh makes it ($NIXL_VENV, default
 # /tmp/ferry-nixl-venv; nothing is written inside the repository).
@@ -27,9 +28,18 @@ lib="$(ls "$site"/nixl_cu12.libs/libucp-*.so* 2>/dev/null | head -1)"
 export FERRY_UCX_LIBRARY="$lib"
 echo "libucp: $lib" >&2
 
-bench="$(cd "$root" && cargo bench -p ferry-benches --bench control_path --no-run 2>&1 \
-  | sed -n 's/.*Executable benches\/control_path.rs (\(.*\))/\1/p' | tail -1)"
-[ -n "$bench" ] || { echo "could not build the control_path benchmark" >&2; exit 1; }
-case "$bench" in /*) ;; *) bench="$root/$bench" ;; esac
-exec "$venv/bin/python" "$here/control_compare.py" --ferry-bench "${FERRY_BENCH:-$bench}" \
+# FERRY_BENCHES="before=/path/a after=/path/b" compares prebuilt control_path binaries
+# (each LABEL=PATH) instead of building this checkout's.
+if [ -n "${FERRY_BENCHES:-}" ]; then
+  read -r -a specs <<< "$FERRY_BENCHES"
+else
+  bench="$(cd "$root" && cargo bench -p ferry-benches --bench control_path --no-run 2>&1 \
+    | sed -n 's/.*Executable benches\/control_path.rs (\(.*\))/\1/p' | tail -1)"
+  [ -n "$bench" ] || { echo "could not build the control_path benchmark" >&2; exit 1; }
+  case "$bench" in /*) ;; *) bench="$root/$bench" ;; esac
+  specs=("Ferry=$bench")
+fi
+args=()
+for spec in "${specs[@]}"; do args+=(--ferry-bench "$spec"); done
+exec "$venv/bin/python" "$here/control_compare.py" "${args[@]}" \
   --python "$venv/bin/python" --rounds "${ROUNDS:-3}"

@@ -18,6 +18,10 @@ progress thread, nothing posted. A turn is create + release:
   agent in a second process), lists built before timing, median turn.
 
     control_compare.py --ferry-bench PATH --python VENV_PYTHON [--rounds 3]
+
+`--ferry-bench LABEL=PATH` may be given more than once (e.g. a build before and after
+a change): every build runs in every round, and the table gets a column pair per build
+(the ratio is against NIXL).
 """
 import argparse
 import json
@@ -102,17 +106,24 @@ def cell(values):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ferry-bench", required=True)
+    ap.add_argument("--ferry-bench", required=True, action="append")
     ap.add_argument("--python", required=True)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=2.0)
     args = ap.parse_args()
+    builds = []
+    for spec in args.ferry_bench:
+        label, _, path = spec.rpartition("=")
+        builds.append((label or "Ferry", path))
 
-    ferry, nixl, overheads = {}, {}, []
+    ferry = {label: {} for label, _ in builds}
+    nixl, overheads = {}, []
     for r in range(args.rounds):
-        def ferry_side():
-            for key, ns in run_ferry(args.ferry_bench, args.seconds).items():
-                ferry.setdefault(key, []).append(ns)
+        def ferry_side(label, path):
+            def run():
+                for key, ns in run_ferry(path, args.seconds).items():
+                    ferry[label].setdefault(key, []).append(ns)
+            return run
 
         def nixl_side():
             found, overhead = run_nixl(args.python, args.seconds)
@@ -121,27 +132,42 @@ def main():
             if overhead:
                 overheads.append(overhead)
 
-        for side in [ferry_side, nixl_side] if r % 2 == 0 else [nixl_side, ferry_side]:
+        sides = [ferry_side(label, path) for label, path in builds] + [nixl_side]
+        for side in sides if r % 2 == 0 else reversed(sides):
             side()
         print(f"round {r + 1} of {args.rounds} done", file=sys.stderr, flush=True)
 
-    print("| 64 B descriptors | Ferry create + release, UCX (ns/desc) | NIXL initialize_xfer "
-          "+ release_xfer_handle, UCX (ns/desc) | NIXL ÷ Ferry | Ferry, loopback (ns/desc) |")
-    print("|---|---|---|---|---|")
+    head = "| 64 B descriptors |"
+    rule = "|---|"
+    for label, _ in builds:
+        head += f" {label}: create + release, UCX | NIXL ÷ {label} |"
+        rule += "---|---|"
+    head += " NIXL initialize_xfer + release_xfer_handle, UCX |"
+    rule += "---|"
+    for label, _ in builds:
+        head += f" {label}, loopback |"
+        rule += "---|"
+    print(head + " (ns/desc)")
+    print(rule)
     for count in COUNTS:
         for layout in LAYOUTS:
-            f_cell, f = cell(ferry.get(("UCX", count, layout), []))
             n_cell, n = cell(nixl.get((count, layout), []))
-            l_cell, _ = cell(ferry.get(("loopback", count, layout), []))
-            ratio = f"{n / f:.2f}×" if f and n else "—"
-            print(f"| {count:,} {layout} | {f_cell} | {n_cell} | {ratio} | {l_cell} |")
+            row = f"| {count:,} {layout} |"
+            for label, _ in builds:
+                f_cell, f = cell(ferry[label].get(("UCX", count, layout), []))
+                ratio = f"{n / f:.2f}×" if f and n else "—"
+                row += f" {f_cell} | {ratio} |"
+            row += f" {n_cell} |"
+            for label, _ in builds:
+                row += f" {cell(ferry[label].get(('loopback', count, layout), []))[0]} |"
+            print(row)
     if overheads:
         trivial = statistics.median(o[0] for o in overheads)
         one = statistics.median(o[1] for o in overheads)
         print(f"\nNIXL's Python overhead per turn: a trivial NIXL call (check_remote_metadata) "
               f"{trivial:.0f} ns; initialize_xfer + release of 1 descriptor {one:.0f} ns "
               f"(= {one / 1024:.2f} ns/desc at 1,024, {one / 16384:.2f} at 16,384).")
-    print(f"{args.rounds} rounds, alternating order; median of rounds (range).")
+    print(f"{args.rounds} rounds, alternating order; median of rounds (range), ns per descriptor.")
 
 
 if __name__ == "__main__":
