@@ -84,36 +84,43 @@ fn resolve_descs(
         return Err(None);
     };
     if mask == BackendMask::single(recorded) {
-        // One candidate slot (the usual case): one remembered region, no slot loop. A
+        // One candidate slot (the usual case): one remembered region, no slot loop.
+        // Each lookup is followed by the run of descriptors its region covers: found by
+        // a read-only scan, then written in one pass with no per-entry branch. A
         // non-empty descriptor inside the remembered region cannot wrap (its end is at
-        // most the region's), so the common case is one test.
-        let mut hit = Hit::NONE;
+        // most the region's), so the scan is one test per descriptor.
         let mut lookups = 0u32;
-        for (i, &d) in descs.iter().enumerate() {
-            if d.len == 0 || !hit.covers(d) {
-                if d.len == 0 || d.end().is_none() {
-                    return Err(Some(Error::invalid(
-                        desc_subject(i, d),
-                        "empty or wrapping descriptor",
-                    )));
-                }
-                lookups = lookups.saturating_add(1);
-                let Some((value, region)) = lookup(recorded, d) else {
-                    return Err(Some(Error::NotFound {
-                        subject: desc_subject(i, d),
-                    }));
-                };
-                hit = Hit {
-                    dev: region.dev,
-                    start: region.addr,
-                    end: region.addr.saturating_add(region.len),
-                    value,
-                };
+        let mut i = 0;
+        while let Some(&d) = descs.get(i) {
+            if d.len == 0 || d.end().is_none() {
+                return Err(Some(Error::invalid(
+                    desc_subject(i, d),
+                    "empty or wrapping descriptor",
+                )));
             }
-            out.push(PrepEntry {
-                desc: d,
-                target: hit.value,
-            });
+            lookups = lookups.saturating_add(1);
+            let Some((value, region)) = lookup(recorded, d) else {
+                return Err(Some(Error::NotFound {
+                    subject: desc_subject(i, d),
+                }));
+            };
+            let hit = Hit {
+                dev: region.dev,
+                start: region.addr,
+                end: region.addr.saturating_add(region.len),
+                value,
+            };
+            // `d` itself is taken whatever `covers` says of it (the lookup found it).
+            let rest = &descs[i + 1..];
+            let run = 1 + rest
+                .iter()
+                .position(|d| d.len == 0 || !hit.covers(*d))
+                .unwrap_or(rest.len());
+            out.extend(descs[i..i + run].iter().map(|&desc| PrepEntry {
+                desc,
+                target: value,
+            }));
+            i += run;
         }
         return Ok((mask, lookups == 1));
     }
