@@ -776,3 +776,42 @@ fn make_names_the_pair_whose_lengths_differ() {
         a.release_prep(r).unwrap();
     }
 }
+
+/// Prep names the first bad descriptor wherever it sits: inside a run its region covers,
+/// right after a switch to another region, or past the region's end.
+#[test]
+fn prep_names_the_first_bad_descriptor_of_a_run() {
+    let block = 64;
+    let src = Buffer::random(block * 8, &mut Rng::new(47));
+    let extra = Buffer::random(block * 2, &mut Rng::new(48));
+    let a = loopback_agent("prep-runs");
+    register(&a, &src);
+    register(&a, &extra);
+    let good = [
+        src.desc(0, block),
+        src.desc(block, block),
+        extra.desc(0, block),
+        src.desc(2 * block, block),
+    ];
+    let id = a.prep(Side::Local, MemKind::Dram, &good).unwrap();
+    a.release_prep(id).unwrap();
+    let in_src =
+        |offset: usize, len: usize| Desc::new(src.whole().addr + offset as u64, len as u64, 0);
+    let empty = in_src(3 * block, 0);
+    let past_end = in_src(7 * block, 2 * block);
+    let wrapping = Desc::new(u64::MAX - 8, 16, 0);
+    for (bad, invalid) in [(empty, true), (past_end, false), (wrapping, true)] {
+        for at in [1, 3, 4] {
+            let mut list = good.to_vec();
+            list.insert(at, bad);
+            let e = a.prep(Side::Local, MemKind::Dram, &list).unwrap_err();
+            let named =
+                |s: &Subject| matches!(s, Subject::Descriptor { index, .. } if *index == at as u32);
+            match &e {
+                Error::InvalidParam { subject, .. } if invalid => assert!(named(subject), "{e}"),
+                Error::NotFound { subject } if !invalid => assert!(named(subject), "{e}"),
+                _ => panic!("{bad:?} at {at}: unexpected {e}"),
+            }
+        }
+    }
+}
