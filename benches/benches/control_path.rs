@@ -4,18 +4,34 @@
 //! - `prepared/{contiguous,shuffled}/N`: lists prepped once; make + post + check +
 //!   release every turn.
 //! - `full/{contiguous,shuffled}/N`: prep + make + post + check + release every turn.
+//! - `create/{contiguous,shuffled}/N`: one-shot `create` (prep of both lists + make) +
+//!   release, nothing posted: the work of NIXL's `initialize_xfer` +
+//!   `release_xfer_handle` (`backends/ucx/bench/control-compare.sh` runs both).
+//! - `ucx/create/{contiguous,shuffled}/N`: the same between two agents of this process
+//!   over the UCX backend (skipped, with the reason, where UCX cannot load;
+//!   `FERRY_UCX_LIBRARY` names the libucp). Only N = 1,024 and 16,384.
 //! - `round_trip/1`: one-descriptor post + check of an existing request.
 //!
 //! Throughput is in descriptors, so criterion reports descriptors per second; divide
 //! the time by N for nanoseconds per descriptor.
 //!
+//! The `control_path` cases time each turn on its own and hand criterion the median
+//! turn × the sample's turns ([`per_turn_median`]): on a shared machine a preemption
+//! then costs one turn, not a whole sample. The two clock reads per turn add ~50 ns per
+//! turn (under 0.05 ns per descriptor at 1,024). `round_trip` is timed as criterion
+//! does by default.
+//!
 //! Every timed turn checks that it succeeded (no command failed, the request is done:
 //! a scan of a few outcomes, in the bench profile too), and after each layout's
 //! benchmarks the destination is compared with the source block by block.
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use ferry::{CommandBuffer, Desc, MemKind, Op, Side, Ticket, XferStatus};
-use ferry_tests::{assert_shuffled_copy, pair, Buffer, Pair, Rng};
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, Bencher, BenchmarkId, Criterion, Throughput};
+use ferry::{
+    Agent, AgentConfig, CommandBuffer, Desc, MemKind, Op, Params, Side, Ticket, XferStatus,
+};
+use ferry_tests::{assert_shuffled_copy, pair, register, unique, Buffer, Pair, Rng};
 
 const BLOCK: usize = 64;
 
@@ -58,6 +74,96 @@ fn setup(n: usize, shuffled: bool) -> Setup {
     }
 }
 
+/// Run `turn` `iters` times, each timed alone, and report `iters` × the median turn.
+fn per_turn_median(b: &mut Bencher<'_>, mut turn: impl FnMut()) {
+    let mut times: Vec<Duration> = Vec::new();
+    b.iter_custom(|iters| {
+        times.clear();
+        for _ in 0..iters {
+            let t0 = Instant::now();
+            turn();
+            times.push(t0.elapsed());
+        }
+        times.sort_unstable();
+        times[times.len() / 2] * iters as u32
+    })
+}
+
+/// One `create` + release turn (nothing posted), checked: no command failed (a failed
+/// create fails its release too).
+fn create_turn(
+    cmds: &mut CommandBuffer,
+    a: &Agent,
+    peer: ferry::PeerId,
+    local: &[Desc],
+    remote: &[Desc],
+) {
+    cmds.clear();
+    let x = cmds
+        .create(Op::Write, MemKind::Dram, local, peer, MemKind::Dram, remote)
+        .ticket();
+    cmds.release(x);
+    a.flush(cmds);
+    if let Some((index, error)) = cmds.errors().next() {
+        panic!("command {index} of the timed flush failed: {error}");
+    }
+}
+
+/// `ucx/create/{layout}/N`: `create` + release between two agents of this process over
+/// UCX (`UCX_NET_DEVICES=lo` unless set), each with one registered buffer.
+fn ucx_create(c: &mut Criterion) {
+    std::env::set_var(
+        "UCX_NET_DEVICES",
+        std::env::var("UCX_NET_DEVICES").unwrap_or("lo".into()),
+    );
+    std::env::set_var("UCX_WARN_UNUSED_ENV_VARS", "n");
+    if let Some(reason) = Agent::available_backends()
+        .iter()
+        .find(|f| f.name == "UCX")
+        .and_then(|f| f.available.clone().err())
+    {
+        eprintln!("skipping control_path/ucx: UCX unavailable ({reason})");
+        return;
+    }
+    let n_max = 16384;
+    let mut rng = Rng::new(12);
+    let src = Buffer::random(n_max * BLOCK, &mut rng);
+    let dst = Buffer::zeroed(n_max * BLOCK);
+    let agent = |name: &str| {
+        let agent = Agent::new(AgentConfig::named(unique(name))).expect("agent");
+        agent
+            .create_backend("UCX", &Params::new())
+            .expect("UCX backend");
+        agent
+    };
+    let (a, b) = (agent("ctl-ucx-a"), agent("ctl-ucx-b"));
+    register(&a, &src);
+    register(&b, &dst);
+    let b_at_a = a
+        .load_remote_md(&b.local_md().expect("md b"))
+        .expect("load b");
+    let mut group = c.benchmark_group("control_path/ucx");
+    let mut cmds = CommandBuffer::with_capacity(4);
+    for &n in &[1024usize, 16384] {
+        for &shuffled in &[false, true] {
+            let layout = if shuffled { "shuffled" } else { "contiguous" };
+            let mut order: Vec<usize> = (0..n).collect();
+            if shuffled {
+                rng.shuffle(&mut order);
+            }
+            let local: Vec<Desc> = (0..n).map(|i| src.desc(i * BLOCK, BLOCK)).collect();
+            let remote: Vec<Desc> = order.iter().map(|&j| dst.desc(j * BLOCK, BLOCK)).collect();
+            group.throughput(Throughput::Elements(n as u64));
+            group.bench_function(BenchmarkId::new(format!("create/{layout}"), n), |bench| {
+                per_turn_median(bench, || {
+                    create_turn(&mut cmds, &a, b_at_a, &local, &remote)
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
 fn control_path(c: &mut Criterion) {
     let mut group = c.benchmark_group("control_path");
     for &n in &[1usize, 32, 1024, 16384] {
@@ -70,7 +176,7 @@ fn control_path(c: &mut Criterion) {
             let remote = s.p.a.prep(s.p.b_at_a, MemKind::Dram, &s.remote).unwrap();
             let mut cmds = CommandBuffer::with_capacity(16);
             group.bench_function(BenchmarkId::new(format!("prepared/{layout}"), n), |b| {
-                b.iter(|| {
+                per_turn_median(b, || {
                     cmds.clear();
                     let x = cmds.make(Op::Write, local, &[], remote, &[]).ticket();
                     cmds.post(x);
@@ -82,7 +188,7 @@ fn control_path(c: &mut Criterion) {
             });
 
             group.bench_function(BenchmarkId::new(format!("full/{layout}"), n), |b| {
-                b.iter(|| {
+                per_turn_median(b, || {
                     cmds.clear();
                     let l = cmds.prep(Side::Local, MemKind::Dram, &s.local);
                     let r = cmds.prep(s.p.b_at_a, MemKind::Dram, &s.remote);
@@ -94,6 +200,11 @@ fn control_path(c: &mut Criterion) {
                     cmds.release_prep(r);
                     s.p.a.flush(&mut cmds);
                     assert_done(&cmds, done);
+                })
+            });
+            group.bench_function(BenchmarkId::new(format!("create/{layout}"), n), |b| {
+                per_turn_median(b, || {
+                    create_turn(&mut cmds, &s.p.a, s.p.b_at_a, &s.local, &s.remote)
                 })
             });
             // One untimed turn, so the copy is checked also when a filter skipped the
@@ -109,6 +220,7 @@ fn control_path(c: &mut Criterion) {
         }
     }
     group.finish();
+    ucx_create(c);
 
     // One-descriptor post + check round trip of an existing request.
     let s = setup(1, false);

@@ -447,7 +447,7 @@ impl CommandBuffer {
             self.clear();
         }
         let start = self.descs.len() as u32;
-        self.descs.extend_from_slice(descs);
+        copy_in_chunks(&mut self.descs, descs);
         Span {
             start,
             len: descs.len() as u32,
@@ -827,4 +827,20 @@ impl<H> Ticket<H> {
     pub fn at(index: u32) -> Self {
         Ticket::new(index)
     }
+}
+
+/// Append `from` to `to` four descriptors (96 bytes) at a time, each a fixed-size copy
+/// the compiler inlines, instead of one `memcpy` of the whole list: glibc's `memcpy`
+/// (2.36 on this AMD EPYC VM) moves large blocks with `rep movsb`, which runs several
+/// times slower for some source/destination address pairs. `perf` of
+/// `control_path/ucx/create/contiguous/1024` after other cases had run in the process:
+/// 37 % of the time in that one `memcpy` of the caller's lists, and 13 ns/desc instead
+/// of 7.
+fn copy_in_chunks(to: &mut Vec<Desc>, from: &[Desc]) {
+    to.reserve(from.len());
+    let (chunks, rest) = from.as_chunks::<4>();
+    for chunk in chunks {
+        to.extend_from_slice(chunk);
+    }
+    to.extend_from_slice(rest);
 }

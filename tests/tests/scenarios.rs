@@ -614,3 +614,204 @@ fn make_with_one_sided_index_lists_matches_explicit_ones() {
     assert!(matches!(e, Error::Mismatch { .. }), "{e}");
     assert!(e.to_string().contains("differs"), "{e}");
 }
+
+/// `make` merges exactly like a model (a new range wherever either side does not
+/// continue the previous pair, or the region changes), and copies the right bytes,
+/// whether each list lies in one region (make's single-region loop) or in two (the
+/// general loop), taken whole or through index lists.
+#[test]
+fn make_merges_like_the_model_in_one_region_or_two() {
+    let block = 16;
+    let blocks = 64;
+    let mut rng = Rng::new(41);
+    let src = Buffer::random(block * blocks, &mut rng);
+    let mut dst = Buffer::zeroed(block * blocks);
+    let extra_src = Buffer::random(block * 4, &mut rng);
+    let extra_dst = Buffer::zeroed(block * 4);
+    let a = loopback_agent("merge-model-a");
+    let b = loopback_agent("merge-model-b");
+    register(&a, &src);
+    register(&a, &extra_src);
+    register(&b, &dst);
+    register(&b, &extra_dst);
+    let b_at_a = a.load_remote_md(&b.local_md().unwrap()).unwrap();
+    for round in 0..60 {
+        // Pairs of (buffer, block): buffer 1 is the extra one (the second region).
+        let two_regions = round % 2 == 1;
+        let n = 1 + rng.below(blocks as u64 - 1) as usize;
+        let mut free: Vec<usize> = (0..blocks).collect();
+        rng.shuffle(&mut free);
+        let mut used = vec![false; blocks];
+        let mut pairs: Vec<((usize, usize), (usize, usize))> = Vec::new();
+        for i in 0..n {
+            let prev = pairs.last().copied();
+            let l = match prev {
+                Some(((0, l), _)) if l + 1 < blocks && rng.below(4) != 0 => l + 1,
+                _ => rng.below(blocks as u64) as usize,
+            };
+            let r = match prev {
+                Some((_, (0, r))) if r + 1 < blocks && !used[r + 1] && rng.below(2) == 0 => r + 1,
+                _ => *free.iter().find(|&&f| !used[f]).unwrap(),
+            };
+            used[r] = true;
+            pairs.push(((0, l), (0, r)));
+            if two_regions && i == n / 2 {
+                // One pair through the second region, on one side or both.
+                let which = rng.below(3);
+                let pair = pairs.last_mut().unwrap();
+                if which != 1 {
+                    pair.0 = (1, rng.below(4) as usize);
+                }
+                if which != 0 {
+                    used[r] = false;
+                    pair.1 = (1, i % 4);
+                }
+            }
+        }
+        let desc = |buffers: [&Buffer; 2], (buf, blk): (usize, usize)| {
+            buffers[buf].desc(blk * block, block)
+        };
+        let local: Vec<Desc> = pairs
+            .iter()
+            .map(|p| desc([&src, &extra_src], p.0))
+            .collect();
+        let remote: Vec<Desc> = pairs
+            .iter()
+            .map(|p| desc([&dst, &extra_dst], p.1))
+            .collect();
+        let continues =
+            |x: Desc, y: Desc, bx: usize, by: usize| bx == by && x.addr + x.len == y.addr;
+        let want_ranges = 1
+            + (1..n)
+                .filter(|&i| {
+                    !(continues(local[i - 1], local[i], pairs[i - 1].0 .0, pairs[i].0 .0)
+                        && continues(remote[i - 1], remote[i], pairs[i - 1].1 .0, pairs[i].1 .0))
+                })
+                .count();
+
+        // Whole lists, then index lists into every block of both buffers.
+        let whole = (
+            a.prep(Side::Local, MemKind::Dram, &local).unwrap(),
+            a.prep(b_at_a, MemKind::Dram, &remote).unwrap(),
+            Vec::new(),
+            Vec::new(),
+        );
+        let all = |first: &Buffer, second: &Buffer| -> Vec<Desc> {
+            (0..blocks)
+                .map(|i| first.desc(i * block, block))
+                .chain(
+                    (0..4)
+                        .map(|i| second.desc(i * block, block))
+                        .filter(|_| two_regions),
+                )
+                .collect()
+        };
+        let index = |(buf, blk): (usize, usize)| (buf * blocks + blk) as u32;
+        let indexed = (
+            a.prep(Side::Local, MemKind::Dram, &all(&src, &extra_src))
+                .unwrap(),
+            a.prep(b_at_a, MemKind::Dram, &all(&dst, &extra_dst))
+                .unwrap(),
+            pairs.iter().map(|p| index(p.0)).collect::<Vec<u32>>(),
+            pairs.iter().map(|p| index(p.1)).collect::<Vec<u32>>(),
+        );
+        for (form, (l, r, li, ri)) in [("whole", whole), ("indexed", indexed)] {
+            dst.bytes_mut().fill(0);
+            let x = a.make(Op::Write, l, &li, r, &ri, None).unwrap();
+            assert_eq!(a.post(x).unwrap(), XferStatus::Done);
+            let what = format!("round {round} ({form}, {n} pairs, two regions: {two_regions})");
+            assert_eq!(a.xfer_ranges(x).unwrap(), want_ranges, "{what}");
+            let t = a.telemetry(x).unwrap();
+            assert_eq!(t.total_bytes, (n * block) as u64, "{what}");
+            assert_eq!(t.desc_count_unmerged, n as u64, "{what}");
+            for (i, p) in pairs.iter().enumerate() {
+                let (from, to) = ([&src, &extra_src][p.0 .0], [&dst, &extra_dst][p.1 .0]);
+                let at = |buf: &Buffer, d: Desc| (d.addr - buf.whole().addr) as usize;
+                let got = &to.bytes()[at(to, remote[i])..][..block];
+                let want = &from.bytes()[at(from, local[i])..][..block];
+                assert_eq!(got, want, "{what}: pair {i}");
+            }
+            a.release(x).unwrap();
+            a.release_prep(l).unwrap();
+            a.release_prep(r).unwrap();
+        }
+    }
+}
+
+/// A remote descriptor whose length differs from its local one fails `make` with a
+/// mismatch naming that descriptor, in one region and in two.
+#[test]
+fn make_names_the_pair_whose_lengths_differ() {
+    let block = 64;
+    let src = Buffer::random(block * 16, &mut Rng::new(43));
+    let dst = Buffer::zeroed(block * 16);
+    let extra = Buffer::zeroed(block);
+    let a = loopback_agent("mismatch-a");
+    let b = loopback_agent("mismatch-b");
+    register(&a, &src);
+    register(&b, &dst);
+    register(&b, &extra);
+    let b_at_a = a.load_remote_md(&b.local_md().unwrap()).unwrap();
+    for two_regions in [false, true] {
+        let local: Vec<Desc> = (0..8).map(|i| src.desc(i * block, block)).collect();
+        let mut remote: Vec<Desc> = (0..8).map(|i| dst.desc(i * block, block)).collect();
+        remote[5] = dst.desc(5 * block, block / 2);
+        if two_regions {
+            remote[2] = extra.whole();
+        }
+        let l = a.prep(Side::Local, MemKind::Dram, &local).unwrap();
+        let r = a.prep(b_at_a, MemKind::Dram, &remote).unwrap();
+        let e = a.make(Op::Write, l, &[], r, &[], None).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Mismatch {
+                    subject: Subject::Descriptor { index: 5, .. },
+                    ..
+                }
+            ),
+            "two regions: {two_regions}: {e}"
+        );
+        a.release_prep(l).unwrap();
+        a.release_prep(r).unwrap();
+    }
+}
+
+/// Prep names the first bad descriptor wherever it sits: inside a run its region covers,
+/// right after a switch to another region, or past the region's end.
+#[test]
+fn prep_names_the_first_bad_descriptor_of_a_run() {
+    let block = 64;
+    let src = Buffer::random(block * 8, &mut Rng::new(47));
+    let extra = Buffer::random(block * 2, &mut Rng::new(48));
+    let a = loopback_agent("prep-runs");
+    register(&a, &src);
+    register(&a, &extra);
+    let good = [
+        src.desc(0, block),
+        src.desc(block, block),
+        extra.desc(0, block),
+        src.desc(2 * block, block),
+    ];
+    let id = a.prep(Side::Local, MemKind::Dram, &good).unwrap();
+    a.release_prep(id).unwrap();
+    let in_src =
+        |offset: usize, len: usize| Desc::new(src.whole().addr + offset as u64, len as u64, 0);
+    let empty = in_src(3 * block, 0);
+    let past_end = in_src(7 * block, 2 * block);
+    let wrapping = Desc::new(u64::MAX - 8, 16, 0);
+    for (bad, invalid) in [(empty, true), (past_end, false), (wrapping, true)] {
+        for at in [1, 3, 4] {
+            let mut list = good.to_vec();
+            list.insert(at, bad);
+            let e = a.prep(Side::Local, MemKind::Dram, &list).unwrap_err();
+            let named =
+                |s: &Subject| matches!(s, Subject::Descriptor { index, .. } if *index == at as u32);
+            match &e {
+                Error::InvalidParam { subject, .. } if invalid => assert!(named(subject), "{e}"),
+                Error::NotFound { subject } if !invalid => assert!(named(subject), "{e}"),
+                _ => panic!("{bad:?} at {at}: unexpected {e}"),
+            }
+        }
+    }
+}

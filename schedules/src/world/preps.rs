@@ -45,6 +45,9 @@ ferry_storage::table! {
         pub(crate) masks: BackendMask,
         /// Resolved descriptors, indexed by row.
         pub(crate) entries: Vec<PrepEntry>,
+        /// Whether every entry lies in one region of the first slot of `masks` (one
+        /// target, one device), indexed by row.
+        pub(crate) single_region: bool,
     }
 }
 
@@ -63,6 +66,10 @@ pub(crate) fn desc_subject(index: usize, d: Desc) -> ferry_storage::Subject {
 /// slots that miss a descriptor leave the mask. Consecutive descriptors in the same
 /// region cost one range check per slot, not a search.
 ///
+/// Also says whether every descriptor lies in one region of that slot (one lookup only,
+/// so one target and one device for the whole list: `make` then resolves the list's
+/// tokens once). With more than one candidate slot it answers `false` (not computed).
+///
 /// `Err(None)` means every descriptor was covered by some slot but no one slot covers
 /// them all.
 fn resolve_descs(
@@ -70,7 +77,7 @@ fn resolve_descs(
     mut mask: BackendMask,
     out: &mut Vec<PrepEntry>,
     lookup: impl Fn(usize, Desc) -> Option<(u64, Desc)>,
-) -> Result<BackendMask, Option<Error>> {
+) -> Result<(BackendMask, bool), Option<Error>> {
     out.reserve(descs.len());
     let start = out.len();
     let Some(mut recorded) = mask.first() else {
@@ -78,33 +85,44 @@ fn resolve_descs(
     };
     if mask == BackendMask::single(recorded) {
         // One candidate slot (the usual case): one remembered region, no slot loop.
-        let mut hit = Hit::NONE;
-        for (i, &d) in descs.iter().enumerate() {
+        // Each lookup is followed by the run of descriptors its region covers: found by
+        // a read-only scan, then written in one pass with no per-entry branch. A
+        // non-empty descriptor inside the remembered region cannot wrap (its end is at
+        // most the region's), so the scan is one test per descriptor.
+        let mut lookups = 0u32;
+        let mut i = 0;
+        while let Some(&d) = descs.get(i) {
             if d.len == 0 || d.end().is_none() {
                 return Err(Some(Error::invalid(
                     desc_subject(i, d),
                     "empty or wrapping descriptor",
                 )));
             }
-            if !hit.covers(d) {
-                let Some((value, region)) = lookup(recorded, d) else {
-                    return Err(Some(Error::NotFound {
-                        subject: desc_subject(i, d),
-                    }));
-                };
-                hit = Hit {
-                    dev: region.dev,
-                    start: region.addr,
-                    end: region.addr.saturating_add(region.len),
-                    value,
-                };
-            }
-            out.push(PrepEntry {
-                desc: d,
-                target: hit.value,
-            });
+            lookups = lookups.saturating_add(1);
+            let Some((value, region)) = lookup(recorded, d) else {
+                return Err(Some(Error::NotFound {
+                    subject: desc_subject(i, d),
+                }));
+            };
+            let hit = Hit {
+                dev: region.dev,
+                start: region.addr,
+                end: region.addr.saturating_add(region.len),
+                value,
+            };
+            // `d` itself is taken whatever `covers` says of it (the lookup found it).
+            let rest = &descs[i + 1..];
+            let run = 1 + rest
+                .iter()
+                .position(|d| d.len == 0 || !hit.covers(*d))
+                .unwrap_or(rest.len());
+            out.extend(descs[i..i + run].iter().map(|&desc| PrepEntry {
+                desc,
+                target: value,
+            }));
+            i += run;
         }
-        return Ok(mask);
+        return Ok((mask, lookups == 1));
     }
     let mut hits = [Hit::NONE; MAX_BACKENDS];
     for (i, &d) in descs.iter().enumerate() {
@@ -149,7 +167,7 @@ fn resolve_descs(
         }
         out.push(PrepEntry { desc: d, target });
     }
-    Ok(mask)
+    Ok((mask, false))
 }
 
 impl World {
@@ -179,15 +197,16 @@ impl World {
         let result = match peer {
             None => self
                 .resolve_local(kind, descs, hint, &mut entries)
-                .map(|mask| (PrepSide::Local, mask)),
+                .map(|found| (PrepSide::Local, found)),
             Some(p) => self.resolve_peer(p, kind, descs, hint, &mut entries),
         };
         match result {
-            Ok((side, mask)) => Ok(self.preps.insert(PrepRow {
+            Ok((side, (mask, single_region))) => Ok(self.preps.insert(PrepRow {
                 sides: side,
                 kinds: kind,
                 masks: mask,
                 entries,
+                single_region,
             })),
             Err(e) => {
                 self.pools.entries.push(entries);
@@ -202,7 +221,7 @@ impl World {
         descs: &[Desc],
         hint: BackendMask,
         out: &mut Vec<PrepEntry>,
-    ) -> Result<BackendMask, Error> {
+    ) -> Result<(BackendMask, bool), Error> {
         let mut mask = BackendMask::EMPTY;
         for slot in 0..MAX_BACKENDS {
             if hint.contains(slot)
@@ -235,7 +254,7 @@ impl World {
         descs: &[Desc],
         hint: BackendMask,
         out: &mut Vec<PrepEntry>,
-    ) -> Result<(PrepSide, BackendMask), Error> {
+    ) -> Result<(PrepSide, (BackendMask, bool)), Error> {
         let row = self
             .peers
             .row(peer)
@@ -259,7 +278,7 @@ impl World {
             }
         }
         let backends = &self.backends.backends;
-        let mask = resolve_descs(descs, mask, out, |slot, d| {
+        let found = resolve_descs(descs, mask, out, |slot, d| {
             let found = view.find_bounds(slot_map[slot]?, kind, d)?;
             // A backend that cannot reach this region of the peer drops out here, so a
             // list naming it goes to another common backend.
@@ -284,7 +303,7 @@ impl World {
                 peer,
                 generation: self.peers.generations[row],
             },
-            mask,
+            found,
         ))
     }
 

@@ -94,6 +94,19 @@ ferry_storage::table! {
     }
 }
 
+/// Pair `k`'s remote descriptor `remote` is not `len` bytes long like its local one.
+#[cold]
+fn length_mismatch(k: usize, len: u64, remote: Desc) -> Error {
+    Error::Mismatch {
+        subject: desc_subject(k, remote),
+        reason: format!(
+            "length {} differs from the local descriptor's {len}",
+            remote.len
+        )
+        .into(),
+    }
+}
+
 fn check_indices(indices: &[u32], len: usize, which: &'static str) -> Result<(), Error> {
     for (pos, &ix) in indices.iter().enumerate() {
         if ix as usize >= len {
@@ -251,61 +264,73 @@ impl World {
                 Endpoint::Peer(peer) => RemoteTokens::Lookup(peer),
             },
         };
+        // Both lists in one region each, whose tokens the request's slot takes as
+        // recorded: tokens and devices are the same for every pair, resolved once.
+        let single = self.preps.single_region[lrow]
+            && self.preps.single_region[rrow]
+            && plan.local_first
+            && matches!(
+                plan.remote,
+                RemoteTokens::Recorded | RemoteTokens::Local { first: true }
+            );
         let out = (&mut ranges, &mut pins);
+        macro_rules! fill {
+            ($pairs:expr) => {
+                if single {
+                    self.fill_ranges_single(&plan, $pairs, out)
+                } else {
+                    self.fill_ranges(&plan, $pairs, out)
+                }
+            };
+        }
         let built = match (local_idx.is_empty(), remote_idx.is_empty()) {
-            (true, true) => self.fill_ranges(&plan, lentries.iter().zip(rentries), out),
-            (true, false) => self.fill_ranges(
-                &plan,
-                lentries
-                    .iter()
-                    .zip(remote_idx.iter().map(|&i| &rentries[i as usize])),
-                out,
-            ),
-            (false, true) => self.fill_ranges(
-                &plan,
-                local_idx
-                    .iter()
-                    .map(|&i| &lentries[i as usize])
-                    .zip(rentries),
-                out,
-            ),
-            (false, false) => self.fill_ranges(
-                &plan,
-                local_idx
-                    .iter()
-                    .map(|&i| &lentries[i as usize])
-                    .zip(remote_idx.iter().map(|&i| &rentries[i as usize])),
-                out,
-            ),
+            (true, true) => fill!(lentries.iter().zip(rentries)),
+            (true, false) => fill!(lentries
+                .iter()
+                .zip(remote_idx.iter().map(|&i| &rentries[i as usize]))),
+            (false, true) => fill!(local_idx
+                .iter()
+                .map(|&i| &lentries[i as usize])
+                .zip(rentries)),
+            (false, false) => fill!(local_idx
+                .iter()
+                .map(|&i| &lentries[i as usize])
+                .zip(remote_idx.iter().map(|&i| &rentries[i as usize]))),
         };
-        let built = built.and_then(|()| {
+        let built = built.and_then(|bytes| {
             let backend = self.backends.backends[slot]
                 .as_ref()
                 .expect("chosen slot is filled");
-            backend.validate(
-                endpoint,
-                &Post {
-                    tag: 0,
-                    op,
-                    local_kind: lkind,
-                    remote_kind: rkind,
-                    ranges: &ranges,
-                    notif,
-                },
-            )
+            backend
+                .validate(
+                    endpoint,
+                    &Post {
+                        tag: 0,
+                        op,
+                        local_kind: lkind,
+                        remote_kind: rkind,
+                        ranges: &ranges,
+                        notif,
+                    },
+                )
+                .map(|()| bytes)
         });
-        if let Err(e) = built {
-            self.pools.ranges.push(ranges);
-            self.pools.pins.push(pins);
-            return Err(e);
-        }
+        let bytes = match built {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                self.pools.ranges.push(ranges);
+                self.pools.pins.push(pins);
+                return Err(e);
+            }
+        };
         let mut payload = self.pools.notifs.pop().unwrap_or_default();
         payload.clear();
         if let Some(p) = notif {
             payload.extend_from_slice(p);
         }
-        // Merging keeps every byte: the merged ranges sum to the descriptors' bytes.
-        let bytes = ranges.iter().map(|r| r.len).sum();
+        // Merging keeps every byte: the descriptors' bytes (summed by the fill) are the
+        // merged ranges' bytes.
+        debug_assert_eq!(bytes, ranges.iter().map(|r| r.len).sum::<u64>());
         let telemetry = crate::world::Telemetry {
             total_bytes: bytes,
             desc_count: ranges.len() as u64,
@@ -343,28 +368,25 @@ impl World {
     /// [`merge_into`]), so a run of adjacent descriptors writes one range, and a region
     /// is resolved once per run of descriptors that name it. Not inlined: each of the
     /// four instances is a small function of its own, its loop state in registers.
+    ///
+    /// Returns the bytes of all pairs.
     #[inline(never)]
     fn fill_ranges<'e>(
         &self,
         plan: &Plan,
         pairs: impl Iterator<Item = (&'e PrepEntry, &'e PrepEntry)>,
         (ranges, pins): (&mut Vec<Range>, &mut Vec<RegionId>),
-    ) -> Result<(), Error> {
+    ) -> Result<u64, Error> {
         // The last region looked up on each side: (prepared target, token).
         let (mut last_local, mut last_remote) = ((u64::MAX, 0u64), (u64::MAX, 0u64));
         let mut cur: Option<Range> = None;
+        let mut bytes = 0u64;
         for (k, (le, re)) in pairs.enumerate() {
             let len = le.desc.len;
             if len != re.desc.len {
-                return Err(Error::Mismatch {
-                    subject: desc_subject(k, re.desc),
-                    reason: format!(
-                        "length {} differs from the local descriptor's {len}",
-                        re.desc.len
-                    )
-                    .into(),
-                });
+                return Err(length_mismatch(k, len, re.desc));
             }
+            bytes = bytes.wrapping_add(len);
             if le.target != last_local.0 {
                 let (t, region) =
                     self.region_token(*le, plan.slot, plan.lkind, plan.local_first, k)?;
@@ -399,7 +421,76 @@ impl World {
             }
         }
         ranges.extend(cur);
-        Ok(())
+        Ok(bytes)
+    }
+
+    /// [`World::fill_ranges`] for two lists that each lie in one region, whose tokens
+    /// the request's slot takes as the prep recorded them (`plan.local_first`, remote
+    /// tokens recorded or local with `first`): the first pair resolves both tokens and
+    /// pins, and every pair has the same tokens and devices, so the loop is the length
+    /// check, the two adjacency tests and one range written per unmerged pair.
+    ///
+    /// Merges exactly as [`crate::merge::mergeable`]: devices and tokens are equal by
+    /// construction, and a range extended on both sides ends where its last
+    /// descriptor ends, which prep checked does not wrap.
+    #[inline(never)]
+    fn fill_ranges_single<'e>(
+        &self,
+        plan: &Plan,
+        mut pairs: impl Iterator<Item = (&'e PrepEntry, &'e PrepEntry)>,
+        (ranges, pins): (&mut Vec<Range>, &mut Vec<RegionId>),
+    ) -> Result<u64, Error> {
+        if let RemoteTokens::Lookup(_) = plan.remote {
+            // Tokens of another slot: looked up per pair.
+            return self.fill_ranges(plan, pairs, (ranges, pins));
+        }
+        let Some((le, re)) = pairs.next() else {
+            return Ok(0);
+        };
+        let mut len = le.desc.len;
+        if len != re.desc.len {
+            return Err(length_mismatch(0, len, re.desc));
+        }
+        let (local_token, region) =
+            self.region_token(*le, plan.slot, plan.lkind, plan.local_first, 0)?;
+        pins.push(region);
+        let remote_token = match plan.remote {
+            RemoteTokens::Local { first } => {
+                let (t, region) = self.region_token(*re, plan.slot, plan.rkind, first, 0)?;
+                pins.push(region);
+                t
+            }
+            RemoteTokens::Recorded | RemoteTokens::Lookup(_) => re.target,
+        };
+        let mut cur = Range {
+            local_addr: le.desc.addr,
+            remote_addr: re.desc.addr,
+            len,
+            local_dev: le.desc.dev,
+            remote_dev: re.desc.dev,
+            local_token,
+            remote_token,
+        };
+        let mut bytes = len;
+        for (k, (le, re)) in pairs.enumerate() {
+            len = le.desc.len;
+            if len != re.desc.len {
+                return Err(length_mismatch(k + 1, len, re.desc));
+            }
+            bytes = bytes.wrapping_add(len);
+            let local_next = cur.local_addr.wrapping_add(cur.len) == le.desc.addr;
+            let remote_next = cur.remote_addr.wrapping_add(cur.len) == re.desc.addr;
+            if local_next & remote_next {
+                cur.len += len;
+            } else {
+                ranges.push(cur);
+                cur.local_addr = le.desc.addr;
+                cur.remote_addr = re.desc.addr;
+                cur.len = len;
+            }
+        }
+        ranges.push(cur);
+        Ok(bytes)
     }
 
     /// The token for `slot` of the local region a prepared entry names, with the region

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Ferry's one-shot create (prep of both lists + make, then release) against NIXL 1.5.1's
+# initialize_xfer + release_xfer_handle, per descriptor, 64 B × 1,024 and 16,384,
+# contiguous and shuffled, UCX backend on both sides (the same libucp: the one bundled in
+# NIXL's wheel), interleaved rounds, one table (see control_compare.py for what each
+# side times).
+#
+#   backends/ucx/bench/control-compare.sh            # 3 rounds
+#   ROUNDS=5 backends/ucx/bench/control-compare.sh
+#   FERRY_BENCHES="before=/tmp/a after=/tmp/b" backends/ucx/bench/control-compare.sh
+#
+# The NIXL venv is made as nixl-compare.sh makes it ($NIXL_VENV, default
+# /tmp/ferry-nixl-venv; nothing is written inside the repository).
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+root="$(cd "$here/../../.." && pwd)"
+venv="${NIXL_VENV:-/tmp/ferry-nixl-venv}"
+nixl_version="${NIXL_VERSION:-1.5.1}"
+
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q --no-deps "nixl-cu12==$nixl_version"
+  "$venv/bin/pip" install -q numpy
+fi
+site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+lib="$(ls "$site"/nixl_cu12.libs/libucp-*.so* 2>/dev/null | head -1)"
+[ -n "$lib" ] || { echo "no libucp in $site/nixl_cu12.libs" >&2; exit 1; }
+export FERRY_UCX_LIBRARY="$lib"
+echo "libucp: $lib" >&2
+
+# FERRY_BENCHES="before=/path/a after=/path/b" compares prebuilt control_path binaries
+# (each LABEL=PATH) instead of building this checkout's.
+if [ -n "${FERRY_BENCHES:-}" ]; then
+  read -r -a specs <<< "$FERRY_BENCHES"
+else
+  bench="$(cd "$root" && cargo bench -p ferry-benches --bench control_path --no-run 2>&1 \
+    | sed -n 's/.*Executable benches\/control_path.rs (\(.*\))/\1/p' | tail -1)"
+  [ -n "$bench" ] || { echo "could not build the control_path benchmark" >&2; exit 1; }
+  case "$bench" in /*) ;; *) bench="$root/$bench" ;; esac
+  specs=("Ferry=$bench")
+fi
+args=()
+for spec in "${specs[@]}"; do args+=(--ferry-bench "$spec"); done
+exec "$venv/bin/python" "$here/control_compare.py" "${args[@]}" \
+  --python "$venv/bin/python" --rounds "${ROUNDS:-3}"
