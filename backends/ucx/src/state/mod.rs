@@ -12,7 +12,8 @@
 //!
 //! With a window (`post_window_bytes`), the part of a batch beyond the window waits in
 //! `Core::deferred` (pieces of ranges, in post order); each [`Core::pump`] issues one
-//! more window, and the batch's flush is issued when its last piece is (the head slot
+//! more window (a post also stops after about `requests::ISSUE_BUDGET` of sending:
+//! `requests::IssueBudget`), and the batch's flush is issued when its last piece is (the head slot
 //! counts its pieces). A peer's pieces are cut before its endpoint closes: their
 //! requests fail and their batches are flushed at once, so each is still reported from
 //! its flush's callback.
