@@ -11,7 +11,8 @@
 # UCX_NET_DEVICES=lo, the UCX settings listed in nixl_compare.py, no progress thread
 # (NIXL's agent progress threads are turned off; both targets progress in a loop).
 # Also the metadata of 15,000 UCX-registered regions (blob bytes, encode, load into a
-# fresh agent): FERRY_BENCH_UCX_METADATA beside nixl_md.py.
+# fresh agent): FERRY_BENCH_UCX_METADATA beside nixl_md.py; then control-compare.sh
+# (CONTROL=0 skips it) and perftest-compare.sh (PERFTEST=0 skips it).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../../.." && pwd)"
@@ -33,5 +34,18 @@ bench="$(cd "$root" && cargo bench -p ferry-benches --bench ucx --no-run 2>&1 \
   | sed -n 's/.*Executable benches\/ucx.rs (\(.*\))/\1/p' | tail -1)"
 [ -n "$bench" ] || { echo "could not build the UCX benchmark" >&2; exit 1; }
 bench="$root/$bench"
-exec "$venv/bin/python" "$here/nixl_compare.py" --ferry-bench "$bench" \
+"$venv/bin/python" "$here/nixl_compare.py" --ferry-bench "$bench" \
   --python "$venv/bin/python" --rounds "${ROUNDS:-3}"
+
+# The rest of issue 12's table, in the same run: the control path against NIXL's
+# initialize_xfer (same libucp), then ucx_perftest against Ferry's bench on the
+# system's UCX (perftest comes with ucx-utils, not with the wheel). CONTROL=0 or
+# PERFTEST=0 leaves one out.
+if [ "${CONTROL:-1}" != 0 ]; then
+  echo
+  ROUNDS="${ROUNDS:-3}" "$here/control-compare.sh"
+fi
+if [ "${PERFTEST:-1}" != 0 ]; then
+  echo
+  env -u FERRY_UCX_LIBRARY ROUNDS="${ROUNDS:-3}" "$here/perftest-compare.sh"
+fi
