@@ -44,6 +44,9 @@ pub(super) struct PeerState {
     /// Batch message size on its endpoint (`batch.rs`), decided per endpoint; 0 = small
     /// ranges are not batched.
     pub(super) am_msg_bytes: usize,
+    /// Whether puts/gets on its endpoint go over tcp, where UCX sends inline for as long
+    /// as the socket takes data: a post then paces itself (`requests::IssueBudget`).
+    pub(super) paced: bool,
 }
 
 impl Core {
@@ -90,6 +93,7 @@ impl Core {
                 transports: String::new(),
                 watch: Watch::default(),
                 am_msg_bytes: 0,
+                paced: false,
             },
         );
         Ok(())
@@ -293,6 +297,7 @@ impl Core {
         let state = self.peers.get_mut(&peer).expect("present");
         state.link = Some(link);
         state.am_msg_bytes = am_msg_bytes;
+        state.paced = super::requests::rma_over_tcp(&transports);
         log::info!(
             "UCX {}: endpoint to '{}' on worker {worker} uses {transports}; small ranges {}",
             self.ucp.version(),

@@ -61,14 +61,17 @@ pub(super) struct Deferred {
 }
 
 /// What one post or one pump may still hand to UCX: at most a window of bytes
-/// (`post_window_bytes`), and in a post also about [`ISSUE_BUDGET`] of time. UCX sends
-/// inline where it can (a tcp put is a `sendmsg`, which on loopback also runs the
-/// receiver's side), so bytes alone do not bound the time: a 1 MiB window took
-/// ~0.5–1.2 ms over tcp on the development VM. A post therefore issues puts and gets in
-/// steps of at most [`ISSUE_STEP_BYTES`] and reads the clock after every
-/// [`ISSUE_CLOCK_BYTES`] issued (never per small range); once past the time budget, the
-/// rest waits for the progress phase. A pump keeps whole windows (measured: the same
-/// time budget there cost a 64 MiB tcp WRITE ~30 % of its bandwidth, 17.4 → 25 ms).
+/// (`post_window_bytes`), and in a post to an endpoint whose puts go over tcp also about
+/// [`ISSUE_BUDGET`] of time. UCX sends inline where it can (a tcp put is a `sendmsg`,
+/// which on loopback also runs the receiver's side), so bytes alone do not bound the
+/// time there: a 1 MiB window took ~0.5–1.2 ms over tcp on the development VM. Such a
+/// post issues puts and gets in steps of at most [`ISSUE_STEP_BYTES`] and reads the
+/// clock after every [`ISSUE_CLOCK_BYTES`] issued (never per small range); once past the
+/// time budget, the rest waits for the progress phase. Elsewhere a window is one copy
+/// (shared memory: ~30–100 µs per MiB) and steps would only cost: 256 KiB puts into a
+/// UCX-allocated peer segment measured 40–46 µs per MiB against 30–35 for one 1 MiB put.
+/// A pump keeps whole windows (measured: the same time budget there cost a 64 MiB tcp
+/// WRITE ~30 % of its bandwidth, 17.4 → 25 ms).
 pub(super) struct IssueBudget {
     bytes: u64,
     /// Whether the time budget applies (not with `post_window_bytes=0`: everything in
@@ -84,6 +87,19 @@ pub(super) const ISSUE_BUDGET: Duration = Duration::from_micros(100);
 pub(super) const ISSUE_STEP_BYTES: u64 = 256 << 10;
 /// Bytes issued between two looks at the clock.
 pub(super) const ISSUE_CLOCK_BYTES: u64 = 64 << 10;
+
+/// Whether an endpoint's lane summary (`ucp_ep_print_info`, as `diagnostics.rs` makes
+/// it: `transport/device [roles]`, comma separated) has a tcp lane for puts/gets.
+pub(super) fn rma_over_tcp(summary: &str) -> bool {
+    summary.split(", ").any(|lane| {
+        let (transport, roles) = lane.split_once(" [").unwrap_or((lane, ""));
+        transport.starts_with("tcp")
+            && roles
+                .trim_end_matches(']')
+                .split(' ')
+                .any(|role| role.starts_with("rma"))
+    })
+}
 
 impl IssueBudget {
     /// A window of `window_bytes` (`u64::MAX`: unbounded), timed if `timed` and bounded.
@@ -201,7 +217,10 @@ impl Core {
         let mut tail = NONE;
         let mut rkey_cache: (u64, ucp_rkey_h) = (u64::MAX, ptr::null_mut());
         // What this post may hand to UCX; the rest waits in `deferred` for `pump`.
-        let mut budget = IssueBudget::new(self.window_bytes, true);
+        let paced = peer
+            .and_then(|p| self.peers.get(&p))
+            .is_some_and(|s| s.paced);
+        let mut budget = IssueBudget::new(self.window_bytes, paced);
         let mut deferred = 0u32;
         let am_bytes = peer
             .and_then(|p| self.peers.get(&p))
@@ -673,6 +692,19 @@ impl Core {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn posts_are_paced_where_puts_go_over_tcp() {
+        assert!(rma_over_tcp("tcp/lo [rma_bw#0 am keepalive]"));
+        assert!(rma_over_tcp("cma/memory [am], tcp/lo [rma#0]"));
+        assert!(!rma_over_tcp(
+            "tcp/lo [am keepalive], cma/memory [rma_bw#0]"
+        ));
+        assert!(!rma_over_tcp(
+            "sysv/memory [rma#0 am], cma/memory [rma_bw#0]"
+        ));
+        assert!(!rma_over_tcp(""));
+    }
 
     #[test]
     fn a_timed_budget_steps_and_stops_once_its_time_is_spent() {
