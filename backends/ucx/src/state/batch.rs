@@ -325,6 +325,23 @@ fn apply_batch_write(regions: &mut RegionIndex, msg: &[u8]) -> BatchStatus {
     BatchStatus::Written
 }
 
+/// The eager payload of an active message delivered to one of the batch handlers, or
+/// nothing for an empty or rendezvous one (senders force eager: a rendezvous message is
+/// not one of ours, and its data is not readable here).
+///
+/// # Safety
+///
+/// `data`, `length` and `recv_attr` as UCX passed them to the handler; the slice is
+/// used only during the callback.
+unsafe fn eager_payload<'a>(data: *mut c_void, length: usize, recv_attr: u64) -> &'a [u8] {
+    if length == 0 || recv_attr & u64::from(UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 {
+        &[]
+    } else {
+        // SAFETY: eager data is readable during the callback (caller's promise).
+        unsafe { std::slice::from_raw_parts(data as *const u8, length) }
+    }
+}
+
 /// Handler of [`wire::BATCH_WRITE_AM_ID`] (target side).
 pub(super) unsafe extern "C" fn on_batch_write(
     arg: *mut c_void,
@@ -340,13 +357,8 @@ pub(super) unsafe extern "C" fn on_batch_write(
     let batch = &events.batch;
     // SAFETY: UCX passes a valid param for the duration of the callback.
     let (recv_attr, reply_ep) = unsafe { ((*param).recv_attr, (*param).reply_ep) };
-    let msg: &[u8] = if length == 0 || recv_attr & u64::from(UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 {
-        // Senders force eager; a rendezvous message is not one of ours.
-        &[]
-    } else {
-        // SAFETY: eager data is readable during the callback.
-        unsafe { std::slice::from_raw_parts(data as *const u8, length) }
-    };
+    // SAFETY: as UCX passed them to this handler; used only during the callback.
+    let msg = unsafe { eager_payload(data, length, recv_attr) };
     let status = {
         let mut regions = batch.regions.lock().unwrap_or_else(|e| e.into_inner());
         apply_batch_write(&mut regions, msg)
@@ -377,12 +389,8 @@ pub(super) unsafe extern "C" fn on_batch_ack(
     let events = unsafe { &*(arg as *const Events) };
     // SAFETY: UCX passes a valid param for the duration of the callback.
     let recv_attr = unsafe { (*param).recv_attr };
-    let bytes: &[u8] = if length == 0 || recv_attr & u64::from(UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 {
-        &[]
-    } else {
-        // SAFETY: eager data is readable during the callback.
-        unsafe { std::slice::from_raw_parts(data as *const u8, length) }
-    };
+    // SAFETY: as UCX passed them to this handler; used only during the callback.
+    let bytes = unsafe { eager_payload(data, length, recv_attr) };
     match wire::parse_ack(bytes) {
         Ok(ack) if events.batch.acks_in.push(ack).is_ok() => {}
         _ => {
@@ -508,12 +516,8 @@ pub(super) unsafe extern "C" fn on_batch_read(
     let events = unsafe { &*events_ptr };
     // SAFETY: UCX passes a valid param for the duration of the callback.
     let (recv_attr, reply_ep) = unsafe { ((*param).recv_attr, (*param).reply_ep) };
-    let msg: &[u8] = if length == 0 || recv_attr & u64::from(UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 {
-        &[]
-    } else {
-        // SAFETY: eager data is readable during the callback.
-        unsafe { std::slice::from_raw_parts(data as *const u8, length) }
-    };
+    // SAFETY: as UCX passed them to this handler; used only during the callback.
+    let msg = unsafe { eager_payload(data, length, recv_attr) };
     if msg.len() < 8 || recv_attr & u64::from(UCP_AM_RECV_ATTR_FIELD_REPLY_EP) == 0 {
         events.batch.refused.fetch_add(1, Ordering::Relaxed);
         events.batch.unsent_acks.fetch_add(1, Ordering::Relaxed);
@@ -537,12 +541,8 @@ pub(super) unsafe extern "C" fn on_batch_read_reply(
     let events = unsafe { &*(arg as *const Events) };
     // SAFETY: UCX passes a valid param for the duration of the callback.
     let recv_attr = unsafe { (*param).recv_attr };
-    let bytes: &[u8] = if length == 0 || recv_attr & u64::from(UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 {
-        &[]
-    } else {
-        // SAFETY: eager data is readable during the callback.
-        unsafe { std::slice::from_raw_parts(data as *const u8, length) }
-    };
+    // SAFETY: as UCX passed them to this handler; used only during the callback.
+    let bytes = unsafe { eager_payload(data, length, recv_attr) };
     let batch = &events.batch;
     let Ok((cookie, mut status, payload)) = wire::parse_read_reply(bytes) else {
         batch.dropped_acks.fetch_add(1, Ordering::Relaxed);

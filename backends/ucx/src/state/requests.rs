@@ -74,11 +74,10 @@ pub(super) struct Deferred {
 /// WRITE ~30 % of its bandwidth, 17.4 → 25 ms).
 pub(super) struct IssueBudget {
     bytes: u64,
-    /// Whether the time budget applies (not with `post_window_bytes=0`: everything in
-    /// the post, as documented).
-    timed: bool,
+    /// When the time budget started; `None`: untimed (a pump, an endpoint that is not
+    /// tcp, or `post_window_bytes=0`: everything in the post, as documented).
+    started: Option<Instant>,
     since_clock: u64,
-    started: Instant,
 }
 
 /// Time a post spends handing data to UCX before it leaves the rest for the progress phase.
@@ -104,12 +103,10 @@ pub(super) fn rma_over_tcp(summary: &str) -> bool {
 impl IssueBudget {
     /// A window of `window_bytes` (`u64::MAX`: unbounded), timed if `timed` and bounded.
     pub(super) fn new(window_bytes: u64, timed: bool) -> IssueBudget {
-        let timed = timed && window_bytes != u64::MAX;
         IssueBudget {
             bytes: window_bytes,
-            timed,
+            started: (timed && window_bytes != u64::MAX).then(Instant::now),
             since_clock: 0,
-            started: Instant::now(),
         }
     }
 
@@ -121,7 +118,7 @@ impl IssueBudget {
     /// How much of a piece of `len` bytes to issue next.
     pub(super) fn step(&self, len: u64) -> u64 {
         let step = len.min(self.bytes);
-        if self.timed {
+        if self.started.is_some() {
             step.min(ISSUE_STEP_BYTES)
         } else {
             step
@@ -131,13 +128,13 @@ impl IssueBudget {
     /// `n` bytes went to UCX.
     pub(super) fn spend(&mut self, n: u64) {
         self.bytes = self.bytes.saturating_sub(n);
-        if !self.timed {
+        let Some(started) = self.started else {
             return;
-        }
+        };
         self.since_clock += n;
         if self.since_clock >= ISSUE_CLOCK_BYTES {
             self.since_clock = 0;
-            if self.started.elapsed() > ISSUE_BUDGET {
+            if started.elapsed() > ISSUE_BUDGET {
                 self.bytes = 0;
             }
         }
