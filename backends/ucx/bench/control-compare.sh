@@ -14,19 +14,8 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../../.." && pwd)"
-venv="${NIXL_VENV:-/tmp/ferry-nixl-venv}"
-nixl_version="${NIXL_VERSION:-1.5.1}"
-
-if [ ! -x "$venv/bin/python" ]; then
-  python3 -m venv "$venv"
-  "$venv/bin/pip" install -q --no-deps "nixl-cu12==$nixl_version"
-  "$venv/bin/pip" install -q numpy
-fi
-site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-lib="$(ls "$site"/nixl_cu12.libs/libucp-*.so* 2>/dev/null | head -1)"
-[ -n "$lib" ] || { echo "no libucp in $site/nixl_cu12.libs" >&2; exit 1; }
-export FERRY_UCX_LIBRARY="$lib"
-echo "libucp: $lib" >&2
+# shellcheck source=nixl-venv.sh
+. "$here/nixl-venv.sh"
 
 # FERRY_BENCHES="before=/path/a after=/path/b" compares prebuilt control_path binaries
 # (each LABEL=PATH) instead of building this checkout's.

@@ -16,19 +16,8 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../../.." && pwd)"
-venv="${NIXL_VENV:-/tmp/ferry-nixl-venv}"
-nixl_version="${NIXL_VERSION:-1.5.1}"
-
-if [ ! -x "$venv/bin/python" ]; then
-  python3 -m venv "$venv"
-  "$venv/bin/pip" install -q --no-deps "nixl-cu12==$nixl_version"
-  "$venv/bin/pip" install -q numpy
-fi
-site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-lib="$(ls "$site"/nixl_cu12.libs/libucp-*.so* 2>/dev/null | head -1)"
-[ -n "$lib" ] || { echo "no libucp in $site/nixl_cu12.libs" >&2; exit 1; }
-export FERRY_UCX_LIBRARY="$lib"
-echo "libucp: $lib" >&2
+# shellcheck source=nixl-venv.sh
+. "$here/nixl-venv.sh"
 
 bench="$(cd "$root" && cargo bench -p ferry-benches --bench ucx --no-run 2>&1 \
   | sed -n 's/.*Executable benches\/ucx.rs (\(.*\))/\1/p' | tail -1)"
