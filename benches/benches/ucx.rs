@@ -9,6 +9,9 @@
 //! `FERRY_BENCH_UCX_TARGET_CPU=1` starts the target under `taskset -c 1` (run the
 //! initiator under `taskset -c 0`); `FERRY_BENCH_UCX_IDLE=0` skips the idle-CPU
 //! measurement, `FERRY_BENCH_UCX_CONTROL=0` the 64 B × 1024 control-path case.
+//! For a focused run (a profile): `FERRY_BENCH_UCX_OPS=write` (or `read`, or both,
+//! comma separated), `FERRY_BENCH_UCX_ORDER=shuffled` (or `contiguous`) and
+//! `FERRY_BENCH_UCX_CASE_MS=5000` (time per case, default 700).
 //! `FERRY_BENCH_UCX_ALLOC=ucx` allocates both sides' buffers through the UCX backend
 //! (`Agent::alloc`: UCX shared-memory segments, as `ucx_perftest` allocates its
 //! buffers). `FERRY_UCX_LIBRARY` names the libucp both processes load (and the only
@@ -125,6 +128,32 @@ fn main() {
         if std::env::var_os("FERRY_BENCH_UCX_QUICK").is_some() {
             config.blocks = vec![4 << 10, 1 << 20];
             config.batches = vec![32, 1024];
+        }
+        if let Ok(ops) = std::env::var("FERRY_BENCH_UCX_OPS") {
+            config.ops = ops
+                .split(',')
+                .filter_map(|op| match op.trim() {
+                    "write" | "WRITE" => Some(ferry::Op::Write),
+                    "read" | "READ" => Some(ferry::Op::Read),
+                    _ => None,
+                })
+                .collect();
+        }
+        if let Ok(order) = std::env::var("FERRY_BENCH_UCX_ORDER") {
+            config.orders = order
+                .split(',')
+                .filter_map(|o| match o.trim() {
+                    "contiguous" => Some(false),
+                    "shuffled" => Some(true),
+                    _ => None,
+                })
+                .collect();
+        }
+        if let Some(ms) = std::env::var("FERRY_BENCH_UCX_CASE_MS")
+            .ok()
+            .and_then(|ms| ms.parse().ok())
+        {
+            config.case_time = std::time::Duration::from_millis(ms);
         }
         let list = |name: &str| -> Option<Vec<usize>> {
             let text = std::env::var(name).ok()?;

@@ -357,6 +357,10 @@ pub struct Config {
     pub case_time: Duration,
     /// Minimum timed iterations per case.
     pub min_iters: usize,
+    /// Operations measured per case, in order.
+    pub ops: Vec<Op>,
+    /// Remote orders measured per block × batch: `false` contiguous, `true` shuffled.
+    pub orders: Vec<bool>,
     /// Also run the 64 B × 1024 control-path case.
     pub control_path: bool,
     /// Also measure the idle CPU of a progress thread.
@@ -377,6 +381,8 @@ impl Default for Config {
             batches: vec![1, 32, 1024],
             case_time: Duration::from_millis(700),
             min_iters: 3,
+            ops: vec![Op::Write, Op::Read],
+            orders: vec![false, true],
             control_path: true,
             idle_cpu: true,
             initiator_mem: Placement::Dram,
@@ -661,7 +667,7 @@ fn run_with_target(
     let mut cases: Vec<(usize, usize, bool)> = Vec::new();
     for &block in &config.blocks {
         for &batch in &config.batches {
-            for shuffled in [false, true] {
+            for &shuffled in &config.orders {
                 cases.push((block, batch, shuffled));
             }
         }
@@ -695,7 +701,7 @@ fn run_with_target(
         let remote_prep = agent
             .prep(peer, remote_kind, &remote_descs)
             .map_err(|e| e.to_string())?;
-        for op in [Op::Write, Op::Read] {
+        for &op in &config.ops {
             let x = agent
                 .make(op, local_prep, &[], remote_prep, &[], None)
                 .map_err(|e| e.to_string())?;

@@ -72,8 +72,16 @@ pub(super) struct Deferred {
 /// UCX-allocated peer segment measured 40–46 µs per MiB against 30–35 for one 1 MiB put.
 /// A pump keeps whole windows (measured: the same time budget there cost a 64 MiB tcp
 /// WRITE ~30 % of its bandwidth, 17.4 → 25 ms).
+///
+/// An untimed budget cuts a range only at `chunk_bytes` boundaries: the last piece of a
+/// window runs to the end of its range or chunk, past the window (by less than a chunk).
+/// Cutting at the window's edge split every 1 MiB range of a shuffled 1 MiB × 32 tcp
+/// WRITE into a 256 KiB and a 768 KiB put, two `sendmsg`s and two protocol headers where
+/// one does.
 pub(super) struct IssueBudget {
     bytes: u64,
+    /// Smallest piece an untimed budget issues while any bytes are left (`chunk_bytes`).
+    piece: u64,
     /// When the time budget started; `None`: untimed (a pump, an endpoint that is not
     /// tcp, or `post_window_bytes=0`: everything in the post, as documented).
     started: Option<Instant>,
@@ -101,10 +109,12 @@ pub(super) fn rma_over_tcp(summary: &str) -> bool {
 }
 
 impl IssueBudget {
-    /// A window of `window_bytes` (`u64::MAX`: unbounded), timed if `timed` and bounded.
-    pub(super) fn new(window_bytes: u64, timed: bool) -> IssueBudget {
+    /// A window of `window_bytes` (`u64::MAX`: unbounded), timed if `timed` and bounded;
+    /// untimed, its pieces run to `piece_bytes` (`chunk_bytes`) boundaries.
+    pub(super) fn new(window_bytes: u64, timed: bool, piece_bytes: u64) -> IssueBudget {
         IssueBudget {
             bytes: window_bytes,
+            piece: piece_bytes,
             started: (timed && window_bytes != u64::MAX).then(Instant::now),
             since_clock: 0,
         }
@@ -117,11 +127,12 @@ impl IssueBudget {
 
     /// How much of a piece of `len` bytes to issue next.
     pub(super) fn step(&self, len: u64) -> u64 {
-        let step = len.min(self.bytes);
-        if self.started.is_some() {
-            step.min(ISSUE_STEP_BYTES)
+        if self.bytes == 0 {
+            0
+        } else if self.started.is_some() {
+            len.min(self.bytes).min(ISSUE_STEP_BYTES)
         } else {
-            step
+            len.min(self.bytes.max(self.piece))
         }
     }
 
@@ -217,7 +228,7 @@ impl Core {
         let paced = peer
             .and_then(|p| self.peers.get(&p))
             .is_some_and(|s| s.paced);
-        let mut budget = IssueBudget::new(self.window_bytes, paced);
+        let mut budget = IssueBudget::new(self.window_bytes, paced, self.chunk_bytes);
         let mut deferred = 0u32;
         let am_bytes = peer
             .and_then(|p| self.peers.get(&p))
@@ -416,7 +427,7 @@ impl Core {
 
     /// Hand deferred ranges to UCX, at most one window. Returns whether it did.
     pub(super) fn issue_deferred(&mut self) -> bool {
-        let mut budget = IssueBudget::new(self.window_bytes, false);
+        let mut budget = IssueBudget::new(self.window_bytes, false, self.chunk_bytes);
         let mut any = false;
         while budget.left() {
             let Some(piece) = self.deferred.front() else {
@@ -705,7 +716,7 @@ mod tests {
 
     #[test]
     fn a_timed_budget_steps_and_stops_once_its_time_is_spent() {
-        let mut budget = IssueBudget::new(4 << 20, true);
+        let mut budget = IssueBudget::new(4 << 20, true, 1 << 20);
         assert_eq!(budget.step(16 << 20), ISSUE_STEP_BYTES);
         assert_eq!(budget.step(100), 100);
         // Small spends below the clock interval never stop it, however late.
@@ -720,18 +731,40 @@ mod tests {
 
     #[test]
     fn an_untimed_or_unbounded_budget_counts_bytes_only() {
-        let mut pump = IssueBudget::new(1 << 20, false);
+        let mut pump = IssueBudget::new(1 << 20, false, 1 << 20);
         assert_eq!(pump.step(16 << 20), 1 << 20);
         std::thread::sleep(ISSUE_BUDGET * 2);
         pump.spend(512 << 10);
         assert!(pump.left());
         pump.spend(512 << 10);
         assert!(!pump.left());
+        assert_eq!(pump.step(1 << 20), 0);
         // post_window_bytes=0: everything in the post, no clock.
-        let mut all = IssueBudget::new(u64::MAX, true);
+        let mut all = IssueBudget::new(u64::MAX, true, 1 << 20);
         assert_eq!(all.step(64 << 20), 64 << 20);
         std::thread::sleep(ISSUE_BUDGET * 2);
         all.spend(64 << 20);
         assert!(all.left());
+    }
+
+    #[test]
+    fn an_untimed_window_ends_a_piece_at_a_chunk_boundary_not_at_its_edge() {
+        // What a timed post left of a 1 MiB range, then the next 1 MiB range: both whole.
+        let mut pump = IssueBudget::new(1 << 20, false, 1 << 20);
+        assert_eq!(pump.step(768 << 10), 768 << 10);
+        pump.spend(768 << 10);
+        assert_eq!(pump.step(1 << 20), 1 << 20);
+        pump.spend(1 << 20);
+        assert!(!pump.left());
+        // A long merged range is still cut into windows of one chunk.
+        let mut pump = IssueBudget::new(1 << 20, false, 1 << 20);
+        assert_eq!(pump.step(32 << 20), 1 << 20);
+        // Less than a chunk left of a larger window: one more whole chunk.
+        let mut pump = IssueBudget::new(4 << 20, false, 1 << 20);
+        pump.spend((3 << 20) + (512 << 10));
+        assert_eq!(pump.step(32 << 20), 1 << 20);
+        // Small ranges fill the window as before.
+        let mut pump = IssueBudget::new(1 << 20, false, 1 << 20);
+        assert_eq!(pump.step(4096), 4096);
     }
 }
