@@ -757,14 +757,14 @@ mod tests {
         pump.spend(1 << 20);
         assert!(!pump.left());
         // A long merged range is still cut into windows of one chunk.
-        let mut pump = IssueBudget::new(1 << 20, false, 1 << 20);
+        let pump = IssueBudget::new(1 << 20, false, 1 << 20);
         assert_eq!(pump.step(32 << 20), 1 << 20);
         // Less than a chunk left of a larger window: one more whole chunk.
         let mut pump = IssueBudget::new(4 << 20, false, 1 << 20);
         pump.spend((3 << 20) + (512 << 10));
         assert_eq!(pump.step(32 << 20), 1 << 20);
         // Small ranges fill the window as before.
-        let mut pump = IssueBudget::new(1 << 20, false, 1 << 20);
+        let pump = IssueBudget::new(1 << 20, false, 1 << 20);
         assert_eq!(pump.step(4096), 4096);
     }
 }
