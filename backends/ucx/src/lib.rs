@@ -811,7 +811,9 @@ impl Backend for UcxBackend {
     }
 
     fn conn_info(&self) -> Vec<u8> {
-        wire::encode(&self.core().worker_addresses())
+        // Every build that writes format 2 handles batch messages (the handlers are
+        // registered on every worker, whatever `am_batch` says about sending them).
+        wire::encode(&self.core().worker_addresses(), wire::FEATURE_BATCH_AM)
     }
 
     fn load_remote(&mut self, peer: PeerId, remote: RemoteAgent<'_>) -> Result<()> {

@@ -1,10 +1,14 @@
 //! The bytes this backend exchanges with peers, and their parsers: connection info
 //! (the addresses of its UCP workers) and public region metadata (a framed packed rkey).
 //!
-//! Connection info layout: `b"FUCX"`, a format byte (1), a worker count byte (1..=255),
-//! then per worker a little-endian `u32` length and that many address bytes. Peer bytes
-//! are checked here once; nothing later trusts them further than "an opaque UCP
-//! address".
+//! Connection info layout: `b"FUCX"`, a format byte (2), a features byte (bit 0,
+//! [`FEATURE_BATCH_AM`]: this side handles batch messages; unknown bits are kept and
+//! ignored), a worker count byte (1..=255), then per worker a little-endian `u32` length
+//! and that many address bytes. Format 1 (no features byte) is still read, as a peer
+//! without features: a build from before batching registered no handler for its
+//! messages, and UCX drops messages of an unknown id, so batching to it would wait for
+//! acks until `peer_timeout_ms`. Peer bytes are checked here once; nothing later trusts
+//! them further than "an opaque UCP address".
 //!
 //! This module is plain byte handling: nothing in it loads or calls libucp, so fuzz
 //! targets (`metadata/fuzz`, target `ucx_wire`) and property tests call it directly.
@@ -13,20 +17,43 @@ use ferry_backend_api::{Error, Result};
 
 /// The first bytes of connection info.
 pub const MAGIC: &[u8; 4] = b"FUCX";
-/// The connection-info format this build writes and reads.
-pub const FORMAT: u8 = 1;
+/// The connection-info format this build writes (it also reads [`FORMAT_V1`]).
+pub const FORMAT: u8 = 2;
+/// The first format: no features byte.
+pub const FORMAT_V1: u8 = 1;
+/// Feature bit: the sender handles batch messages (`state/batch.rs`): WRITE data, READ
+/// requests, their acks and replies.
+pub const FEATURE_BATCH_AM: u8 = 1;
+
+/// A peer's decoded connection info.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConnInfo {
+    /// Its UCP worker addresses (1..=255), opaque.
+    pub addresses: Vec<Vec<u8>>,
+    /// Its feature bits ([`FEATURE_BATCH_AM`]; 0 for format 1).
+    pub features: u8,
+    /// The format it came in ([`FORMAT`] or [`FORMAT_V1`]).
+    pub format: u8,
+}
+
+impl ConnInfo {
+    /// Whether the peer handles batch messages.
+    pub fn batches(&self) -> bool {
+        self.features & FEATURE_BATCH_AM != 0
+    }
+}
 /// The largest worker address accepted from a peer (UCP addresses are a few hundred
 /// bytes; this leaves room for many transports).
 pub const ADDRESS_LEN_MAX: usize = 64 * 1024;
 
-/// Encode worker addresses as connection info.
+/// Encode worker addresses and feature bits as connection info ([`FORMAT`]).
 ///
 /// # Panics
 ///
 /// If `addresses` is empty or has more than 255 entries, or an address is empty or
 /// longer than [`ADDRESS_LEN_MAX`]: the backend encodes only its own workers'
 /// addresses, and such a list is a bug here, never peer input.
-pub fn encode(addresses: &[Vec<u8>]) -> Vec<u8> {
+pub fn encode(addresses: &[Vec<u8>], features: u8) -> Vec<u8> {
     assert!(
         !addresses.is_empty() && addresses.len() <= usize::from(u8::MAX),
         "{} worker addresses (1..=255 fit the format)",
@@ -38,9 +65,10 @@ pub fn encode(addresses: &[Vec<u8>]) -> Vec<u8> {
             .all(|a| !a.is_empty() && a.len() <= ADDRESS_LEN_MAX),
         "a worker address is empty or longer than {ADDRESS_LEN_MAX} bytes"
     );
-    let mut out = Vec::with_capacity(6 + addresses.iter().map(|a| 4 + a.len()).sum::<usize>());
+    let mut out = Vec::with_capacity(7 + addresses.iter().map(|a| 4 + a.len()).sum::<usize>());
     out.extend_from_slice(MAGIC);
     out.push(FORMAT);
+    out.push(features);
     out.push(addresses.len() as u8);
     for address in addresses {
         out.extend_from_slice(&(address.len() as u32).to_le_bytes());
@@ -49,23 +77,27 @@ pub fn encode(addresses: &[Vec<u8>]) -> Vec<u8> {
     out
 }
 
-/// Decode connection info into worker addresses, refusing anything malformed with
-/// [`Error::InvalidMetadata`] naming what is wrong.
-pub fn decode(bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+/// Decode connection info ([`FORMAT`] or [`FORMAT_V1`]), refusing anything malformed
+/// with [`Error::InvalidMetadata`] naming what is wrong.
+pub fn decode(bytes: &[u8]) -> Result<ConnInfo> {
     let bad = |why: &str| Error::InvalidMetadata {
         reason: format!("UCX connection info: {why}").into(),
     };
     if bytes.len() < 6 || &bytes[..4] != MAGIC {
         return Err(bad("missing FUCX header"));
     }
-    if bytes[4] != FORMAT {
-        return Err(bad(&format!("unknown format {}", bytes[4])));
-    }
-    let count = usize::from(bytes[5]);
+    let format = bytes[4];
+    let (features, rest) = match format {
+        FORMAT_V1 => (0, &bytes[5..]),
+        FORMAT if bytes.len() >= 7 => (bytes[5], &bytes[6..]),
+        FORMAT => return Err(bad("missing worker count")),
+        other => return Err(bad(&format!("unknown format {other}"))),
+    };
+    let count = usize::from(rest[0]);
     if count == 0 {
         return Err(bad("no worker address"));
     }
-    let mut rest = &bytes[6..];
+    let mut rest = &rest[1..];
     let mut addresses = Vec::with_capacity(count);
     for index in 0..count {
         if rest.len() < 4 {
@@ -85,7 +117,11 @@ pub fn decode(bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
     if !rest.is_empty() {
         return Err(bad(&format!("{} trailing bytes", rest.len())));
     }
-    Ok(addresses)
+    Ok(ConnInfo {
+        addresses,
+        features,
+        format,
+    })
 }
 
 #[cfg(test)]
@@ -95,16 +131,31 @@ mod tests {
     #[test]
     fn round_trip() {
         let addrs = vec![vec![1u8, 2, 3], vec![9u8; 300]];
-        assert_eq!(decode(&encode(&addrs)).unwrap(), addrs);
+        let info = decode(&encode(&addrs, FEATURE_BATCH_AM | 0x80)).unwrap();
+        assert_eq!(info.addresses, addrs);
+        assert!(info.batches());
+        assert_eq!((info.features, info.format), (0x81, FORMAT));
+        assert!(!decode(&encode(&addrs, 0)).unwrap().batches());
+    }
+
+    #[test]
+    fn reads_the_first_format_as_a_peer_without_batching() {
+        let v1 = [&b"FUCX\x01\x01"[..], &3u32.to_le_bytes(), b"abc"].concat();
+        let info = decode(&v1).unwrap();
+        assert_eq!(info.addresses, vec![b"abc".to_vec()]);
+        assert!(!info.batches());
+        assert_eq!(info.format, FORMAT_V1);
     }
 
     #[test]
     fn refuses_malformed_bytes() {
-        let good = encode(&[vec![7u8; 10]]);
+        let good = encode(&[vec![7u8; 10]], FEATURE_BATCH_AM);
         assert!(decode(&good[..good.len() - 1]).is_err());
         assert!(decode(b"XUCX\x01\x01").is_err());
+        assert!(decode(b"FUCX\x03\x01\x01").is_err());
         assert!(decode(b"FUCX\x02\x01").is_err());
         assert!(decode(b"FUCX\x01\x00").is_err());
+        assert!(decode(b"FUCX\x02\x01\x00").is_err());
         let mut trailing = good.clone();
         trailing.push(0);
         assert!(decode(&trailing).is_err());

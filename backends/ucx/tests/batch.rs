@@ -388,3 +388,74 @@ fn unloading_the_target_with_acks_pending_fails_each_request_once() {
         assert!(p.b_buf.0[..256 * 64].iter().all(|&b| b == 3));
     }
 }
+
+/// `b`'s connection info as a build from before batching wrote it (format 1: no
+/// features byte), or in format 2 without the batch-message feature.
+fn without_batch_feature(info: &[u8], format_1: bool) -> Vec<u8> {
+    let decoded = ferry_ucx::wire::decode(info).expect("own connection info");
+    let mut bytes = ferry_ucx::wire::encode(&decoded.addresses, 0);
+    if format_1 {
+        bytes.remove(5);
+        bytes[4] = ferry_ucx::wire::FORMAT_V1;
+    }
+    bytes
+}
+
+#[test]
+fn a_peer_without_the_batch_feature_gets_puts_and_gets() {
+    if !setup() {
+        return;
+    }
+    // A peer that does not say it handles batch messages (an older build: UCX would
+    // drop messages of an id it has no handler for, and the acks would never come)
+    // gets plain puts and gets; a reload that changes what it says takes effect.
+    for &transports in TRANSPORTS {
+        for format_1 in [true, false] {
+            let what = format!("[{}] format_1={format_1}", label(transports));
+            let mut p = pair(transports, &[]);
+            p.a.connect(p.peer_b).unwrap();
+            assert_eq!(p.a.batches_to(p.peer_b), Some(true), "{what}");
+            let old = without_batch_feature(&p.b.conn_info(), format_1);
+            let regions = [(p.b_token, p.b_md.clone())];
+            load(&mut p.a, p.peer_b, "agent-b", &old, &regions);
+            p.a.connect(p.peer_b).unwrap();
+            assert_eq!(p.a.batches_to(p.peer_b), Some(false), "{what}");
+
+            let mut rng = Rng::new(0x01d ^ transports.len() as u64);
+            rng.fill(&mut p.a_buf.0);
+            let ranges: Vec<Range> = (0..200)
+                .map(|i| range(&p, i * 64, (512 << 10) + i * 128, 64))
+                .collect();
+            for c in run(&mut p, &[post(1, &ranges, None)]) {
+                assert_eq!(c.result, Ok(()), "{what}: write {} failed", c.tag);
+            }
+            for (i, r) in ranges.iter().enumerate() {
+                let ro = (r.remote_addr - p.b_buf.addr()) as usize;
+                assert_eq!(
+                    p.a_buf.0[i * 64..i * 64 + 64],
+                    p.b_buf.0[ro..ro + 64],
+                    "{what}: range {i} differs"
+                );
+            }
+            rng.fill(&mut p.b_buf.0[512 << 10..]);
+            for c in run(&mut p, &[post_op(2, Op::Read, &ranges, None)]) {
+                assert_eq!(c.result, Ok(()), "{what}: read {} failed", c.tag);
+            }
+            for (i, r) in ranges.iter().enumerate() {
+                let ro = (r.remote_addr - p.b_buf.addr()) as usize;
+                assert_eq!(
+                    p.a_buf.0[i * 64..i * 64 + 64],
+                    p.b_buf.0[ro..ro + 64],
+                    "{what}: read range {i} differs"
+                );
+            }
+            assert_eq!(p.a.batch_counts().in_flight, 0, "{what}");
+
+            // It says it again: batching again.
+            let now = p.b.conn_info();
+            load(&mut p.a, p.peer_b, "agent-b", &now, &regions);
+            p.a.connect(p.peer_b).unwrap();
+            assert_eq!(p.a.batches_to(p.peer_b), Some(true), "{what}");
+        }
+    }
+}

@@ -24,9 +24,13 @@ fn valid_seeds() -> Vec<(&'static str, Vec<u8>)> {
     let three = vec![bytes(187), bytes(1), bytes(530)];
     let many: Vec<Vec<u8>> = (1..=255).map(|i| bytes(i % 7 + 1)).collect();
     vec![
-        ("conn-one-worker", wire::encode(&one)),
-        ("conn-three-workers", wire::encode(&three)),
-        ("conn-255-workers", wire::encode(&many)),
+        (
+            "conn-one-worker",
+            wire::encode(&one, wire::FEATURE_BATCH_AM),
+        ),
+        ("conn-three-workers", wire::encode(&three, 0)),
+        ("conn-255-workers", wire::encode(&many, 0xff)),
+        ("conn-format-1", conn_v1(&three)),
         ("rkey-small", wire::frame_rkey(&bytes(1))),
         ("rkey-typical", wire::frame_rkey(&bytes(58))),
         ("rkey-large", wire::frame_rkey(&bytes(300))),
@@ -64,6 +68,15 @@ fn valid_seeds() -> Vec<(&'static str, Vec<u8>)> {
     ]
 }
 
+/// Connection info in the first format (no features byte), as builds before batching
+/// wrote it.
+fn conn_v1(addresses: &[Vec<u8>]) -> Vec<u8> {
+    let mut bytes = wire::encode(addresses, 0);
+    bytes.remove(5);
+    bytes[4] = wire::FORMAT_V1;
+    bytes
+}
+
 fn seed_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../metadata/fuzz/seeds/ucx_wire")
 }
@@ -72,16 +85,19 @@ fn seed_dir() -> PathBuf {
 /// refusal is typed and every acceptance round trips.
 fn parse_both(bytes: &[u8]) -> bool {
     let conn = match wire::decode(bytes) {
-        Ok(addresses) => {
+        Ok(info) => {
+            let addresses = &info.addresses;
             assert!((1..=255).contains(&addresses.len()));
             assert!(addresses
                 .iter()
                 .all(|a| !a.is_empty() && a.len() <= ADDRESS_LEN_MAX));
-            assert_eq!(
-                wire::encode(&addresses),
-                bytes,
-                "connection info round trip"
-            );
+            let again = if info.format == wire::FORMAT_V1 {
+                assert_eq!(info.features, 0, "format 1 has no features");
+                conn_v1(addresses)
+            } else {
+                wire::encode(addresses, info.features)
+            };
+            assert_eq!(again, bytes, "connection info round trip");
             true
         }
         Err(Error::InvalidMetadata { reason }) => {
@@ -204,16 +220,18 @@ fn each_refusal_names_its_cause() {
         Err(Error::InvalidMetadata { reason }) => reason.into_owned(),
         other => panic!("expected InvalidMetadata, got {other:?}"),
     };
-    let conn = wire::encode(&[vec![1; 10], vec![2; 10]]);
+    let conn = wire::encode(&[vec![1; 10], vec![2; 10]], wire::FEATURE_BATCH_AM);
     assert!(reason(b"FUCX").contains("missing FUCX header"));
     assert!(reason(b"FUCX\x09\x01").contains("unknown format 9"));
     assert!(reason(b"FUCX\x01\x00").contains("no worker address"));
+    assert!(reason(b"FUCX\x02\x01").contains("missing worker count"));
+    assert!(reason(b"FUCX\x02\x01\x00").contains("no worker address"));
     assert!(reason(&conn[..conn.len() - 12]).contains("worker address #1 truncated"));
     assert!(
         reason(&conn[..conn.len() - 1]).contains("worker address #1 has length 10 (9 bytes left)")
     );
     let mut inflated = conn.clone();
-    inflated[6..10].copy_from_slice(&(ADDRESS_LEN_MAX as u32 + 1).to_le_bytes());
+    inflated[7..11].copy_from_slice(&(ADDRESS_LEN_MAX as u32 + 1).to_le_bytes());
     assert!(reason(&inflated).contains("worker address #0 has length 65537"));
     let mut trailing = conn;
     trailing.push(0);

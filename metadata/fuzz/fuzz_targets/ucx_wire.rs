@@ -5,16 +5,23 @@
 //! re-encode to the same bytes, or a parser that accepts what it should refuse.
 #![no_main]
 
-use ferry_ucx::wire::{self, ADDRESS_LEN_MAX, FORMAT, MAGIC, RKEY_MAGIC};
+use ferry_ucx::wire::{self, ADDRESS_LEN_MAX, FORMAT, FORMAT_V1, MAGIC, RKEY_MAGIC};
 use libfuzzer_sys::fuzz_target;
 
 fn check_conn_info(bytes: &[u8]) {
-    if let Ok(addresses) = wire::decode(bytes) {
+    if let Ok(info) = wire::decode(bytes) {
+        let addresses = &info.addresses;
         assert!(!addresses.is_empty() && addresses.len() <= 255);
         assert!(addresses
             .iter()
             .all(|a| !a.is_empty() && a.len() <= ADDRESS_LEN_MAX));
-        assert_eq!(wire::encode(&addresses), bytes, "decode/encode round trip");
+        let mut again = wire::encode(addresses, info.features);
+        if info.format == FORMAT_V1 {
+            assert_eq!(info.features, 0, "format 1 has no features");
+            again.remove(5);
+            again[4] = FORMAT_V1;
+        }
+        assert_eq!(again, bytes, "decode/encode round trip");
     }
 }
 
@@ -53,13 +60,14 @@ fuzz_target!(|data: &[u8]| {
     check_rkey(data);
     check_batch(data);
     // Also try the bytes behind valid headers, so the fuzzer need not find them: the
-    // first byte as the worker count, and an rkey frame whose length field is right
-    // (the checksum is what must refuse it, unless the fuzzer forged it).
-    if let Some((&count, rest)) = data.split_first() {
-        let mut framed = Vec::with_capacity(6 + rest.len());
+    // bytes after a format byte of either format (format 2: features, then the worker
+    // count; format 1: the count), and an rkey frame whose length field is right (the
+    // checksum is what must refuse it, unless the fuzzer forged it).
+    for format in [FORMAT_V1, FORMAT] {
+        let mut framed = Vec::with_capacity(5 + data.len());
         framed.extend_from_slice(MAGIC);
-        framed.extend_from_slice(&[FORMAT, count]);
-        framed.extend_from_slice(rest);
+        framed.push(format);
+        framed.extend_from_slice(data);
         check_conn_info(&framed);
     }
     if data.len() >= 8 {

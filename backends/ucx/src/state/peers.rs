@@ -14,6 +14,7 @@
 //! blocks the caller: unloading a peer never waits on the network.
 
 use super::*;
+use crate::wire::ConnInfo;
 
 /// What an endpoint whose close is still pending leaves behind (see the module docs).
 pub(super) struct Grave {
@@ -44,6 +45,9 @@ pub(super) struct PeerState {
     /// Batch message size on its endpoint (`batch.rs`), decided per endpoint; 0 = small
     /// ranges are not batched.
     pub(super) am_msg_bytes: usize,
+    /// Whether its connection info says it handles batch messages
+    /// (`wire::FEATURE_BATCH_AM`); without it nothing is batched to it.
+    pub(super) accepts_batches: bool,
     /// Whether puts/gets on its endpoint go over tcp, where UCX sends inline for as long
     /// as the socket takes data: a post then paces itself (`requests::IssueBudget`).
     pub(super) paced: bool,
@@ -54,28 +58,31 @@ impl Core {
         &mut self,
         peer: PeerId,
         name: &str,
-        addresses: Option<Vec<Vec<u8>>>,
+        info: Option<ConnInfo>,
         regions: Arc<dyn PeerRegions>,
     ) -> Result<()> {
         if let Some(state) = self.peers.get_mut(&peer) {
             state.regions = regions;
             state.name.clear();
             state.name.push_str(name);
-            if let Some(addresses) = addresses {
-                let remote = addresses[state.worker % addresses.len()].clone();
-                if remote != state.remote_address {
-                    // The peer restarted (or moved): forget its endpoint and rkeys.
+            if let Some(info) = info {
+                let remote = info.addresses[state.worker % info.addresses.len()].clone();
+                if remote != state.remote_address || info.batches() != state.accepts_batches {
+                    // The peer restarted (or moved, or came back as another build):
+                    // forget its endpoint and rkeys.
                     self.teardown_peer(peer);
                     let state = self.peers.get_mut(&peer).expect("present");
                     state.remote_address = remote;
+                    state.accepts_batches = info.batches();
                     state.down = None;
                 }
             }
             return Ok(());
         }
-        let addresses = addresses.ok_or_else(|| Error::InvalidMetadata {
+        let info = info.ok_or_else(|| Error::InvalidMetadata {
             reason: format!("UCX: first metadata of peer '{name}' has no connection info").into(),
         })?;
+        let addresses = &info.addresses;
         let worker = self.next_worker % self.workers.len();
         self.next_worker += 1;
         let remote_address = addresses[worker % addresses.len()].clone();
@@ -93,6 +100,7 @@ impl Core {
                 transports: String::new(),
                 watch: Watch::default(),
                 am_msg_bytes: 0,
+                accepts_batches: info.batches(),
                 paced: false,
             },
         );
@@ -293,8 +301,12 @@ impl Core {
         });
         let ep = self.create_ep(worker, &state.remote_address, Some(&link))?;
         let transports = self.ep_transports(ep);
-        let am_msg_bytes = self.am.suits(&transports);
         let state = self.peers.get_mut(&peer).expect("present");
+        let am_msg_bytes = if state.accepts_batches {
+            self.am.suits(&transports)
+        } else {
+            0
+        };
         state.link = Some(link);
         state.am_msg_bytes = am_msg_bytes;
         state.paced = super::requests::rma_over_tcp(&transports);
@@ -304,6 +316,8 @@ impl Core {
             state.name,
             if am_msg_bytes > 0 {
                 format!("batched in messages of up to {am_msg_bytes} bytes")
+            } else if !state.accepts_batches {
+                "put/get one by one (its connection info has no batch-message feature)".to_string()
             } else {
                 "put/get one by one".to_string()
             }
