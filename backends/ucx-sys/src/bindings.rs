@@ -848,6 +848,11 @@ pub struct UcpApi {
         rkey_buffer: *const ::core::ffi::c_void,
         rkey_p: *mut ucp_rkey_h,
     ) -> ucs_status_t,
+    pub ucp_rkey_ptr: unsafe extern "C" fn(
+        rkey: ucp_rkey_h,
+        raddr: u64,
+        addr_p: *mut *mut ::core::ffi::c_void,
+    ) -> ucs_status_t,
     pub ucp_rkey_destroy: unsafe extern "C" fn(rkey: ucp_rkey_h),
     pub ucp_worker_set_am_recv_handler: unsafe extern "C" fn(
         worker: ucp_worker_h,
@@ -937,6 +942,7 @@ impl UcpApi {
             .get(b"ucp_rkey_buffer_release\0")
             .map(|sym| *sym)?;
         let ucp_ep_rkey_unpack = __library.get(b"ucp_ep_rkey_unpack\0").map(|sym| *sym)?;
+        let ucp_rkey_ptr = __library.get(b"ucp_rkey_ptr\0").map(|sym| *sym)?;
         let ucp_rkey_destroy = __library.get(b"ucp_rkey_destroy\0").map(|sym| *sym)?;
         let ucp_worker_set_am_recv_handler = __library
             .get(b"ucp_worker_set_am_recv_handler\0")
@@ -982,6 +988,7 @@ impl UcpApi {
             ucp_rkey_pack,
             ucp_rkey_buffer_release,
             ucp_ep_rkey_unpack,
+            ucp_rkey_ptr,
             ucp_rkey_destroy,
             ucp_worker_set_am_recv_handler,
             ucp_am_send_nbx,
@@ -1161,6 +1168,14 @@ impl UcpApi {
         rkey_p: *mut ucp_rkey_h,
     ) -> ucs_status_t {
         (self.ucp_ep_rkey_unpack)(ep, rkey_buffer, rkey_p)
+    }
+    pub unsafe fn ucp_rkey_ptr(
+        &self,
+        rkey: ucp_rkey_h,
+        raddr: u64,
+        addr_p: *mut *mut ::core::ffi::c_void,
+    ) -> ucs_status_t {
+        (self.ucp_rkey_ptr)(rkey, raddr, addr_p)
     }
     pub unsafe fn ucp_rkey_destroy(&self, rkey: ucp_rkey_h) {
         (self.ucp_rkey_destroy)(rkey)

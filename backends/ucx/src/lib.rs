@@ -251,6 +251,8 @@ pub struct BatchCounts {
     pub dropped_acks: u64,
     /// Acks received here that named no message waiting for one.
     pub stale_acks: u64,
+    /// Batch messages this backend sent (WRITE data and READ requests).
+    pub sent: u64,
     /// Acks this backend could not send back (no reply endpoint, or the send failed).
     pub unsent_acks: u64,
     /// Acks whose send buffer had to be allocated (the pool was empty).
@@ -722,7 +724,9 @@ impl UcxBackend {
     }
 
     /// Whether small WRITEs to `peer` are batched into active messages (`None` while
-    /// the peer is unknown or has no endpoint yet).
+    /// the peer is unknown or has no endpoint yet). Even then, ranges into a peer region
+    /// UCX maps here (`ucp_rkey_ptr`: UCX-allocated memory over shared memory) go as
+    /// puts and gets.
     pub fn batches_to(&self, peer: PeerId) -> Option<bool> {
         self.core().batches_to(peer)
     }

@@ -654,6 +654,8 @@ pub(super) struct AmBatch {
     cell_base: u32,
     /// Acks that named no message waiting for one.
     pub(super) stale_acks: u64,
+    /// Messages handed to UCX.
+    pub(super) sent: u64,
 }
 
 impl AmBatch {
@@ -688,6 +690,7 @@ impl AmBatch {
             mode: config.am_batch,
             cell_base,
             stale_acks: 0,
+            sent: 0,
         }
     }
 
@@ -796,6 +799,7 @@ impl Core {
         msg.buf[..wire::BATCH_HEADER_LEN_BYTES]
             .copy_from_slice(&wire::batch_header(cookie, msg.count));
         msg.sending = true;
+        self.am.sent += 1;
         let am_id = if msg.op == ferry_backend_api::Op::Write {
             wire::BATCH_WRITE_AM_ID
         } else {

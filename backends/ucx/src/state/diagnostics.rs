@@ -84,6 +84,7 @@ impl Core {
             refused: b.refused.load(Ordering::Relaxed),
             dropped_acks: b.dropped_acks.load(Ordering::Relaxed),
             stale_acks: self.am.stale_acks,
+            sent: self.am.sent,
             unsent_acks: b.unsent_acks.load(Ordering::Relaxed),
             allocated_acks: b.allocated_acks.load(Ordering::Relaxed),
             allocated_replies: b.allocated_replies.load(Ordering::Relaxed),

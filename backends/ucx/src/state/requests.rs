@@ -197,7 +197,7 @@ impl Core {
                     return Err(Error::invalid(desc(), "outside its registered UCX region"));
                 }
                 if last_remote != Some(range.remote_token) {
-                    self.rkey_for(endpoint, ep, range.remote_token)?;
+                    self.rkey_for(endpoint, ep, range.remote_token, range.remote_addr)?;
                     last_remote = Some(range.remote_token);
                 }
             }
@@ -223,7 +223,7 @@ impl Core {
 
         let mut head = NONE;
         let mut tail = NONE;
-        let mut rkey_cache: (u64, ucp_rkey_h) = (u64::MAX, ptr::null_mut());
+        let mut rkey_cache: (u64, ucp_rkey_h, bool) = (u64::MAX, ptr::null_mut(), false);
         // What this post may hand to UCX; the rest waits in `deferred` for `pump`.
         let paced = peer
             .and_then(|p| self.peers.get(&p))
@@ -253,15 +253,16 @@ impl Core {
                 if range.len == 0 {
                     continue;
                 }
-                let rkey = if rkey_cache.0 == range.remote_token && !rkey_cache.1.is_null() {
-                    rkey_cache.1
-                } else {
-                    let rkey = self
-                        .rkey_for(endpoint, ep, range.remote_token)
-                        .expect("validated");
-                    rkey_cache = (range.remote_token, rkey);
-                    rkey
-                };
+                let (rkey, mapped) =
+                    if rkey_cache.0 == range.remote_token && !rkey_cache.1.is_null() {
+                        (rkey_cache.1, rkey_cache.2)
+                    } else {
+                        let key = self
+                            .rkey_for(endpoint, ep, range.remote_token, range.remote_addr)
+                            .expect("validated");
+                        rkey_cache = (range.remote_token, key.rkey, key.mapped);
+                        (key.rkey, key.mapped)
+                    };
                 // The registered memh: UCX then skips its registration-cache lookup
                 // for protocols that need the local buffer registered (zero-copy).
                 let memh = self
@@ -280,6 +281,7 @@ impl Core {
                     remote_addr: range.remote_addr,
                     len: range.len,
                     am_bytes: if batch_post
+                        && !mapped
                         && range.len <= self.am.range_max
                         && range.len as usize + AM_RANGE_OVERHEAD_BYTES <= am_bytes
                     {
