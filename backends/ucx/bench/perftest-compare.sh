@@ -111,9 +111,15 @@ for tls in $TLS_LIST; do
   col() { printf '%s\n' "${rows[@]}" | awk -v c="$1" '{ print $c }' | median; }
   awk -v t="$tls" -v po="$(col 1)" -v pm="$(col 2)" -v u1="$(col 3)" -v u32="$(col 4)" \
       -v o1="$(col 5)" -v o32="$(col 6)" 'BEGIN {
-    printf "%s: perftest %.2f GB/s overall, %.2f at median latency (medians of rounds)\n", t, po, pm
-    printf "%s:   ferry ucx-alloc 1 MiB x 1  %6.2f GB/s = %.2fx perftest overall, %.2fx at median latency\n", t, u1, u1 / po, u1 / pm
-    printf "%s:   ferry ucx-alloc 1 MiB x 32 %6.2f GB/s = %.2fx, %.2fx\n", t, u32, u32 / po, u32 / pm
-    printf "%s:   ferry own memory 1 MiB x 1  %6.2f GB/s = %.2fx, %.2fx\n", t, o1, o1 / po, o1 / pm
-    printf "%s:   ferry own memory 1 MiB x 32 %6.2f GB/s = %.2fx, %.2fx\n", t, o32, o32 / po, o32 / pm }'
+    # No median-latency figure over tcp (see one_round): those columns say so.
+    lat = (pm == "nan") ? "" : 1
+    printf "%s: perftest %.2f GB/s overall, %s (medians of rounds)\n", t, po,
+      lat ? sprintf("%.2f at median latency", pm) : "no median-latency figure over tcp"
+    split("ucx-alloc 1 MiB x 1 |ucx-alloc 1 MiB x 32|own memory 1 MiB x 1 |own memory 1 MiB x 32", name, "|")
+    v[1] = u1; v[2] = u32; v[3] = o1; v[4] = o32
+    for (i = 1; i <= 4; i++) {
+      printf "%s:   ferry %s %6.2f GB/s = %.2fx perftest overall", t, name[i], v[i], v[i] / po
+      if (lat) printf ", %.2fx at median latency", v[i] / pm
+      printf "\n"
+    } }'
 done
