@@ -15,11 +15,12 @@
 //! - **Posting** a batch issues one put/get per merged range on the batch's endpoint,
 //!   then one `ucp_ep_flush_nbx`; each request of the batch completes when the flush
 //!   does. A post hands about `post_window_bytes` of the batch to UCX (which sends
-//!   inline where it can; a window ends at the end of a range or a `chunk_bytes`
-//!   piece, never cuts one short), and over tcp stops after ~100 µs of sending (puts
-//!   and gets in steps of at most 256 KiB); every progress call hands over one more
-//!   window, and the flush goes once the whole batch is with UCX. A notification attached to a request is sent (active message, eager, header
-//!   = sender agent name) only *after* that flush, so the target sees it only once the
+//!   inline where it can; a window's last piece is never shorter than a window or a
+//!   `chunk_bytes` piece, whichever is smaller, unless its range ends), and over tcp
+//!   stops after ~100 µs of sending (puts and gets in steps of at most 256 KiB); every
+//!   progress call hands over one more window, and the flush goes once the whole batch
+//!   is with UCX. A notification attached to a request is sent (active message, eager,
+//!   header = sender agent name) only *after* that flush, so the target sees it only once the
 //!   data is there; the request completes when the notification is sent.
 //! - **Batched small ranges**: on endpoints whose transports emulate small RMA with
 //!   active messages (shared memory, tcp), ranges of at most `am_batch_range_bytes`
@@ -138,7 +139,7 @@ pub const PARAMS: &[ParamSpec] = &[
         doc: "bytes a post hands to UCX at once; the rest of a batch is handed over by later \
               progress calls, a window each (UCX sends inline, so this bounds the time a post \
               or one progress call spends moving data; a window's last piece runs to the end \
-              of its range or chunk_bytes piece; over tcp a post also stops after ~100 us of \
+              of its range, a window or a chunk_bytes piece, whichever is smallest; over tcp a post also stops after ~100 us of \
               sending, in steps of at most 256 KiB); 0 = everything in the post",
     },
     ParamSpec {

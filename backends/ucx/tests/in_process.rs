@@ -949,17 +949,11 @@ fn a_small_post_window_hands_batches_over_in_pieces_byte_for_byte() {
     if !setup() {
         return;
     }
-    // A 4 KiB window and 4 KiB chunks (an untimed window cuts ranges at chunk
-    // boundaries only): every batch below spans many windows, ranges are cut inside and
+    // A 4 KiB window: every batch below spans many windows, ranges are cut inside and
     // between requests, and the notification still comes after all of its data.
     for &transports in TRANSPORTS {
         const LEN: usize = 1 << 20;
-        let mut p = pair_with(
-            transports,
-            LEN,
-            &[("post_window_bytes", "4096"), ("chunk_bytes", "4096")],
-            &[],
-        );
+        let mut p = pair_with(transports, LEN, &[("post_window_bytes", "4096")], &[]);
         let mut rng = Rng::new(29 ^ transports.len() as u64);
         rng.fill(&mut p.a_buf.0);
         let ranges: Vec<Vec<Range>> = (0..4)

@@ -73,14 +73,16 @@ pub(super) struct Deferred {
 /// A pump keeps whole windows (measured: the same time budget there cost a 64 MiB tcp
 /// WRITE ~30 % of its bandwidth, 17.4 → 25 ms).
 ///
-/// An untimed budget cuts a range only at `chunk_bytes` boundaries: the last piece of a
-/// window runs to the end of its range or chunk, past the window (by less than a chunk).
+/// An untimed budget never issues a piece shorter than a window or a chunk
+/// (`chunk_bytes`), whichever is smaller, unless its range ends there: the last piece of
+/// a window runs past the window's edge by less than that.
 /// Cutting at the window's edge split every 1 MiB range of a shuffled 1 MiB × 32 tcp
 /// WRITE into a 256 KiB and a 768 KiB put, two `sendmsg`s and two protocol headers where
 /// one does.
 pub(super) struct IssueBudget {
     bytes: u64,
-    /// Smallest piece an untimed budget issues while any bytes are left (`chunk_bytes`).
+    /// Smallest piece an untimed budget issues while any bytes are left (the smaller of
+    /// the window and `chunk_bytes`).
     piece: u64,
     /// When the time budget started; `None`: untimed (a pump, an endpoint that is not
     /// tcp, or `post_window_bytes=0`: everything in the post, as documented).
@@ -110,11 +112,11 @@ pub(super) fn rma_over_tcp(summary: &str) -> bool {
 
 impl IssueBudget {
     /// A window of `window_bytes` (`u64::MAX`: unbounded), timed if `timed` and bounded;
-    /// untimed, its pieces run to `piece_bytes` (`chunk_bytes`) boundaries.
+    /// untimed, no piece is shorter than `piece_bytes` (`chunk_bytes`) or the window.
     pub(super) fn new(window_bytes: u64, timed: bool, piece_bytes: u64) -> IssueBudget {
         IssueBudget {
             bytes: window_bytes,
-            piece: piece_bytes,
+            piece: piece_bytes.min(window_bytes),
             started: (timed && window_bytes != u64::MAX).then(Instant::now),
             since_clock: 0,
         }
@@ -768,5 +770,14 @@ mod tests {
         // Small ranges fill the window as before.
         let pump = IssueBudget::new(1 << 20, false, 1 << 20);
         assert_eq!(pump.step(4096), 4096);
+        // Chunks larger than the window: pieces of one window, never a whole chunk.
+        let mut pump = IssueBudget::new(1 << 20, false, 32 << 20);
+        assert_eq!(pump.step(64 << 20), 1 << 20);
+        pump.spend(512 << 10);
+        assert_eq!(pump.step(64 << 20), 1 << 20);
+        // A window smaller than a chunk cuts at its edge, in pieces of at least a window.
+        let mut pump = IssueBudget::new(4096, false, 1 << 20);
+        pump.spend(1000);
+        assert_eq!(pump.step(20_000), 4096);
     }
 }
