@@ -10,6 +10,9 @@
 //! - `ucx/create/{contiguous,shuffled}/N`: the same between two agents of this process
 //!   over the UCX backend (skipped, with the reason, where UCX cannot load;
 //!   `FERRY_UCX_LIBRARY` names the libucp). Only N = 1,024 and 16,384.
+//! - `ucx/make/{contiguous,shuffled}/N`: over UCX, `make` from lists prepped once +
+//!   release, nothing posted (the prepared path's control work; NIXL's
+//!   `make_prepped_xfer`).
 //! - `round_trip/1`: one-descriptor post + check of an existing request.
 //!
 //! Throughput is in descriptors, so criterion reports descriptors per second; divide
@@ -89,6 +92,13 @@ fn per_turn_median(b: &mut Bencher<'_>, mut turn: impl FnMut()) {
     })
 }
 
+/// A flush's commands all succeeded.
+fn assert_no_errors(cmds: &CommandBuffer) {
+    if let Some((index, error)) = cmds.errors().next() {
+        panic!("command {index} of the timed flush failed: {error}");
+    }
+}
+
 /// One `create` + release turn (nothing posted), checked: no command failed (a failed
 /// create fails its release too).
 fn create_turn(
@@ -104,9 +114,7 @@ fn create_turn(
         .ticket();
     cmds.release(x);
     a.flush(cmds);
-    if let Some((index, error)) = cmds.errors().next() {
-        panic!("command {index} of the timed flush failed: {error}");
-    }
+    assert_no_errors(cmds);
 }
 
 /// `ucx/create/{layout}/N`: `create` + release between two agents of this process over
@@ -159,6 +167,21 @@ fn ucx_create(c: &mut Criterion) {
                     create_turn(&mut cmds, &a, b_at_a, &local, &remote)
                 })
             });
+            let local_prep = a.prep(Side::Local, MemKind::Dram, &local).expect("prep");
+            let remote_prep = a.prep(b_at_a, MemKind::Dram, &remote).expect("prep");
+            group.bench_function(BenchmarkId::new(format!("make/{layout}"), n), |bench| {
+                per_turn_median(bench, || {
+                    cmds.clear();
+                    let x = cmds
+                        .make(Op::Write, local_prep, &[], remote_prep, &[])
+                        .ticket();
+                    cmds.release(x);
+                    a.flush(&mut cmds);
+                    assert_no_errors(&cmds);
+                })
+            });
+            a.release_prep(local_prep).expect("release");
+            a.release_prep(remote_prep).expect("release");
         }
     }
     group.finish();
