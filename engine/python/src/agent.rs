@@ -546,6 +546,61 @@ impl Agent {
         }
     }
 
+    /// Allocate `size` bytes of `mem_type` memory (default DRAM) through `backend`
+    /// (default "UCX"; a shared-memory segment that same-host peers reach with one copy,
+    /// as `ucx_perftest` allocates) and register it with every backend. Returns an
+    /// `Allocation`: its bytes through the buffer protocol (`memoryview(a)`,
+    /// `numpy.frombuffer(a, dtype=numpy.uint8)`), `a.desc(offset, size)` for descriptor
+    /// lists. `free_memory(a)` frees it (refused while a view or a request uses it).
+    /// Errors: NotSupportedError where the backend allocates nothing (or not this kind),
+    /// InvalidParamError for a zero or oversized size, NotFoundError for an unknown
+    /// backend.
+    #[pyo3(signature = (size, mem_type=None, backend="UCX"))]
+    fn alloc_memory(
+        slf: &Bound<'_, Self>,
+        size: u64,
+        mem_type: Option<&str>,
+        backend: &str,
+    ) -> PyResult<crate::alloc::Allocation> {
+        let this = slf.get();
+        let kind = mem_type
+            .map(parse_kind)
+            .transpose()?
+            .unwrap_or(MemKind::Dram);
+        let id = this
+            .inner
+            .backends()
+            .iter()
+            .find(|b| b.name.eq_ignore_ascii_case(backend))
+            .map(|b| b.id)
+            .ok_or_else(|| {
+                crate::errors::to_py(&ferry::Error::not_found(ferry::Subject::BackendName(
+                    backend.to_string(),
+                )))
+            })?;
+        let (region, desc) = slf
+            .py()
+            .detach(|| this.inner.alloc(id, kind, size))
+            .map_err(|e| crate::errors::to_py(&e))?;
+        Ok(crate::alloc::Allocation::new(
+            slf.clone().unbind(),
+            region,
+            desc.addr,
+            desc.len,
+        ))
+    }
+
+    /// Free what `alloc_memory` returned. NotAllowedError while a buffer export
+    /// (memoryview, numpy array) of it is alive or a request uses it; NotFoundError if
+    /// already freed; MismatchError for another agent's allocation.
+    fn free_memory(
+        &self,
+        py: Python<'_>,
+        allocation: &Bound<'_, crate::alloc::Allocation>,
+    ) -> PyResult<()> {
+        allocation.get().free(py, self)
+    }
+
     /// Number of regions registered through this object.
     fn registered_count(&self) -> usize {
         self.regions.lock().unwrap_or_else(|e| e.into_inner()).len()

@@ -7,7 +7,8 @@
 //! Errors are exceptions under `ferry.FerryError`, one class per status name.
 //!
 //! Memory safety across the boundary: registered Python objects are kept alive (and
-//! buffer-protocol exports held) until deregistered; the engine refuses to deregister
+//! buffer-protocol exports held) until deregistered; memory a backend allocated
+//! (`alloc_memory`) is freed only when no export of it is alive; the engine refuses to deregister
 //! memory a request is using and refuses requests naming deregistered memory.
 //! The GIL is released during every flush (every call that reaches the executor).
 
@@ -15,6 +16,7 @@
 #![allow(unsafe_code)]
 
 mod agent;
+mod alloc;
 mod batch;
 mod dlist;
 mod errors;
@@ -27,6 +29,7 @@ fn ferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<agent::Agent>()?;
     m.add_class::<agent::AgentConfig>()?;
+    m.add_class::<alloc::Allocation>()?;
     m.add_class::<batch::Batch>()?;
     m.add_class::<dlist::DList>()?;
     m.add_class::<dlist::XferHandle>()?;
