@@ -4,7 +4,11 @@
 #
 #   backends/ucx/bench/nixl-compare.sh            # 3 rounds
 #   ROUNDS=5 backends/ucx/bench/nixl-compare.sh
+#   ROUNDS=8 ONLY=tcp:1048576:32 backends/ucx/bench/nixl-compare.sh   # one row, paired
 #
+# ONLY (comma list of VARIANT:BLOCK:COUNT) runs just those rows, prints each round's
+# Ferry ÷ NIXL beside the table, and leaves out the metadata, control-path and perftest
+# parts (CONTROL=1 / PERFTEST=1 bring those back).
 # Installs nixl-cu12 (no dependencies: the UCX backend needs neither torch nor CUDA)
 # and numpy into a throwaway venv ($NIXL_VENV, default /tmp/ferry-nixl-venv); nothing
 # is written inside the repository. Both sides: two processes on this host,
@@ -24,17 +28,19 @@ bench="$(cd "$root" && cargo bench -p ferry-benches --bench ucx --no-run 2>&1 \
 [ -n "$bench" ] || { echo "could not build the UCX benchmark" >&2; exit 1; }
 bench="$root/$bench"
 "$venv/bin/python" "$here/nixl_compare.py" --ferry-bench "$bench" \
-  --python "$venv/bin/python" --rounds "${ROUNDS:-3}"
+  --python "$venv/bin/python" --rounds "${ROUNDS:-3}" --only "${ONLY:-}"
 
 # The rest of issue 12's table, in the same run: the control path against NIXL's
 # initialize_xfer (same libucp), then ucx_perftest against Ferry's bench on the
 # system's UCX (perftest comes with ucx-utils, not with the wheel). CONTROL=0 or
 # PERFTEST=0 leaves one out.
-if [ "${CONTROL:-1}" != 0 ]; then
+default_rest=1
+[ -n "${ONLY:-}" ] && default_rest=0
+if [ "${CONTROL:-$default_rest}" != 0 ]; then
   echo
   ROUNDS="${ROUNDS:-3}" "$here/control-compare.sh"
 fi
-if [ "${PERFTEST:-1}" != 0 ]; then
+if [ "${PERFTEST:-$default_rest}" != 0 ]; then
   echo
   env -u FERRY_UCX_LIBRARY ROUNDS="${ROUNDS:-3}" "$here/perftest-compare.sh"
 fi

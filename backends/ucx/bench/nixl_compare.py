@@ -68,7 +68,7 @@ def env_for(variant):
     return env
 
 
-def run_ferry(bench, variant, block, count):
+def run_ferry(bench, variant, block, count, ops):
     """Median µs per request of Ferry's benchmark, by (op, block, count), shuffled."""
     env = env_for(variant)
     env.update(
@@ -78,6 +78,10 @@ def run_ferry(bench, variant, block, count):
             "FERRY_BENCH_UCX_BATCHES": str(count),
             "FERRY_BENCH_UCX_IDLE": "0",
             "FERRY_BENCH_UCX_TARGET_CPU": "1",
+            # Only what the table reads: the shuffled layout, the row's operations.
+            "FERRY_BENCH_UCX_ORDER": "shuffled",
+            "FERRY_BENCH_UCX_OPS": ",".join(op.lower() for op in ops),
+            "FERRY_BENCH_UCX_CONTROL": "0",
         }
     )
     out = subprocess.run(
@@ -161,7 +165,18 @@ def main():
     ap.add_argument("--python", required=True)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--nixl-seconds", type=float, default=1.5)
+    ap.add_argument(
+        "--only", default="",
+        help="comma list of VARIANT:BLOCK:COUNT rows to run (e.g. tcp:1048576:32); "
+             "leaves out the other rows and the metadata rows")
     args = ap.parse_args()
+    cases = CASES
+    if args.only:
+        wanted = {tuple(w.split(":")) for w in args.only.split(",") if w}
+        cases = [c for c in CASES if (c[0], str(c[1]), str(c[2])) in wanted]
+        if not cases:
+            ap.error(f"--only {args.only!r} names none of the rows "
+                     f"({', '.join(f'{v}:{b}:{n}' for v, b, n, _ in CASES)})")
 
     ferry = {}  # (variant, op, block, count) -> [µs]
     nixl = {}
@@ -169,14 +184,15 @@ def main():
     for r in range(args.rounds):
         md_sides = [("Ferry", lambda: run_ferry_md(args.ferry_bench)),
                     ("NIXL", lambda: run_nixl_md(args.python))]
-        for name, side in (md_sides if r % 2 == 0 else md_sides[::-1]):
+        for name, side in ([] if args.only else md_sides if r % 2 == 0 else md_sides[::-1]):
             got = side()
             if got is not None:
                 md[name].append(got)
-        print(f"round {r + 1}: metadata done", file=sys.stderr, flush=True)
-        for variant, block, count, ops in CASES:
+        if not args.only:
+            print(f"round {r + 1}: metadata done", file=sys.stderr, flush=True)
+        for variant, block, count, ops in cases:
             def ferry_side():
-                got = run_ferry(args.ferry_bench, variant, block, count)
+                got = run_ferry(args.ferry_bench, variant, block, count, ops)
                 for op in ops:
                     if (op, block, count) in got:
                         ferry.setdefault((variant, op, block, count), []).append(
@@ -196,7 +212,7 @@ def main():
 
     print("| workload | Ferry | NIXL | Ferry ÷ NIXL |")
     print("|---|---|---|---|")
-    for variant, block, count, ops in CASES:
+    for variant, block, count, ops in cases:
         for op in ops:
             key = (variant, op, block, count)
             cells = []
@@ -219,6 +235,19 @@ def main():
                 f"{block >> 10} KiB" if block >= 1024 else f"{block} B")
             name = f"{variant}, {size} × {count} shuffled {op}"
             print(f"| {name} | {cells[0]} | {cells[1]} | {ratio} |")
+    if args.only:
+        # A focused run: the rounds paired (each round ran both sides back to back).
+        for variant, block, count, ops in cases:
+            for op in ops:
+                key = (variant, op, block, count)
+                pairs = list(zip(ferry.get(key, []), nixl.get(key, [])))
+                if pairs:
+                    # Times, so NIXL's ÷ Ferry's is Ferry's rate ÷ NIXL's.
+                    ratios = [n / f for f, n in pairs]
+                    print(f"{variant} {block} B x {count} {op}: per-round Ferry ÷ NIXL "
+                          + " ".join(f"{x:.2f}" for x in ratios)
+                          + f"; median {statistics.median(ratios):.2f}×")
+        return
     print_md_rows(md)
 
 
