@@ -60,6 +60,7 @@
 
 use std::cell::UnsafeCell;
 
+use super::callbacks::am_received;
 use super::*;
 use crate::wire::{self, BatchStatus};
 use crate::AmBatchMode;
@@ -325,23 +326,6 @@ fn apply_batch_write(regions: &mut RegionIndex, msg: &[u8]) -> BatchStatus {
     BatchStatus::Written
 }
 
-/// The eager payload of an active message delivered to one of the batch handlers, or
-/// nothing for an empty or rendezvous one (senders force eager: a rendezvous message is
-/// not one of ours, and its data is not readable here).
-///
-/// # Safety
-///
-/// `data`, `length` and `recv_attr` as UCX passed them to the handler; the slice is
-/// used only during the callback.
-unsafe fn eager_payload<'a>(data: *mut c_void, length: usize, recv_attr: u64) -> &'a [u8] {
-    if length == 0 || recv_attr & u64::from(UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 {
-        &[]
-    } else {
-        // SAFETY: eager data is readable during the callback (caller's promise).
-        unsafe { std::slice::from_raw_parts(data as *const u8, length) }
-    }
-}
-
 /// Handler of [`wire::BATCH_WRITE_AM_ID`] (target side).
 pub(super) unsafe extern "C" fn on_batch_write(
     arg: *mut c_void,
@@ -351,14 +335,10 @@ pub(super) unsafe extern "C" fn on_batch_write(
     length: usize,
     param: *const ucp_am_recv_param_t,
 ) -> ucs_status_t {
-    let events_ptr = arg as *const Events;
-    // SAFETY: arg is the core's Arc<Events>, alive until the worker is destroyed.
-    let events = unsafe { &*events_ptr };
-    let batch = &events.batch;
-    // SAFETY: UCX passes a valid param for the duration of the callback.
-    let (recv_attr, reply_ep) = unsafe { ((*param).recv_attr, (*param).reply_ep) };
-    // SAFETY: as UCX passed them to this handler; used only during the callback.
-    let msg = unsafe { eager_payload(data, length, recv_attr) };
+    // SAFETY: as UCX called this handler, registered with the core's events as `arg`.
+    let got = unsafe { am_received(arg, data, length, param) };
+    let batch = &got.events.batch;
+    let msg = got.payload.unwrap_or_default();
     let status = {
         let mut regions = batch.regions.lock().unwrap_or_else(|e| e.into_inner());
         apply_batch_write(&mut regions, msg)
@@ -366,13 +346,16 @@ pub(super) unsafe extern "C" fn on_batch_write(
     if status != BatchStatus::Written {
         batch.refused.fetch_add(1, Ordering::Relaxed);
     }
-    if msg.len() < 8 || recv_attr & u64::from(UCP_AM_RECV_ATTR_FIELD_REPLY_EP) == 0 {
+    let (Some(cookie), Some(reply_ep)) = (msg.first_chunk::<8>(), got.reply_ep) else {
         batch.unsent_acks.fetch_add(1, Ordering::Relaxed);
         return ucs_status_t::UCS_OK;
-    }
-    let mut cookie = [0u8; 8];
-    cookie.copy_from_slice(&msg[..8]);
-    batch.send_ack(events_ptr, reply_ep, u64::from_le_bytes(cookie), status);
+    };
+    batch.send_ack(
+        got.events_ptr,
+        reply_ep,
+        u64::from_le_bytes(*cookie),
+        status,
+    );
     ucs_status_t::UCS_OK
 }
 
@@ -385,16 +368,13 @@ pub(super) unsafe extern "C" fn on_batch_ack(
     length: usize,
     param: *const ucp_am_recv_param_t,
 ) -> ucs_status_t {
-    // SAFETY: arg is the core's Arc<Events>, alive until the worker is destroyed.
-    let events = unsafe { &*(arg as *const Events) };
-    // SAFETY: UCX passes a valid param for the duration of the callback.
-    let recv_attr = unsafe { (*param).recv_attr };
-    // SAFETY: as UCX passed them to this handler; used only during the callback.
-    let bytes = unsafe { eager_payload(data, length, recv_attr) };
-    match wire::parse_ack(bytes) {
-        Ok(ack) if events.batch.acks_in.push(ack).is_ok() => {}
+    // SAFETY: as UCX called this handler, registered with the core's events as `arg`.
+    let got = unsafe { am_received(arg, data, length, param) };
+    let batch = &got.events.batch;
+    match wire::parse_ack(got.payload.unwrap_or_default()) {
+        Ok(ack) if batch.acks_in.push(ack).is_ok() => {}
         _ => {
-            events.batch.dropped_acks.fetch_add(1, Ordering::Relaxed);
+            batch.dropped_acks.fetch_add(1, Ordering::Relaxed);
         }
     }
     ucs_status_t::UCS_OK
@@ -511,19 +491,16 @@ pub(super) unsafe extern "C" fn on_batch_read(
     length: usize,
     param: *const ucp_am_recv_param_t,
 ) -> ucs_status_t {
-    let events_ptr = arg as *const Events;
-    // SAFETY: arg is the core's Arc<Events>, alive until the worker is destroyed.
-    let events = unsafe { &*events_ptr };
-    // SAFETY: UCX passes a valid param for the duration of the callback.
-    let (recv_attr, reply_ep) = unsafe { ((*param).recv_attr, (*param).reply_ep) };
-    // SAFETY: as UCX passed them to this handler; used only during the callback.
-    let msg = unsafe { eager_payload(data, length, recv_attr) };
-    if msg.len() < 8 || recv_attr & u64::from(UCP_AM_RECV_ATTR_FIELD_REPLY_EP) == 0 {
-        events.batch.refused.fetch_add(1, Ordering::Relaxed);
-        events.batch.unsent_acks.fetch_add(1, Ordering::Relaxed);
+    // SAFETY: as UCX called this handler, registered with the core's events as `arg`.
+    let got = unsafe { am_received(arg, data, length, param) };
+    let batch = &got.events.batch;
+    let msg = got.payload.unwrap_or_default();
+    let Some(reply_ep) = got.reply_ep.filter(|_| msg.len() >= 8) else {
+        batch.refused.fetch_add(1, Ordering::Relaxed);
+        batch.unsent_acks.fetch_add(1, Ordering::Relaxed);
         return ucs_status_t::UCS_OK;
-    }
-    events.batch.send_read_reply(events_ptr, reply_ep, msg);
+    };
+    batch.send_read_reply(got.events_ptr, reply_ep, msg);
     ucs_status_t::UCS_OK
 }
 
@@ -537,14 +514,11 @@ pub(super) unsafe extern "C" fn on_batch_read_reply(
     length: usize,
     param: *const ucp_am_recv_param_t,
 ) -> ucs_status_t {
-    // SAFETY: arg is the core's Arc<Events>, alive until the worker is destroyed.
-    let events = unsafe { &*(arg as *const Events) };
-    // SAFETY: UCX passes a valid param for the duration of the callback.
-    let recv_attr = unsafe { (*param).recv_attr };
-    // SAFETY: as UCX passed them to this handler; used only during the callback.
-    let bytes = unsafe { eager_payload(data, length, recv_attr) };
-    let batch = &events.batch;
-    let Ok((cookie, mut status, payload)) = wire::parse_read_reply(bytes) else {
+    // SAFETY: as UCX called this handler, registered with the core's events as `arg`.
+    let got = unsafe { am_received(arg, data, length, param) };
+    let batch = &got.events.batch;
+    let Ok((cookie, mut status, payload)) = wire::parse_read_reply(got.payload.unwrap_or_default())
+    else {
         batch.dropped_acks.fetch_add(1, Ordering::Relaxed);
         return ucs_status_t::UCS_OK;
     };

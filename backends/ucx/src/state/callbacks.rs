@@ -140,6 +140,52 @@ pub(super) unsafe extern "C" fn on_ep_error(arg: *mut c_void, _ep: ucp_ep_h, sta
         .store(true, Ordering::Release);
 }
 
+/// What one of our active-message handlers got from UCX, read once.
+pub(super) struct AmReceived<'a> {
+    /// The core's events (the handler's `arg`).
+    pub(super) events: &'a Events,
+    /// The same, as the pointer reply sends carry as their user data.
+    pub(super) events_ptr: *const Events,
+    /// The eager payload; `None` for a rendezvous message (senders force eager: such a
+    /// message is not one of ours, and its data is not readable here).
+    pub(super) payload: Option<&'a [u8]>,
+    /// The endpoint to answer on, when UCX passed one.
+    pub(super) reply_ep: Option<ucp_ep_h>,
+}
+
+/// Read an active message's arguments.
+///
+/// # Safety
+///
+/// The arguments as UCX passed them to a handler registered with the core's
+/// `Arc<Events>` as its `arg` (alive until the worker is destroyed); the result is used
+/// only during the callback.
+pub(super) unsafe fn am_received<'a>(
+    arg: *mut c_void,
+    data: *mut c_void,
+    length: usize,
+    param: *const ucp_am_recv_param_t,
+) -> AmReceived<'a> {
+    let events_ptr = arg as *const Events;
+    // SAFETY: the caller's promise: `arg` is the live events, `param` valid now.
+    let (events, recv_attr, reply_ep) =
+        unsafe { (&*events_ptr, (*param).recv_attr, (*param).reply_ep) };
+    let payload = if recv_attr & u64::from(UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 {
+        None
+    } else if length == 0 {
+        Some(&[][..])
+    } else {
+        // SAFETY: eager data is readable during the callback (the caller's promise).
+        Some(unsafe { std::slice::from_raw_parts(data as *const u8, length) })
+    };
+    AmReceived {
+        events,
+        events_ptr,
+        payload,
+        reply_ep: (recv_attr & u64::from(UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0).then_some(reply_ep),
+    }
+}
+
 pub(super) unsafe extern "C" fn on_notif(
     arg: *mut c_void,
     header: *const c_void,
@@ -148,28 +194,19 @@ pub(super) unsafe extern "C" fn on_notif(
     length: usize,
     param: *const ucp_am_recv_param_t,
 ) -> ucs_status_t {
-    // SAFETY: arg is the core's Arc<Events>, registered per worker and alive until the
-    // worker is destroyed.
-    let events = unsafe { &*(arg as *const Events) };
-    // SAFETY: UCX passes a valid param for the duration of the callback.
-    let recv_attr = unsafe { (*param).recv_attr };
-    if recv_attr & u64::from(UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 {
-        // Senders force eager; a rendezvous message is not one of ours.
+    // SAFETY: as UCX called this handler, registered with the core's events as `arg`.
+    let got = unsafe { am_received(arg, data, length, param) };
+    let events = got.events;
+    let Some(payload) = got.payload else {
         events.dropped_notifs.fetch_add(1, Ordering::Relaxed);
         return ucs_status_t::UCS_OK;
-    }
+    };
     let from: &[u8] = if header_length == 0 {
         &[]
     } else {
         // SAFETY: UCX guarantees header/header_length describe readable memory during the
         // callback.
         unsafe { std::slice::from_raw_parts(header as *const u8, header_length) }
-    };
-    let payload: &[u8] = if length == 0 {
-        &[]
-    } else {
-        // SAFETY: as for the header; eager data is readable during the callback.
-        unsafe { std::slice::from_raw_parts(data as *const u8, length) }
     };
     let accepted = events
         .inbox
