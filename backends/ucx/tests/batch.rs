@@ -15,92 +15,19 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use ferry_backend_api::{
-    Backend, Completion, Completions, Endpoint, FailureKind, MemKind, Op, PeerId, Post, Range,
+    Backend, Completion, Completions, Endpoint, FailureKind, MemKind, Op, Post, Range,
 };
-use ferry_ucx::UcxBackend;
 
 const TIMEOUT: Duration = Duration::from_secs(30);
 const LEN: usize = 1 << 20;
 
-struct Pair {
-    a: UcxBackend,
-    b: UcxBackend,
-    a_buf: Buffer,
-    b_buf: Buffer,
-    a_token: u64,
-    b_token: u64,
-    b_md: Vec<u8>,
-    peer_b: PeerId,
-}
-
 fn pair(transports: &str, extra_a: &[(&str, &str)]) -> Pair {
-    let mut a = backend("agent-a", transports, extra_a);
-    let mut b = backend("agent-b", transports, &[]);
-    let a_buf = Buffer::new(LEN);
-    let b_buf = Buffer::new(LEN);
-    let (a_token, _) = register(&mut a, &a_buf);
-    let (b_token, b_md) = register(&mut b, &b_buf);
-    let peer_b = peer_id(1);
-    load(
-        &mut a,
-        peer_b,
-        "agent-b",
-        &b.conn_info(),
-        &[(b_token, b_md.clone())],
-    );
-    Pair {
-        a,
-        b,
-        a_buf,
-        b_buf,
-        a_token,
-        b_token,
-        b_md,
-        peer_b,
-    }
+    pair_with(transports, LEN, extra_a, &[])
 }
 
-fn range(p: &Pair, local_off: usize, remote_off: usize, len: usize) -> Range {
-    Range {
-        local_addr: p.a_buf.addr() + local_off as u64,
-        remote_addr: p.b_buf.addr() + remote_off as u64,
-        len: len as u64,
-        local_dev: 0,
-        remote_dev: 0,
-        local_token: p.a_token,
-        remote_token: p.b_token,
-    }
-}
-
-fn post<'a>(tag: u64, ranges: &'a [Range], notif: Option<&'a [u8]>) -> Post<'a> {
-    post_op(tag, Op::Write, ranges, notif)
-}
-
-fn post_op<'a>(tag: u64, op: Op, ranges: &'a [Range], notif: Option<&'a [u8]>) -> Post<'a> {
-    Post {
-        tag,
-        op,
-        local_kind: MemKind::Dram,
-        remote_kind: MemKind::Dram,
-        ranges,
-        notif,
-    }
-}
-
-/// Post and wait: one completion per request.
-fn run(p: &mut Pair, posts: &[Post<'_>]) -> Vec<Completion> {
-    let mut done = Completions::with_capacity(posts.len());
-    p.a.post_t(Endpoint::Peer(p.peer_b), posts, &mut done)
-        .expect("post");
-    let mut got: Vec<Completion> = done.as_slice().to_vec();
-    let pending: Vec<u64> = posts
-        .iter()
-        .map(|x| x.tag)
-        .filter(|t| !got.iter().any(|c| c.tag == *t))
-        .collect();
-    got.extend(wait_for(&mut [&mut p.a, &mut p.b], &pending, TIMEOUT));
-    assert_eq!(got.len(), posts.len(), "one completion per request");
-    got
+/// A WRITE request.
+fn write<'a>(tag: u64, ranges: &'a [Range], notif: Option<&'a [u8]>) -> Post<'a> {
+    post(tag, Op::Write, ranges, notif)
 }
 
 /// Disjoint ranges tiling `[0, total)`, each 1..=`max` bytes, in shuffled order.
@@ -162,13 +89,11 @@ fn random_small_and_mixed_writes_land_byte_for_byte() {
                 let third = ranges.len() / 3;
                 let notif = b"done";
                 let posts = [
-                    post(round * 10, &ranges[..third], None),
-                    post(round * 10 + 1, &ranges[third..2 * third], None),
-                    post(round * 10 + 2, &ranges[2 * third..], Some(notif)),
+                    write(round * 10, &ranges[..third], None),
+                    write(round * 10 + 1, &ranges[third..2 * third], None),
+                    write(round * 10 + 2, &ranges[2 * third..], Some(notif)),
                 ];
-                for c in run(&mut p, &posts) {
-                    assert_eq!(c.result, Ok(()), "request {} failed", c.tag);
-                }
+                run_ok(&mut p, &posts);
                 let written = 256 << 10 | 240 << 10;
                 assert!(
                     p.a_buf.0[..written] == p.b_buf.0[512 << 10..(512 << 10) + written],
@@ -182,12 +107,10 @@ fn random_small_and_mixed_writes_land_byte_for_byte() {
                 // The same ranges read back from fresh target bytes.
                 rng.fill(&mut p.b_buf.0[512 << 10..]);
                 let posts = [
-                    post_op(round * 10 + 5, Op::Read, &ranges[..third], None),
-                    post_op(round * 10 + 6, Op::Read, &ranges[third..], None),
+                    post(round * 10 + 5, Op::Read, &ranges[..third], None),
+                    post(round * 10 + 6, Op::Read, &ranges[third..], None),
                 ];
-                for c in run(&mut p, &posts) {
-                    assert_eq!(c.result, Ok(()), "read request {} failed", c.tag);
-                }
+                run_ok(&mut p, &posts);
                 assert!(
                     p.a_buf.0[..written] == p.b_buf.0[512 << 10..(512 << 10) + written],
                     "[{}] {extra:?} round {round}: read bytes differ",
@@ -209,9 +132,7 @@ fn random_small_and_mixed_writes_land_byte_for_byte() {
             .into_iter()
             .map(|(off, len)| range(&p, off, off, len))
             .collect();
-        for c in run(&mut p, &[post(1, &ranges, None)]) {
-            assert_eq!(c.result, Ok(()));
-        }
+        run_ok(&mut p, &[write(1, &ranges, None)]);
         assert!(p.a_buf.0[..64 << 10] == p.b_buf.0[..64 << 10]);
     }
 }
@@ -234,7 +155,7 @@ fn notification_comes_only_after_the_batched_data() {
             let mut done = Completions::with_capacity(4);
             p.a.post_t(
                 Endpoint::Peer(p.peer_b),
-                &[post(u64::from(round), &ranges, Some(&tag))],
+                &[write(u64::from(round), &ranges, Some(&tag))],
                 &mut done,
             )
             .unwrap();
@@ -280,7 +201,7 @@ fn a_message_into_memory_no_longer_registered_is_refused_whole_without_writing()
             ..range(&p, 64, 0, 64)
         };
         let ranges = [inside, outside];
-        let got = run(&mut p, &[post(7, &ranges, None)]);
+        let got = run(&mut p, &[write(7, &ranges, None)]);
         let failure = got[0].result.expect_err("the target must refuse");
         assert_eq!(
             (failure.kind, failure.errno),
@@ -299,7 +220,7 @@ fn a_message_into_memory_no_longer_registered_is_refused_whole_without_writing()
         assert_eq!(p.b.batch_counts().refused, 1);
         // Reading it is refused as well, and writes nothing locally.
         p.a_buf.0[..4096].fill(0);
-        let got = run(&mut p, &[post_op(9, Op::Read, &ranges, None)]);
+        let got = run(&mut p, &[post(9, Op::Read, &ranges, None)]);
         let failure = got[0].result.expect_err("the target must refuse the read");
         assert_eq!(
             (failure.kind, failure.errno),
@@ -312,7 +233,7 @@ fn a_message_into_memory_no_longer_registered_is_refused_whole_without_writing()
         assert_eq!(p.b.batch_counts().refused, 2);
         p.a_buf.0[..4096].fill(0xab);
         // The same backend pair still works.
-        for c in run(&mut p, &[post(8, &ranges[..1], None)]) {
+        for c in run(&mut p, &[write(8, &ranges[..1], None)]) {
             assert_eq!(c.result, Ok(()));
         }
         assert!(p.b_buf.0[4096..4096 + 64].iter().all(|&b| b == 0xab));
@@ -334,7 +255,7 @@ fn unloading_the_target_with_acks_pending_fails_each_request_once() {
         let posts: Vec<Post<'_>> = (0..4)
             .map(|t| {
                 let op = if t < 2 { Op::Write } else { Op::Read };
-                post_op(t, op, &ranges, None)
+                post(t, op, &ranges, None)
             })
             .collect();
         p.a.post_t(Endpoint::Peer(p.peer_b), &posts, &mut done)
@@ -382,7 +303,7 @@ fn unloading_the_target_with_acks_pending_fails_each_request_once() {
             &[(p.b_token, p.b_md.clone())],
         );
         p.a_buf.0[..256 * 64].fill(3);
-        for c in run(&mut p, &[post(9, &ranges, None)]) {
+        for c in run(&mut p, &[write(9, &ranges, None)]) {
             assert_eq!(c.result, Ok(()));
         }
         assert!(p.b_buf.0[..256 * 64].iter().all(|&b| b == 3));
@@ -426,28 +347,20 @@ fn a_peer_without_the_batch_feature_gets_puts_and_gets() {
             let ranges: Vec<Range> = (0..200)
                 .map(|i| range(&p, i * 64, (512 << 10) + i * 128, 64))
                 .collect();
-            for c in run(&mut p, &[post(1, &ranges, None)]) {
-                assert_eq!(c.result, Ok(()), "{what}: write {} failed", c.tag);
-            }
-            for (i, r) in ranges.iter().enumerate() {
-                let ro = (r.remote_addr - p.b_buf.addr()) as usize;
-                assert_eq!(
-                    p.a_buf.0[i * 64..i * 64 + 64],
-                    p.b_buf.0[ro..ro + 64],
-                    "{what}: range {i} differs"
-                );
-            }
-            rng.fill(&mut p.b_buf.0[512 << 10..]);
-            for c in run(&mut p, &[post_op(2, Op::Read, &ranges, None)]) {
-                assert_eq!(c.result, Ok(()), "{what}: read {} failed", c.tag);
-            }
-            for (i, r) in ranges.iter().enumerate() {
-                let ro = (r.remote_addr - p.b_buf.addr()) as usize;
-                assert_eq!(
-                    p.a_buf.0[i * 64..i * 64 + 64],
-                    p.b_buf.0[ro..ro + 64],
-                    "{what}: read range {i} differs"
-                );
+            // Both ways, each checked range by range.
+            for op in [Op::Write, Op::Read] {
+                if op == Op::Read {
+                    rng.fill(&mut p.b_buf.0[512 << 10..]);
+                }
+                run_ok(&mut p, &[post(1, op, &ranges, None)]);
+                for (i, r) in ranges.iter().enumerate() {
+                    let ro = (r.remote_addr - p.b_buf.addr()) as usize;
+                    assert_eq!(
+                        p.a_buf.0[i * 64..i * 64 + 64],
+                        p.b_buf.0[ro..ro + 64],
+                        "{what}: {op:?} range {i} differs"
+                    );
+                }
             }
             assert_eq!(p.a.batch_counts().in_flight, 0, "{what}");
 
@@ -511,18 +424,14 @@ fn small_ranges_into_a_region_ucx_maps_here_go_as_puts() {
     let into_shared = small(shared.addr, shared_token.token);
     let into_ordinary = small(p.b_buf.addr(), p.b_token);
     let sent = p.a.batch_counts().sent;
-    for c in run(&mut p, &[post(1, &into_shared, None)]) {
-        assert_eq!(c.result, Ok(()), "write into the allocation failed");
-    }
+    run_ok(&mut p, &[write(1, &into_shared, None)]);
     let mapped_sent = p.a.batch_counts().sent - sent;
     for (i, r) in into_shared.iter().enumerate() {
         // SAFETY: the allocation is live and nothing writes it now.
         let got = unsafe { std::slice::from_raw_parts(r.remote_addr as *const u8, 64) };
         assert_eq!(got, &p.a_buf.0[i * 64..i * 64 + 64], "range {i} differs");
     }
-    for c in run(&mut p, &[post(2, &into_ordinary, None)]) {
-        assert_eq!(c.result, Ok(()), "write into the ordinary region failed");
-    }
+    run_ok(&mut p, &[write(2, &into_ordinary, None)]);
     let ordinary_sent = p.a.batch_counts().sent - sent - mapped_sent;
     assert!(ordinary_sent > 0, "ranges into ordinary memory are batched");
     if shared_segment_at(shared.addr) {

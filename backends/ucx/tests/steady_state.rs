@@ -14,7 +14,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use ferry_backend_api::{Backend, Completions, Endpoint, MemKind, Op, Post, Range};
+use ferry_backend_api::{Backend, Completions, Endpoint, Op, Range};
 use ferry_testkit::alloc::{self as counting, CountingAlloc};
 
 #[global_allocator]
@@ -27,74 +27,46 @@ fn batched_writes_allocate_nothing_once_warm() {
     }
     for &transports in TRANSPORTS {
         const LEN: usize = 1 << 20;
-        let mut a = backend("agent-a", transports, &[]);
-        let mut b = backend("agent-b", transports, &[]);
-        let a_buf = Buffer::new(LEN);
-        let b_buf = Buffer::new(LEN);
-        let (a_token, _) = register(&mut a, &a_buf);
-        let (b_token, b_md) = register(&mut b, &b_buf);
-        let peer = peer_id(1);
-        load(&mut a, peer, "agent-b", &b.conn_info(), &[(b_token, b_md)]);
-        a.connect(peer).unwrap();
-        assert_eq!(a.batches_to(peer), Some(true));
-        let range = |lo: usize, ro: usize, len: usize| Range {
-            local_addr: a_buf.addr() + lo as u64,
-            remote_addr: b_buf.addr() + ro as u64,
-            len: len as u64,
-            local_dev: 0,
-            remote_dev: 0,
-            local_token: a_token,
-            remote_token: b_token,
-        };
+        let p = pair_with(transports, LEN, &[], &[]);
         let mut order: Vec<usize> = (0..512).collect();
         Rng::new(4).shuffle(&mut order);
         let small: Vec<Range> = order
             .iter()
             .enumerate()
-            .map(|(i, &j)| range(i * 64, j * 64, 64))
+            .map(|(i, &j)| range(&p, i * 64, j * 64, 64))
             .collect();
         let large: Vec<Range> = (0..4)
-            .map(|i| range((64 << 10) + i * 8192, (64 << 10) + i * 8192, 8192))
+            .map(|i| range(&p, (64 << 10) + i * 8192, (64 << 10) + i * 8192, 8192))
             .collect();
         let reads: Vec<Range> = (0..256)
             .map(|i| {
                 range(
+                    &p,
                     (128 << 10) + i * 64,
                     (128 << 10) + ((i * 31) % 256) * 64,
                     64,
                 )
             })
             .collect();
+        let Pair {
+            mut a,
+            mut b,
+            a_buf,
+            b_buf,
+            peer_b: peer,
+            ..
+        } = p;
+        a.connect(peer).unwrap();
+        assert_eq!(a.batches_to(peer), Some(true));
         let mut done = Completions::with_capacity(4);
         let notif = b"n";
         let mut cycle = |a: &mut ferry_ucx::UcxBackend, b: &mut ferry_ucx::UcxBackend, i: u64| {
             done.clear();
             let posts = [
-                Post {
-                    tag: i * 2,
-                    op: Op::Write,
-                    local_kind: MemKind::Dram,
-                    remote_kind: MemKind::Dram,
-                    ranges: &small,
-                    notif: Some(notif),
-                },
-                Post {
-                    tag: i * 2 + 1,
-                    op: Op::Write,
-                    local_kind: MemKind::Dram,
-                    remote_kind: MemKind::Dram,
-                    ranges: &large,
-                    notif: None,
-                },
+                post(i * 2, Op::Write, &small, Some(notif)),
+                post(i * 2 + 1, Op::Write, &large, None),
             ];
-            let read = [Post {
-                tag: u64::MAX - i,
-                op: Op::Read,
-                local_kind: MemKind::Dram,
-                remote_kind: MemKind::Dram,
-                ranges: &reads,
-                notif: None,
-            }];
+            let read = [post(u64::MAX - i, Op::Read, &reads, None)];
             a.post_t(Endpoint::Peer(peer), &posts, &mut done).unwrap();
             let deadline = Instant::now() + Duration::from_secs(30);
             a.post_t(Endpoint::Peer(peer), &read, &mut done).unwrap();

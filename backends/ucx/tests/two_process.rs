@@ -252,17 +252,6 @@ fn spawn_target(v: Variant, ucx: &mut UcxBackend, peer: PeerId) -> Target {
     }
 }
 
-fn post<'a>(tag: u64, op: Op, ranges: &'a [Range], notif: Option<&'a [u8]>) -> Post<'a> {
-    Post {
-        tag,
-        op,
-        local_kind: MemKind::Dram,
-        remote_kind: MemKind::Dram,
-        ranges,
-        notif,
-    }
-}
-
 fn transfer(ucx: &mut UcxBackend, peer: PeerId, posts: &[Post<'_>]) {
     let mut done = Completions::with_capacity(posts.len());
     ucx.post_t(Endpoint::Peer(peer), posts, &mut done)

@@ -38,6 +38,11 @@ pub const TRANSPORTS: &[&str] = &["", "tcp"];
 
 pub use ferry_testkit::Rng;
 
+mod pair;
+// Not every test binary uses the pair.
+#[allow(unused_imports)]
+pub use pair::*;
+
 /// A peer's regions as the engine would hand them over.
 #[derive(Default, Clone)]
 pub struct HandRegions {
