@@ -63,6 +63,27 @@ fn pair(transports: &str, a_buf: &Buffer, b_buf: &Buffer) -> Pair {
     Pair { a, b, b_at_a }
 }
 
+impl Pair {
+    /// Create a DRAM → DRAM request from `a` to `b`, post it and drive it to done.
+    fn transfer(&self, op: Op, local: &[Desc], remote: &[Desc], notif: Option<&[u8]>) -> XferId {
+        let x = self
+            .a
+            .create(
+                op,
+                MemKind::Dram,
+                local,
+                self.b_at_a,
+                MemKind::Dram,
+                remote,
+                notif,
+            )
+            .unwrap();
+        let first = self.a.post(x).unwrap();
+        finish(self, x, first);
+        x
+    }
+}
+
 /// Drive both agents until `x` is done.
 fn finish(p: &Pair, x: XferId, first: XferStatus) {
     let deadline = Instant::now() + TIMEOUT;
@@ -126,19 +147,7 @@ fn write_and_read_shuffled_pieces_with_notification() {
             .map(|(&(_, n), &r)| dst.desc(r, n))
             .collect();
 
-        let x =
-            p.a.create(
-                Op::Write,
-                MemKind::Dram,
-                &local,
-                p.b_at_a,
-                MemKind::Dram,
-                &remote,
-                Some(b"written"),
-            )
-            .unwrap();
-        let first = p.a.post(x).unwrap();
-        finish(&p, x, first);
+        let x = p.transfer(Op::Write, &local, &remote, Some(b"written"));
         let notifs = wait_notifs(&p, 1);
         assert_eq!(notifs[0].0, p.a.name());
         assert_eq!(notifs[0].1, b"written");
@@ -151,19 +160,7 @@ fn write_and_read_shuffled_pieces_with_notification() {
         }
 
         let local_back: Vec<Desc> = lens.iter().map(|&(l, n)| back.desc(l, n)).collect();
-        let y =
-            p.a.create(
-                Op::Read,
-                MemKind::Dram,
-                &local_back,
-                p.b_at_a,
-                MemKind::Dram,
-                &remote,
-                None,
-            )
-            .unwrap();
-        let first = p.a.post(y).unwrap();
-        finish(&p, y, first);
+        let y = p.transfer(Op::Read, &local_back, &remote, None);
         assert_eq!(
             back.bytes(),
             src.bytes(),
@@ -190,19 +187,7 @@ fn shuffled_batch_of_1024_descriptors() {
         let p = pair(transports, &src, &dst);
         let (local, remote, order) =
             ferry_tests::shuffled_blocks(&src, &dst, 1024, BLOCK, &mut rng);
-        let x =
-            p.a.create(
-                Op::Write,
-                MemKind::Dram,
-                &local,
-                p.b_at_a,
-                MemKind::Dram,
-                &remote,
-                None,
-            )
-            .unwrap();
-        let first = p.a.post(x).unwrap();
-        finish(&p, x, first);
+        p.transfer(Op::Write, &local, &remote, None);
         ferry_tests::assert_shuffled_copy(&src, &dst, &order, BLOCK, &format!("[{transports}]"));
     }
 }
@@ -240,19 +225,7 @@ fn invalidated_peer_is_refused_then_reload_works() {
     let src = Buffer::random(1 << 16, &mut rng);
     let dst = Buffer::zeroed(1 << 16);
     let p = pair("", &src, &dst);
-    let x =
-        p.a.create(
-            Op::Write,
-            MemKind::Dram,
-            &[src.whole()],
-            p.b_at_a,
-            MemKind::Dram,
-            &[dst.whole()],
-            None,
-        )
-        .unwrap();
-    let first = p.a.post(x).unwrap();
-    finish(&p, x, first);
+    let x = p.transfer(Op::Write, &[src.whole()], &[dst.whole()], None);
     p.a.invalidate_remote_md(p.b_at_a).unwrap();
     let refused = p.a.post(x);
     assert!(
@@ -392,33 +365,9 @@ fn memory_allocated_through_ucx_moves_byte_for_byte_and_other_backends_see_dram(
         .map(|i| src.desc(i * piece as usize, piece as usize))
         .collect();
     let remote: Vec<Desc> = order.iter().map(|&j| at(mem_b, j)).collect();
-    let x =
-        p.a.create(
-            Op::Write,
-            MemKind::Dram,
-            &local,
-            p.b_at_a,
-            MemKind::Dram,
-            &remote,
-            None,
-        )
-        .unwrap();
-    let first = p.a.post(x).unwrap();
-    finish(&p, x, first);
+    let x = p.transfer(Op::Write, &local, &remote, None);
     let back: Vec<Desc> = (0..pieces).map(|i| at(mem_a, i)).collect();
-    let y =
-        p.a.create(
-            Op::Read,
-            MemKind::Dram,
-            &back,
-            p.b_at_a,
-            MemKind::Dram,
-            &remote,
-            None,
-        )
-        .unwrap();
-    let first = p.a.post(y).unwrap();
-    finish(&p, y, first);
+    let y = p.transfer(Op::Read, &back, &remote, None);
 
     // c reads a's allocation over LOOPBACK: the only backend they share.
     let z = c
