@@ -68,7 +68,7 @@ def env_for(variant):
     return env
 
 
-def run_ferry(bench, variant, block, count, ops):
+def run_ferry(bench, variant, block, count, ops, seconds):
     """Median µs per request of Ferry's benchmark, by (op, block, count), shuffled."""
     env = env_for(variant)
     env.update(
@@ -82,6 +82,8 @@ def run_ferry(bench, variant, block, count, ops):
             "FERRY_BENCH_UCX_ORDER": "shuffled",
             "FERRY_BENCH_UCX_OPS": ",".join(op.lower() for op in ops),
             "FERRY_BENCH_UCX_CONTROL": "0",
+            # As long per case as NIXL's side (its bench stops at 10,000 requests).
+            "FERRY_BENCH_UCX_CASE_MS": str(int(seconds * 1000)),
         }
     )
     out = subprocess.run(
@@ -164,7 +166,8 @@ def main():
     ap.add_argument("--ferry-bench", required=True)
     ap.add_argument("--python", required=True)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--nixl-seconds", type=float, default=1.5)
+    ap.add_argument("--seconds", "--nixl-seconds", dest="seconds", type=float, default=1.5,
+                    help="timed seconds per case, both sides")
     ap.add_argument(
         "--only", default="",
         help="comma list of VARIANT:BLOCK:COUNT rows to run (e.g. tcp:1048576:32); "
@@ -192,7 +195,7 @@ def main():
             print(f"round {r + 1}: metadata done", file=sys.stderr, flush=True)
         for variant, block, count, ops in cases:
             def ferry_side():
-                got = run_ferry(args.ferry_bench, variant, block, count, ops)
+                got = run_ferry(args.ferry_bench, variant, block, count, ops, args.seconds)
                 for op in ops:
                     if (op, block, count) in got:
                         ferry.setdefault((variant, op, block, count), []).append(
@@ -201,7 +204,7 @@ def main():
 
             def nixl_side():
                 for op in ops:
-                    us = run_nixl(args.python, variant, block, count, op, args.nixl_seconds)
+                    us = run_nixl(args.python, variant, block, count, op, args.seconds)
                     if us is not None:
                         nixl.setdefault((variant, op, block, count), []).append(us)
 
