@@ -7,8 +7,8 @@
 use std::sync::Once;
 use std::time::{Duration, Instant};
 
-use ferry::{Agent, AgentConfig, Desc, Error, MemKind, Op, Params, PeerId, XferId, XferStatus};
-use ferry_tests::{register, unique, Buffer, Rng};
+use ferry::{Agent, AgentConfig, Desc, Error, MemKind, Op, Params, XferId, XferStatus};
+use ferry_tests::{register, unique, Buffer, Pair, Rng};
 
 const TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -47,41 +47,27 @@ fn ucx_agent(prefix: &str, transports: &str) -> Agent {
     agent
 }
 
-struct Pair {
-    a: Agent,
-    b: Agent,
-    b_at_a: PeerId,
-}
-
 fn pair(transports: &str, a_buf: &Buffer, b_buf: &Buffer) -> Pair {
     let a = ucx_agent("ucx-a", transports);
     let b = ucx_agent("ucx-b", transports);
     register(&a, a_buf);
     register(&b, b_buf);
     let b_at_a = a.load_remote_md(&b.local_md().unwrap()).unwrap();
-    b.load_remote_md(&a.local_md().unwrap()).unwrap();
-    Pair { a, b, b_at_a }
+    let a_at_b = b.load_remote_md(&a.local_md().unwrap()).unwrap();
+    Pair {
+        a,
+        b,
+        b_at_a,
+        a_at_b,
+    }
 }
 
-impl Pair {
-    /// Create a DRAM → DRAM request from `a` to `b`, post it and drive it to done.
-    fn transfer(&self, op: Op, local: &[Desc], remote: &[Desc], notif: Option<&[u8]>) -> XferId {
-        let x = self
-            .a
-            .create(
-                op,
-                MemKind::Dram,
-                local,
-                self.b_at_a,
-                MemKind::Dram,
-                remote,
-                notif,
-            )
-            .unwrap();
-        let first = self.a.post(x).unwrap();
-        finish(self, x, first);
-        x
-    }
+/// Create a DRAM request from `a` to `b` (`Pair::create`), post it and drive it to done.
+fn transfer(p: &Pair, op: Op, local: &[Desc], remote: &[Desc], notif: Option<&[u8]>) -> XferId {
+    let x = p.create(op, local, remote, notif);
+    let first = p.a.post(x).unwrap();
+    finish(p, x, first);
+    x
 }
 
 /// Drive both agents until `x` is done.
@@ -147,7 +133,7 @@ fn write_and_read_shuffled_pieces_with_notification() {
             .map(|(&(_, n), &r)| dst.desc(r, n))
             .collect();
 
-        let x = p.transfer(Op::Write, &local, &remote, Some(b"written"));
+        let x = transfer(&p, Op::Write, &local, &remote, Some(b"written"));
         let notifs = wait_notifs(&p, 1);
         assert_eq!(notifs[0].0, p.a.name());
         assert_eq!(notifs[0].1, b"written");
@@ -160,7 +146,7 @@ fn write_and_read_shuffled_pieces_with_notification() {
         }
 
         let local_back: Vec<Desc> = lens.iter().map(|&(l, n)| back.desc(l, n)).collect();
-        let y = p.transfer(Op::Read, &local_back, &remote, None);
+        let y = transfer(&p, Op::Read, &local_back, &remote, None);
         assert_eq!(
             back.bytes(),
             src.bytes(),
@@ -187,7 +173,7 @@ fn shuffled_batch_of_1024_descriptors() {
         let p = pair(transports, &src, &dst);
         let (local, remote, order) =
             ferry_tests::shuffled_blocks(&src, &dst, 1024, BLOCK, &mut rng);
-        p.transfer(Op::Write, &local, &remote, None);
+        transfer(&p, Op::Write, &local, &remote, None);
         ferry_tests::assert_shuffled_copy(&src, &dst, &order, BLOCK, &format!("[{transports}]"));
     }
 }
@@ -225,7 +211,7 @@ fn invalidated_peer_is_refused_then_reload_works() {
     let src = Buffer::random(1 << 16, &mut rng);
     let dst = Buffer::zeroed(1 << 16);
     let p = pair("", &src, &dst);
-    let x = p.transfer(Op::Write, &[src.whole()], &[dst.whole()], None);
+    let x = transfer(&p, Op::Write, &[src.whole()], &[dst.whole()], None);
     p.a.invalidate_remote_md(p.b_at_a).unwrap();
     let refused = p.a.post(x);
     assert!(
@@ -245,11 +231,7 @@ fn invalidated_peer_is_refused_then_reload_works() {
         )
         .unwrap();
     let first = p.a.post(y).unwrap();
-    let p2 = Pair {
-        a: p.a,
-        b: p.b,
-        b_at_a: peer,
-    };
+    let p2 = Pair { b_at_a: peer, ..p };
     finish(&p2, y, first);
     assert_eq!(dst.bytes(), src.bytes());
 }
@@ -351,9 +333,14 @@ fn memory_allocated_through_ucx_moves_byte_for_byte_and_other_backends_see_dram(
     let check = Buffer::zeroed(len as usize);
     register(&c, &check);
     let b_at_a = a.load_remote_md(&b.local_md().unwrap()).unwrap();
-    b.load_remote_md(&a.local_md().unwrap()).unwrap();
+    let a_at_b = b.load_remote_md(&a.local_md().unwrap()).unwrap();
     let a_at_c = c.load_remote_md(&a.local_md().unwrap()).unwrap();
-    let p = Pair { a, b, b_at_a };
+    let p = Pair {
+        a,
+        b,
+        b_at_a,
+        a_at_b,
+    };
 
     // Shuffled 64 KiB pieces: src → b's allocation, then b's allocation → a's.
     let piece = 64 << 10;
@@ -365,9 +352,9 @@ fn memory_allocated_through_ucx_moves_byte_for_byte_and_other_backends_see_dram(
         .map(|i| src.desc(i * piece as usize, piece as usize))
         .collect();
     let remote: Vec<Desc> = order.iter().map(|&j| at(mem_b, j)).collect();
-    let x = p.transfer(Op::Write, &local, &remote, None);
+    let x = transfer(&p, Op::Write, &local, &remote, None);
     let back: Vec<Desc> = (0..pieces).map(|i| at(mem_a, i)).collect();
-    let y = p.transfer(Op::Read, &back, &remote, None);
+    let y = transfer(&p, Op::Read, &back, &remote, None);
 
     // c reads a's allocation over LOOPBACK: the only backend they share.
     let z = c
