@@ -213,6 +213,47 @@ impl Agent {
         state.world.add_backend(backend)
     }
 
+    /// Create the backends of [`DEFAULT_BACKENDS`](crate::DEFAULT_BACKENDS) that are
+    /// available here and that this agent does not have yet, in that order, each with
+    /// `params_of(type name)` (an empty map: its defaults). What an agent gets when its
+    /// caller names no backend: the `ferry` tool's `--backend default` and Python's
+    /// `nixl_agent(name)` without backends call this. Returns the names created. A type
+    /// unavailable here is skipped (logged with the reason); a failure to create an
+    /// available one is returned.
+    pub fn create_default_backends(
+        &self,
+        params_of: impl Fn(&str) -> Params,
+    ) -> Result<Vec<&'static str>> {
+        let have: Vec<&'static str> = self.backends().iter().map(|b| b.name).collect();
+        let mut created = Vec::with_capacity(registry::DEFAULT_BACKENDS.len());
+        for &name in registry::DEFAULT_BACKENDS {
+            let Some(factory) = registry::factory(name) else {
+                continue;
+            };
+            if have.contains(&factory.name()) {
+                continue;
+            }
+            let params = params_of(factory.name());
+            let effective = effective_params(factory.name(), factory.params(), &params)?;
+            if let Err(reason) = factory.available_with(&effective) {
+                log::info!(
+                    "agent '{}': default backend {} left out: {reason}",
+                    self.name,
+                    factory.name()
+                );
+                continue;
+            }
+            self.create_backend(factory.name(), &params)?;
+            created.push(factory.name());
+        }
+        log::debug!(
+            "agent '{}': default backends created: {}",
+            self.name,
+            created.join(", ")
+        );
+        Ok(created)
+    }
+
     /// Backends created on this agent.
     pub fn backends(&self) -> Vec<BackendInfo> {
         let Ok(state) = self.lock() else {
@@ -472,6 +513,12 @@ impl Agent {
     /// count after merging.
     pub fn telemetry(&self, xfer: XferId) -> Result<Telemetry> {
         self.lock()?.world.telemetry(xfer)
+    }
+
+    /// The type name of the backend a request goes through (`make` chose it: the first
+    /// hinted backend both sides have, else the first common one).
+    pub fn xfer_backend(&self, xfer: XferId) -> Result<&'static str> {
+        self.lock()?.world.xfer_backend(xfer)
     }
 
     /// Number of merged ranges of a request.

@@ -63,7 +63,7 @@ pub use ferry_storage::{
     BackendId, BackendMask, Desc, Endpoint, Error, MemKind, Op, PeerId, PrepId, RegionId, Result,
     Subject, XferId,
 };
-pub use registry::{factories, factory, FactoryInfo};
+pub use registry::{factories, factory, FactoryInfo, DEFAULT_BACKENDS};
 
 /// Metadata codec (wire format, descriptor-list encoding), for tools and side channels.
 pub mod metadata {

@@ -29,6 +29,27 @@ static GDS: ferry_gds::GdsFactory = ferry_gds::GdsFactory;
 /// Same-host transfers: memcpy through mapped peer segments, or batched CMA.
 static SHM: ferry_shm::ShmFactory = ferry_shm::ShmFactory;
 
+/// The backends an agent gets when its caller names none
+/// ([`Agent::create_default_backends`](crate::Agent::create_default_backends)), in
+/// preference order: a request takes the first of them that both sides have and that
+/// accepted the peer, so each peer gets the fastest path that reaches it —
+///
+/// - `LOOPBACK`: a peer in this process (it refuses any other at load);
+/// - `SHM`: a peer on this host, in this pid namespace (it refuses others at load): a
+///   memcpy through the peer's mapped segment, or one-sided batched CMA into its
+///   ordinary memory, with the peer's death seen through a pidfd. (UCX 1.13, the
+///   distributions' UCX, reaches such a peer over `tcp/lo` with emulated RMA when its
+///   endpoints detect peer failure, and without that detection still emulates RMA into
+///   ordinary memory with shared-memory active messages: several times slower);
+/// - `UCX`: every other peer (another host: tcp or RDMA, with UCX's peer error
+///   handling), and VRAM;
+/// - `POSIX`: files (DRAM ↔ FILE of this agent).
+///
+/// A type that is unavailable here (no libucp, no io_uring and no fallback …) is left
+/// out and the reason logged. `GDS` is not among them: it needs a GPU and cuFile, and a
+/// caller who has them names it.
+pub const DEFAULT_BACKENDS: &[&str] = &["LOOPBACK", "SHM", "UCX", "POSIX"];
+
 /// Every backend factory compiled in, in preference order.
 pub fn factories() -> Vec<&'static dyn BackendFactory> {
     vec![&LOOPBACK, &UCX, &POSIX, &GDS, &SHM]

@@ -771,3 +771,57 @@ fn shm_first_serves_local_peers_and_ucx_the_others() {
         a.invalidate_remote_md(at).unwrap();
     }
 }
+
+/// The default set (`Agent::create_default_backends`): LOOPBACK first, then SHM, UCX
+/// (where libucp is here) and POSIX; a second call creates nothing; a peer in this
+/// process goes through LOOPBACK, a peer that says it is on another host skips SHM.
+#[test]
+fn the_default_set_gives_each_peer_the_first_backend_that_reaches_it() {
+    let a = Agent::new(AgentConfig::named(unique("default-a"))).unwrap();
+    let created = a.create_default_backends(|_| Params::new()).unwrap();
+    assert_eq!(&created[..2], ["LOOPBACK", "SHM"], "{created:?}");
+    assert!(created.contains(&"POSIX"), "{created:?}");
+    let ucx_here = Agent::available_backends()
+        .iter()
+        .any(|f| f.name == "UCX" && f.available.is_ok());
+    assert_eq!(created.contains(&"UCX"), ucx_here, "{created:?}");
+    assert!(a
+        .create_default_backends(|_| Params::new())
+        .unwrap()
+        .is_empty());
+    let b = Agent::new(AgentConfig::named(unique("default-b"))).unwrap();
+    b.create_default_backends(|name| match name {
+        "SHM" => params(&[("host_identity", "elsewhere")]),
+        _ => Params::new(),
+    })
+    .unwrap();
+    let mut rng = Rng::new(11);
+    let src = Buffer::random(1 << 16, &mut rng);
+    let dst = Buffer::zeroed(1 << 16);
+    register(&a, &src);
+    register(&b, &dst);
+    let at = a.load_remote_md(&b.local_md().unwrap()).unwrap();
+    let x = a
+        .create(
+            Op::Write,
+            MemKind::Dram,
+            &[src.whole()],
+            at,
+            MemKind::Dram,
+            &[dst.whole()],
+            None,
+        )
+        .unwrap();
+    assert_eq!(a.xfer_backend(x).unwrap(), "LOOPBACK");
+    assert_eq!(a.post(x).unwrap(), XferStatus::Done);
+    assert_eq!(dst.bytes(), src.bytes());
+    // A bad parameter for one type is that type's typed error, naming it.
+    let c = Agent::new(AgentConfig::named(unique("default-c"))).unwrap();
+    let e = c
+        .create_default_backends(|name| match name {
+            "SHM" => params(&[("no_such_parameter", "1")]),
+            _ => Params::new(),
+        })
+        .unwrap_err();
+    assert!(e.to_string().contains("no_such_parameter"), "{e}");
+}

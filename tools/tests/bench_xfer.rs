@@ -3,7 +3,7 @@
 
 use std::process::Command;
 
-const COLUMNS: &str = "scheme,op,request,layout,block_bytes,batch,workers,requests_per_iter,iters,gbps,lat_avg_us,prep_avg_us,prep_p99_us,post_avg_us,post_p99_us,xfer_avg_us,xfer_p99_us,descs_per_s,ranges,est_us,est_margin_us,est_method,check";
+const COLUMNS: &str = "scheme,op,request,layout,block_bytes,batch,workers,requests_per_iter,iters,gbps,lat_avg_us,prep_avg_us,prep_p99_us,post_avg_us,post_p99_us,xfer_avg_us,xfer_p99_us,descs_per_s,ranges,est_us,est_margin_us,est_method,via,check";
 
 fn run(args: &[&str]) -> (String, String) {
     let o = Command::new(env!("CARGO_BIN_EXE_ferry"))
@@ -80,6 +80,8 @@ fn loopback_sweep_writes_csv_json_and_a_plot() {
     let mut args = vec![
         "bench",
         "xfer",
+        "--backend",
+        "loopback",
         "--iters",
         "3",
         "--warmup",
@@ -341,6 +343,8 @@ fn json_embeds_the_initiator_metrics_with_an_endpoint_on_a_free_port() {
     let (_, err) = run(&[
         "bench",
         "xfer",
+        "--backend",
+        "loopback",
         "--iters",
         "4",
         "--warmup",
@@ -455,7 +459,11 @@ fn peer_timeout_ms_is_checked_and_reaches_the_ucx_backend() {
         "not in 0..=86400000",
     );
     refused(&["--backend", "ucx", "--peer-timeout-ms", "-5"], 2, "-5");
-    refused(&["--peer-timeout-ms", "100"], 1, "UCX parameter");
+    refused(
+        &["--backend", "loopback", "--peer-timeout-ms", "100"],
+        1,
+        "UCX parameter",
+    );
     refused(
         &[
             "--backend",
@@ -536,4 +544,44 @@ fn a_target_whose_store_is_unreachable_stops_with_the_reason() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!status.success(), "{err}");
     assert!(err.contains("unreachable") && err.contains(&addr), "{err}");
+}
+
+/// With no `--backend`, the agents get the default set and the target is a second
+/// process on this host: every request goes through SHM (a same-host peer), none
+/// through UCX, and the bytes check.
+#[test]
+fn the_default_sends_a_same_host_peer_through_shm() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("d.json");
+    let (out, _) = run(&[
+        "bench",
+        "xfer",
+        "--iters",
+        "3",
+        "--warmup",
+        "1",
+        "--max-block",
+        "64K",
+        "--block-factor",
+        "16",
+        "--op",
+        "read,write",
+        "--check",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(out.contains("backend: default"), "{out}");
+    assert!(out.contains("target process (pid"), "{out}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let backends = v["config"]["backends"]
+        .as_str()
+        .expect("backends in config");
+    assert!(backends.starts_with("LOOPBACK, SHM"), "{backends}");
+    let rows = rows(&v);
+    assert_eq!(rows.len(), 2 * 2, "{v}");
+    for r in rows {
+        check_row(r);
+        assert_eq!(r["via"], "SHM", "{r}");
+    }
 }

@@ -52,8 +52,13 @@ fn gpu_flags_are_checked_before_anything_runs() {
         "--dev 1 names the CUDA device of VRAM buffers",
     );
     fails(
-        &refs(&xfer(&["--ucx-library", "/nowhere/libucp.so.0"])),
-        "--ucx-library needs --backend ucx",
+        &refs(&xfer(&[
+            "--backend",
+            "loopback",
+            "--ucx-library",
+            "/nowhere/libucp.so.0",
+        ])),
+        "--ucx-library needs --backend ucx or default",
     );
     fails(
         &refs(&xfer(&[
@@ -118,8 +123,8 @@ fn vram_is_refused_naming_the_cuda_feature() {
 #[test]
 fn vram_needs_ucx_and_a_cuda_driver_and_device() {
     fails(
-        &refs(&xfer(&["--target-mem", "vram"])),
-        "VRAM moves over UCX only: use --backend ucx (LOOPBACK",
+        &refs(&xfer(&["--backend", "loopback", "--target-mem", "vram"])),
+        "VRAM moves over UCX only: use --backend ucx or default (LOOPBACK",
     );
     fails(
         &refs(&xfer(&["--backend", "posix", "--initiator-mem", "vram"])),

@@ -815,4 +815,17 @@ impl World {
             .ok_or_else(|| Error::not_found(Subject::Xfer(xfer)))?;
         Ok(self.xfers.ranges[row].len())
     }
+
+    /// The type name of the backend request `xfer` goes through (chosen at `make`).
+    pub fn xfer_backend(&self, xfer: XferId) -> Result<&'static str, Error> {
+        let row = self
+            .xfers
+            .row(xfer)
+            .ok_or_else(|| Error::not_found(Subject::Xfer(xfer)))?;
+        let slot = usize::from(self.xfers.slots[row]);
+        self.backends.backends[slot]
+            .as_ref()
+            .map(|b| b.name())
+            .ok_or_else(|| Error::not_found(Subject::Xfer(xfer)))
+    }
 }

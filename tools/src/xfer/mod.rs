@@ -48,8 +48,10 @@ use crate::md::ExchangeArgs;
     ranges per request after merging; est = Agent::estimate of post to completion, made     after the warm-up, to compare with xfer µs, and its method (analytical: the     transport's model, measured: a fit of this agent's completed requests)."
 )]
 pub struct XferArgs {
-    /// The backend: LOOPBACK (in-process), UCX (two processes) or POSIX (memory <-> file).
-    #[arg(long, value_enum, default_value_t = BackendArg::Loopback, ignore_case = true)]
+    /// The backend: `default` (what an agent gets when nobody names one: LOOPBACK, SHM,
+    /// UCX, POSIX, each peer taking the first that reaches it; two processes), UCX or SHM
+    /// (two processes), LOOPBACK (in-process) or POSIX (memory <-> file).
+    #[arg(long, value_enum, default_value_t = BackendArg::Default, ignore_case = true)]
     pub backend: BackendArg,
     /// Operations to measure, comma-separated.
     #[arg(
@@ -159,22 +161,52 @@ pub struct XferArgs {
 /// A backend, as a flag value.
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackendArg {
+    /// The agent's default set (`ferry::DEFAULT_BACKENDS`), target in a second process.
+    Default,
     /// In-process DRAM <-> DRAM.
     Loopback,
     /// DRAM <-> DRAM between processes.
     Ucx,
+    /// Same-host DRAM <-> DRAM between processes (mapped segments or CMA).
+    Shm,
     /// DRAM <-> FILE.
     Posix,
 }
 
 impl BackendArg {
-    /// The backend's registered name.
+    /// The backend's registered name (`default` for the default set).
     pub fn name(self) -> &'static str {
         match self {
+            BackendArg::Default => "default",
             BackendArg::Loopback => "LOOPBACK",
             BackendArg::Ucx => "UCX",
+            BackendArg::Shm => "SHM",
             BackendArg::Posix => "POSIX",
         }
+    }
+
+    /// The flag value that selects it.
+    pub fn flag(self) -> &'static str {
+        match self {
+            BackendArg::Default => "default",
+            BackendArg::Loopback => "loopback",
+            BackendArg::Ucx => "ucx",
+            BackendArg::Shm => "shm",
+            BackendArg::Posix => "posix",
+        }
+    }
+
+    /// Whether the target runs in a second process (found through a store).
+    pub fn two_processes(self) -> bool {
+        matches!(
+            self,
+            BackendArg::Default | BackendArg::Ucx | BackendArg::Shm
+        )
+    }
+
+    /// Whether UCX is among the backends (what `--param` and the UCX flags go to).
+    pub fn has_ucx(self) -> bool {
+        matches!(self, BackendArg::Default | BackendArg::Ucx)
     }
 }
 
@@ -319,9 +351,9 @@ pub fn plan(args: &XferArgs) -> Result<Plan, String> {
         }
         _ => {}
     }
-    if args.role != Role::Auto && args.backend != BackendArg::Ucx {
+    if args.role != Role::Auto && !args.backend.two_processes() {
         return Err(format!(
-            "--role {:?} needs --backend ucx: {} runs both sides in one process",
+            "--role {:?} needs --backend default, ucx or shm: {} runs both sides in one process",
             args.role,
             args.backend.name()
         )
@@ -336,7 +368,7 @@ pub fn plan(args: &XferArgs) -> Result<Plan, String> {
         }
     }
     if let Some(ms) = args.peer_timeout_ms {
-        if args.backend != BackendArg::Ucx {
+        if !args.backend.has_ucx() {
             return Err(format!(
                 "--peer-timeout-ms is a UCX parameter: {} has no peer deadline",
                 args.backend.name()

@@ -32,6 +32,7 @@ pub const COLUMNS: &[&str] = &[
     "est_us",
     "est_margin_us",
     "est_method",
+    "via",
     "check",
 ];
 
@@ -71,6 +72,7 @@ fn cells(r: &Row) -> Vec<String> {
         opt_us(r.est_us),
         opt_us(r.est_margin_us),
         r.est_method.to_string(),
+        r.via.to_string(),
         check_text(r.check).to_string(),
     ]
 }
@@ -87,7 +89,7 @@ pub fn print_table(plan: &Plan, run: &SweepRun) {
     let vary_req = plan.args.request.len() > 1;
     let vary_layout = plan.args.layout.len() > 1;
     println!(
-        "{:<5} {}{}{}{:>9} {:>6} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>10} {:>7} {:>11} {:<10}{}",
+        "{:<5} {}{}{}{:>9} {:>6} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>10} {:>7} {:>11} {:<10} {:<8}{}",
         "op",
         if vary_scheme {
             format!("{:<12}", "scheme")
@@ -118,11 +120,12 @@ pub fn print_table(plan: &Plan, run: &SweepRun) {
         "ranges",
         "est µs",
         "est by",
+        "via",
         if plan.args.check { "  check" } else { "" }
     );
     for r in &run.rows {
         println!(
-            "{:<5} {}{}{}{:>9} {:>6} {:>9.3} {:>10.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>10.2} {:>10.2} {:>10.3e} {:>7} {:>11} {:<10}{}",
+            "{:<5} {}{}{}{:>9} {:>6} {:>9.3} {:>10.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>10.2} {:>10.2} {:>10.3e} {:>7} {:>11} {:<10} {:<8}{}",
             r.op,
             if vary_scheme { format!("{:<12}", r.scheme) } else { String::new() },
             if vary_req { format!("{:<9}", r.request) } else { String::new() },
@@ -141,6 +144,7 @@ pub fn print_table(plan: &Plan, run: &SweepRun) {
             r.ranges,
             r.est_us.map_or_else(|| "-".to_string(), |v| format!("{v:.2}")),
             if r.est_method.is_empty() { "-" } else { r.est_method },
+            r.via,
             if plan.args.check { format!("  {}", check_text(r.check)) } else { String::new() }
         );
     }
@@ -192,6 +196,7 @@ pub fn write_json(path: &Path, plan: &Plan, run: &SweepRun) -> Result<(), String
                 "est_us": r.est_us,
                 "est_margin_us": r.est_margin_us,
                 "est_method": (!r.est_method.is_empty()).then_some(r.est_method),
+                "via": r.via,
                 "check": r.check,
             })
         })

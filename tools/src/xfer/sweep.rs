@@ -58,6 +58,8 @@ pub struct Row {
     pub descs_per_s: f64,
     /// Ranges per request after merging (telemetry).
     pub ranges: u64,
+    /// The backend the requests went through (`Agent::xfer_backend`).
+    pub via: &'static str,
     /// `Agent::estimate` of the case's requests (post to completion, average over
     /// them), µs; `None` when no estimate was available.
     pub est_us: Option<f64>,
@@ -137,16 +139,43 @@ fn err(e: ferry::Error) -> String {
     e.to_string()
 }
 
-fn params(plan: &Plan) -> Params {
-    plan.args.params.iter().cloned().collect()
+/// The `--param`s of backend type `backend`: `TYPE.key=value` goes to that type only; an
+/// unprefixed key goes to the named backend, or with `--backend default` to UCX.
+fn params_of(plan: &Plan, backend: &str) -> Params {
+    let unprefixed_to = match plan.args.backend {
+        BackendArg::Default => "UCX",
+        other => other.name(),
+    };
+    plan.args
+        .params
+        .iter()
+        .filter_map(|(k, v)| match k.split_once('.') {
+            Some((ty, key)) if ty.eq_ignore_ascii_case(backend) => {
+                Some((key.to_string(), v.clone()))
+            }
+            Some(_) => None,
+            None => backend
+                .eq_ignore_ascii_case(unprefixed_to)
+                .then(|| (k.clone(), v.clone())),
+        })
+        .collect()
 }
 
-/// An agent with `plan`'s backend, named `name`.
+/// An agent with `plan`'s backend (or the default set), named `name`.
 pub fn agent(plan: &Plan, name: &str) -> Result<Agent, String> {
     let agent = Agent::new(AgentConfig::named(name)).map_err(err)?;
-    agent
-        .create_backend(plan.args.backend.name(), &params(plan))
-        .map_err(|e| format!("creating the {} backend: {e}", plan.args.backend.name()))?;
+    match plan.args.backend {
+        BackendArg::Default => {
+            agent
+                .create_default_backends(|ty| params_of(plan, ty))
+                .map_err(|e| format!("creating the default backends: {e}"))?;
+        }
+        other => {
+            agent
+                .create_backend(other.name(), &params_of(plan, other.name()))
+                .map_err(|e| format!("creating the {} backend: {e}", other.name()))?;
+        }
+    }
     Ok(agent)
 }
 
@@ -224,7 +253,7 @@ fn setup(plan: &Plan) -> Result<Setup, String> {
             }
             Targets::Files(files)
         }
-        BackendArg::Ucx => {
+        BackendArg::Ucx | BackendArg::Shm | BackendArg::Default => {
             let peers = target::connect(plan)?;
             for i in 0..n {
                 let a = agent(plan, &initiator_name(plan, i))?;
@@ -290,6 +319,8 @@ struct Samples {
     post: Vec<Duration>,
     xfer: Vec<Duration>,
     ranges: u64,
+    /// The backend the case's requests went through.
+    via: &'static str,
     estimates: Vec<CostEstimate>,
     check: Option<bool>,
 }
@@ -507,6 +538,7 @@ fn run_case(
             s.post.push(t.post_duration);
             s.xfer.push(t.xfer_duration);
             s.ranges = t.desc_count;
+            s.via = agent.xfer_backend(x).unwrap_or("?");
         }
         if case.request == RequestMode::Oneshot {
             for &x in &xs {
@@ -690,6 +722,7 @@ fn row(case: &Case, plan: &Plan, samples: Vec<Samples>, requests_per_iter: usize
         xfer_p99_us,
         descs_per_s: descs as f64 / elapsed.as_secs_f64(),
         ranges: samples.first().map_or(0, |s| s.ranges),
+        via: samples.first().map_or("", |s| s.via),
         est_us: mean(|e| e.duration),
         est_margin_us: mean(|e| e.margin),
         est_method,
@@ -765,11 +798,15 @@ fn describe(plan: &Plan, setup: &Setup) -> Vec<(String, String)> {
         let p: Vec<String> = a.params.iter().map(|(k, v)| format!("{k}={v}")).collect();
         c.push(("params".to_string(), p.join(",")));
     }
-    if let Some(b) = setup
-        .workers
-        .first()
-        .and_then(|w| w.agent.backends().into_iter().next())
-    {
+    if let Some(b) = setup.workers.first().and_then(|w| {
+        let all = w.agent.backends();
+        if a.backend == BackendArg::Default {
+            let names: Vec<&str> = all.iter().map(|b| b.name).collect();
+            c.push(("backends".to_string(), names.join(", ")));
+        }
+        all.into_iter()
+            .find(|b| a.backend != BackendArg::Default || b.name == "UCX")
+    }) {
         let effective: Vec<String> = b
             .params
             .iter()
@@ -786,12 +823,17 @@ fn describe(plan: &Plan, setup: &Setup) -> Vec<(String, String)> {
             .map(|(k, v)| format!("{k}={v}"))
             .collect();
         if !effective.is_empty() {
-            c.push(("backend params".to_string(), effective.join(",")));
+            let label = if a.backend == BackendArg::Default {
+                "UCX params"
+            } else {
+                "backend params"
+            };
+            c.push((label.to_string(), effective.join(",")));
         }
     }
     for var in ["UCX_TLS", "UCX_NET_DEVICES"] {
         if let Ok(v) = std::env::var(var) {
-            if a.backend == BackendArg::Ucx {
+            if a.backend.has_ucx() {
                 c.push((var.to_string(), v));
             }
         }

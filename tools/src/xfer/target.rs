@@ -14,7 +14,7 @@ use ferry::metadata::PeerMd;
 
 use super::sweep::{agent, DONE_NOTIFICATION};
 use super::vram::registered;
-use super::{Plan, Role};
+use super::{BackendArg, Plan, Role};
 
 /// Target agent `k`'s name.
 pub fn target_name(plan: &Plan, k: usize) -> String {
@@ -86,7 +86,7 @@ fn target_args(plan: &Plan, store: &str) -> Vec<String> {
         "--role",
         "target",
         "--backend",
-        "ucx",
+        plan.args.backend.flag(),
         "--watch-stdin",
     ]
     .iter()
@@ -128,14 +128,17 @@ pub fn connect(plan: &Plan) -> Result<Peers, String> {
         child: None,
         server: None,
     };
-    let ucx = ferry::Agent::available_backends()
-        .into_iter()
-        .find(|b| b.name == "UCX")
-        .map(|b| b.available);
-    match ucx {
-        Some(Ok(())) => {}
-        Some(Err(why)) => return Err(format!("UCX is unavailable here: {why}")),
-        None => return Err("this build has no UCX backend".into()),
+    if plan.args.backend != BackendArg::Default {
+        let name = plan.args.backend.name();
+        let available = ferry::Agent::available_backends()
+            .into_iter()
+            .find(|b| b.name == name)
+            .map(|b| b.available);
+        match available {
+            Some(Ok(())) => {}
+            Some(Err(why)) => return Err(format!("{name} is unavailable here: {why}")),
+            None => return Err(format!("this build has no {name} backend")),
+        }
     }
     let mut plan = plan.clone();
     if plan.args.role == Role::Auto {
@@ -190,12 +193,18 @@ pub fn connect(plan: &Plan) -> Result<Peers, String> {
             &mut alive,
         )?;
         let md = PeerMd::from_bytes(&blob).map_err(|e| format!("metadata of '{name}': {e}"))?;
-        let ucx = md
-            .backend_index("UCX")
-            .ok_or_else(|| format!("'{name}' has no UCX backend"))?;
+        // The target's buffer, as any of its backends registered it (with the default
+        // set every backend that moves memory registered the same range).
+        let backend = match plan.args.backend {
+            BackendArg::Default => None,
+            other => Some(
+                md.backend_index(other.name())
+                    .ok_or_else(|| format!("'{name}' has no {} backend", other.name()))?,
+            ),
+        };
         let region = md
             .regions()
-            .find(|r| r.backend == ucx && r.kind == plan.target_kind)
+            .find(|r| backend.is_none_or(|b| r.backend == b) && r.kind == plan.target_kind)
             .ok_or_else(|| {
                 format!(
                     "'{name}' published no {} region (use the same --target-mem on both sides)",

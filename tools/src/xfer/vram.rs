@@ -15,7 +15,7 @@ use clap::Args;
 use ferry::{Agent, Desc, MemKind};
 
 use super::buffer::Buffer;
-use super::{BackendArg, InitiatorMem, MemArg, Plan, Role, XferArgs};
+use super::{InitiatorMem, MemArg, Plan, Role, XferArgs};
 
 /// The GPU flags of `ferry bench xfer`.
 #[derive(Args, Debug, Clone, Default)]
@@ -39,9 +39,9 @@ pub const NO_CUDA_FEATURE: &str = "VRAM in bench xfer needs the `cuda` feature: 
 /// (so that a spawned target gets it with the other `--param`s).
 pub fn check(args: &mut XferArgs) -> Result<(), String> {
     if let Some(library) = &args.gpu.ucx_library {
-        if args.backend != BackendArg::Ucx {
+        if !args.backend.has_ucx() {
             return Err(format!(
-                "--ucx-library needs --backend ucx ({} does not load UCX)",
+                "--ucx-library needs --backend ucx or default ({} does not load UCX)",
                 args.backend.name()
             ));
         }
@@ -73,9 +73,9 @@ pub fn check(args: &mut XferArgs) -> Result<(), String> {
     if allocates_vram && !cfg!(feature = "cuda") {
         return Err(NO_CUDA_FEATURE.into());
     }
-    if args.backend != BackendArg::Ucx {
+    if !args.backend.has_ucx() {
         return Err(format!(
-            "VRAM moves over UCX only: use --backend ucx ({} copies host memory with the CPU)",
+            "VRAM moves over UCX only: use --backend ucx or default ({} copies host memory with the CPU)",
             args.backend.name()
         ));
     }
