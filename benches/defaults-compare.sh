@@ -7,6 +7,8 @@
 #   benches/defaults-compare.sh                      # 3 rounds, settings a and b
 #   ROUNDS=5 benches/defaults-compare.sh
 #   SETTINGS=a benches/defaults-compare.sh           # only one setting (a or b)
+#   ITERS_A=10000,300,10 ITERS_B=1000,150,10 ...     # timed iterations, 4 KiB,1 MiB,64 MiB
+#   KEEP=/tmp/cmp-logs ...                           # keep every log and results.tsv
 #   FERRY_BIN=target/release/ferry benches/defaults-compare.sh   # skip the build
 #
 # Settings (each exactly the same for both sides; every process starts from `env -i`
@@ -22,9 +24,12 @@
 # the request made once, then $WARMUP untimed and N timed iterations of post + poll until
 # the initiator sees it complete (one request in flight); GB/s = 1e9 bytes per second
 # over the timed iterations' wall time (Ferry's `gbps` column). Same N on both sides
-# (ITERS_4K, ITERS_1M, ITERS_64M). Buffers: the block (at least 4 KiB) per side, from
-# glibc's calloc on both sides (Ferry: `vec![0u8; len]`; NIXL: ctypes calloc), every
-# page written before registration.
+# (ITERS_A, ITERS_B: per setting, for 4 KiB,1 MiB,64 MiB; WARMUP, 3 at most at 64 MiB).
+# Buffers: the block (at least 4 KiB) per side, from glibc's calloc on both sides
+# (Ferry: `vec![0u8; len]`; NIXL: ctypes calloc), every page written before
+# registration. So the alignment is Ferry's, which is not page alignment: 4 KiB buffers
+# come from the heap (16-byte aligned), 1 MiB and 64 MiB ones from mmap at page + 16
+# bytes; NIXL's print `buffer_addr_mod_4096` to show theirs.
 #
 # Ferry side: `ferry store serve` (its TCPStore, the rendezvous) and
 #   ferry bench xfer --backend ucx --role target    --tcpstore ADDR --run-id ID --start-block B --max-block B
@@ -51,17 +56,20 @@ started_at=$(date +%s)
 ROUNDS="${ROUNDS:-3}"
 SETTINGS="${SETTINGS:-a,b}"
 WARMUP="${WARMUP:-10}"
-ITERS_4K="${ITERS_4K:-5000}"
-ITERS_1M="${ITERS_1M:-1000}"
-ITERS_64M="${ITERS_64M:-20}"
+# Timed iterations per block (4 KiB, 1 MiB, 64 MiB), per setting, the same for both
+# sides; chosen so that the slower side's cell takes a few seconds on this 2-core machine
+# (NIXL's 4 KiB over tcp takes ~1-4 ms a request, Ferry's ~0.3 ms).
+ITERS_A="${ITERS_A:-10000,300,10}"
+ITERS_B="${ITERS_B:-1000,150,10}"
 LOCK="${FERRY_BENCH_LOCK:-/tmp/ferry-bench.lock}"
 BLOCKS=(4096 1048576 67108864)
 iters_for() {
-  case "$1" in
-    4096) echo "$ITERS_4K" ;;
-    1048576) echo "$ITERS_1M" ;;
-    67108864) echo "$ITERS_64M" ;;
-  esac
+  local list i
+  if [ "$1" = a ]; then list="$ITERS_A"; else list="$ITERS_B"; fi
+  IFS=, read -r -a list <<<"$list"
+  for i in 0 1 2; do
+    if [ "${BLOCKS[$i]}" = "$2" ]; then echo "${list[$i]}"; return; fi
+  done
 }
 warmup_for() {
   # 64 MiB: fewer untimed iterations (the same on both sides).
@@ -221,7 +229,7 @@ run_id_seq=0
 # One Ferry pair: target (CPU 1) and initiator (CPU 0), WRITE then READ of block $3.
 run_ferry() {
   local setting=$1 round=$2 block=$3 iters warmup id log json tpid ipid rc trc lib
-  iters=$(iters_for "$block")
+  iters=$(iters_for "$setting" "$block")
   warmup=$(warmup_for "$block")
   run_id_seq=$((run_id_seq + 1))
   id="cmp-$$-$run_id_seq"
@@ -237,6 +245,16 @@ run_ferry() {
   pids+=("$tpid")
   # The target has created its backend once it maps libucp: note which one.
   lib="$(libucp_of "$tpid")"
+  if [ "$round" = 1 ]; then
+    # Its buffer's address, from the metadata it publishes (untimed: before the initiator).
+    "${ns_initiator[@]}" "${base_env[@]}" "$FERRY_BIN" md fetch "$id-target-0" \
+      --tcpstore "$store_addr" -o "$log.md" --timeout 10 >/dev/null 2>&1 9>&- || true
+    local addr
+    addr="$("$FERRY_BIN" inspect "$log.md" 2>/dev/null | grep -m1 -o 'addr 0x[0-9a-f]*' || true)"
+    if [ -n "$addr" ]; then
+      echo "$setting $block $((${addr#addr } % 4096))" >>"$tmp/ferry-align"
+    fi
+  fi
   rc=0
   "${ns_initiator[@]}" timeout 300 taskset -c 0 "${base_env[@]}" "${setting_env[@]}" "$FERRY_BIN" \
     bench xfer --backend ucx --role initiator --tcpstore "$store_addr" --run-id "$id" "${sizes[@]}" \
@@ -271,7 +289,7 @@ EOF
 # One NIXL pair: the same shape.
 run_nixl() {
   local setting=$1 round=$2 block=$3 iters warmup dir log tpid rc trc
-  iters=$(iters_for "$block")
+  iters=$(iters_for "$setting" "$block")
   warmup=$(warmup_for "$block")
   dir="$tmp/nixl-$setting-$round-$block"
   mkdir -p "$dir"
@@ -324,7 +342,7 @@ echo "- when: $(date -u '+%Y-%m-%d %H:%M:%S UTC'); host: $(hostname), $(nproc) C
 echo "- Ferry: $FERRY_BIN ($("$FERRY_BIN" --version)), repository at $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')$(git -C "$root" diff --quiet HEAD -- 2>/dev/null || echo ' (+ local changes)'); libucp: the system's libucp.so.0 -> $sys_libucp ($ferry_ucx_line; FERRY_UCX_LIBRARY unset, no ucx_library)"
 echo "- Ferry params: none (\`ferry bench xfer --backend ucx\`, backend defaults; the target role turns its own progress_thread=true on by default); rendezvous: \`ferry store serve\` (TCPStore), pinned to CPU 1"
 echo "- NIXL: nixl-cu12 $nixl_version from $venv (--no-deps + numpy), \`nixl_agent(name)\` with the default nixl_agent_config (backends [\"UCX\"] with default init params, progress thread on); libucp: $nixl_libucp (UCX $nixl_ucx_version); rendezvous: metadata blobs through files"
-echo "- both: initiator on CPU 0, target on CPU 1 (taskset); one descriptor per request; request made once per op, $WARMUP warm-up (3 at 64 MiB) + timed iterations: 4 KiB × $ITERS_4K, 1 MiB × $ITERS_1M, 64 MiB × $ITERS_64M; buffers calloc'd, block-sized (≥ 4 KiB); environment \`env -i PATH HOME\` + the setting's:"
+echo "- both: initiator on CPU 0, target on CPU 1 (taskset); one descriptor per request; request made once per op, $WARMUP warm-up (3 at 64 MiB) + timed iterations (4 KiB, 1 MiB, 64 MiB): (a) $ITERS_A, (b) $ITERS_B; buffers calloc'd, block-sized (≥ 4 KiB); environment \`env -i PATH HOME\` + the setting's:"
 echo "  - (a) one host: no UCX_* variables"
 echo "  - (b) two netns joined by veth $dev ($addr_a target, $addr_b initiator): UCX_TLS=tcp UCX_NET_DEVICES=$dev"
 echo "- rounds: $ROUNDS, interleaved (Ferry first in odd rounds, NIXL first in even), each pair under flock $LOCK"
@@ -380,6 +398,7 @@ for setting in "${ran_settings[@]}"; do
   echo "## setting ($setting): configuration as the runs reported it"
   echo
   echo "- Ferry initiator (its --json config): $(cat "$tmp/ferry-config-$setting" 2>/dev/null || echo '?')"
+  echo "- Ferry target buffers, address mod 4096 (block: value): $(awk -v s="$setting" '$1 == s {printf "%s: %s; ", $2, $3}' "$tmp/ferry-align" 2>/dev/null)"
   echo "- Ferry targets mapped: $(awk -v s="$setting" '$1 == s {print $3}' "$tmp/libs" 2>/dev/null | sort | uniq -c | awk '{printf "%s (%d runs) ", $2, $1}')"
   sort -u "$tmp/nixl-config-$setting" 2>/dev/null | sed -E 's/^config: /- /; s/ agent=nixl-defaults-[a-z]+//' | sort -u
   if [ -s "$tmp/nixl-exit-codes" ] && grep -q "^$setting " "$tmp/nixl-exit-codes"; then
@@ -419,4 +438,4 @@ for s, o, b in keys:
     print(f"| {name.get(s, s)} | {o} | {size(b)} | {cells[0]} | {cells[1]} | {ratio} |")
 EOF
 echo
-echo "took $(($(date +%s) - started_at)) s"
+echo "took $(($(date +%s) - started_at)) s; load average at the end $(cut -d' ' -f1-3 /proc/loadavg)"
