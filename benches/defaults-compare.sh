@@ -48,6 +48,7 @@
 # range (min–max), and Ferry ÷ NIXL of the medians (> 1: Ferry faster). Raw per-round
 # figures are printed before the table, and kept in $KEEP (if set) as results.tsv.
 set -euo pipefail
+exec 3>&2   # the script's own stderr, for messages from inside redirected blocks
 
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/.." && pwd)"
@@ -176,7 +177,7 @@ wait_bounded() {
     sleep 0.05
   done
   if kill -0 "$p" 2>/dev/null; then
-    echo "  (pid $p still running after ${limit}s: killing it)" >&2
+    echo "  (pid $p still running after ${limit}s: killing it)" >&3
     kill "$p" 2>/dev/null || true
   fi
   waited_rc=0
@@ -302,10 +303,14 @@ run_nixl() {
   tpid=$!
   pids+=("$tpid")
   rc=0
-  "${ns_initiator[@]}" timeout 300 taskset -c 0 "${base_env[@]}" "${setting_env[@]}" "$python" \
-    "$here/defaults_nixl.py" initiator --dir "$dir" --block "$block" --ops WRITE,READ \
-    --iters "$iters" --warmup "$warmup" >"$log.initiator" 2>&1 9>&- || rc=$?
-  wait_bounded "$tpid" 30
+  # NIXL's processes crash at exit (below): the `{ } 2>/dev/null` keeps bash's own
+  # "Segmentation fault" reports of them out of the output (the statuses are counted).
+  {
+    "${ns_initiator[@]}" timeout 300 taskset -c 0 "${base_env[@]}" "${setting_env[@]}" "$python" \
+      "$here/defaults_nixl.py" initiator --dir "$dir" --block "$block" --ops WRITE,READ \
+      --iters "$iters" --warmup "$warmup" >"$log.initiator" 2>&1 9>&- || rc=$?
+    wait_bounded "$tpid" 30
+  } 2>/dev/null
   trc=$waited_rc
   flock -u 9
   exec 9>&-
@@ -323,15 +328,19 @@ run_nixl() {
   fi
   awk -v s="$setting" -v r="$round" '/^NIXL .* gbps /{print s "\tNIXL\t" $2 "\t" $4 "\t" r "\t" $NF}' \
     "$log.initiator" >>"$results"
-  for f in initiator target; do
-    grep -m1 '^config: ' "$log.$f" >>"$tmp/nixl-config-$setting" || true
-  done
+  if [ "$round" = 1 ]; then
+    for f in initiator target; do
+      grep -m1 '^config: ' "$log.$f" >>"$tmp/nixl-config-$setting" || true
+    done
+  fi
 }
 
 # --- the header ----------------------------------------------------------------------
 sys_libucp="$(ldconfig -p | awk '/libucp\.so\.0 /{print $NF; exit}')"
-ferry_ucx_line="$("${base_env[@]}" RUST_LOG=ferry_ucx=info "$FERRY_BIN" backends 2>&1 \
-  | grep -m1 -o 'UCX .* loaded from .*' || echo '?')"
+ferry_backends="$("${base_env[@]}" RUST_LOG=ferry_ucx=info NO_COLOR=1 "$FERRY_BIN" backends 2>&1 || true)"
+ferry_ucx_line="$(printf '%s\n' "$ferry_backends" | sed 's/\x1b\[[0-9;]*m//g' \
+  | grep -o 'UCX [0-9.]* .* loaded from .*' | head -1)"
+[ -n "$ferry_ucx_line" ] || ferry_ucx_line='?' 
 nixl_version="$("$python" -c 'import importlib.metadata as m; print(m.version("nixl-cu12"))')"
 nixl_libucp="$(ls "$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"/nixl_cu12.libs/libucp-*.so* | head -1)"
 nixl_ucx_version="$("$python" -c 'import ctypes,sys; l=ctypes.CDLL(sys.argv[1]); l.ucp_get_version_string.restype=ctypes.c_char_p; print(l.ucp_get_version_string().decode())' "$nixl_libucp" 2>/dev/null || echo '?')"
@@ -397,10 +406,29 @@ done
 for setting in "${ran_settings[@]}"; do
   echo "## setting ($setting): configuration as the runs reported it"
   echo
-  echo "- Ferry initiator (its --json config): $(cat "$tmp/ferry-config-$setting" 2>/dev/null || echo '?')"
+  echo "- Ferry initiator (the first run's --json config): $(cat "$tmp/ferry-config-$setting" 2>/dev/null || echo '?')"
   echo "- Ferry target buffers, address mod 4096 (block: value): $(awk -v s="$setting" '$1 == s {printf "%s: %s; ", $2, $3}' "$tmp/ferry-align" 2>/dev/null)"
   echo "- Ferry targets mapped: $(awk -v s="$setting" '$1 == s {print $3}' "$tmp/libs" 2>/dev/null | sort | uniq -c | awk '{printf "%s (%d runs) ", $2, $1}')"
-  sort -u "$tmp/nixl-config-$setting" 2>/dev/null | sed -E 's/^config: /- /; s/ agent=nixl-defaults-[a-z]+//' | sort -u
+  python3 - "$tmp/nixl-config-$setting" <<'EOF'
+import collections, re, sys
+try:
+    lines = open(sys.argv[1]).read().splitlines()
+except OSError:
+    lines = []
+common = collections.defaultdict(set)
+align = collections.defaultdict(dict)
+for line in lines:
+    m = re.match(r"config: NIXL (\w+) agent=\S+ (.*) buffer_len=(\d+) buffer_addr_mod_4096=(\d+) (.*)", line)
+    if m:
+        role, before, length, mod, after = m.groups()
+        common[role].add(f"{before} {after}")
+        align[role][int(length)] = mod
+for role in sorted(common):
+    for c in sorted(common[role]):
+        print(f"- NIXL {role}: {c}")
+    print(f"- NIXL {role} buffers, address mod 4096 (length: value): "
+          + "; ".join(f"{n}: {v}" for n, v in sorted(align[role].items())))
+EOF
   if [ -s "$tmp/nixl-exit-codes" ] && grep -q "^$setting " "$tmp/nixl-exit-codes"; then
     echo "- NIXL exit statuses other than 0 (after the figures were printed): $(grep "^$setting " "$tmp/nixl-exit-codes" | cut -d' ' -f2- | sort | uniq -c | awk '{$1=$1" ×"; print}' | paste -sd ';' -)"
   fi

@@ -102,14 +102,17 @@ def libucp():
 
 def config_line(agent, role, addr, length):
     path, version = libucp()
+    # The init parameters given (none: the default) and the plugin's defaults for them.
     params = agent.get_backend_params("UCX") if "UCX" in agent.backends else {}
+    defaults = agent.get_plugin_params("UCX")
     ucx_env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
     print(
         f"config: NIXL {role} agent={agent.name} backends={list(agent.backends)} "
         f"libucp={path} ucx_version={version} buffer_len={length} "
         f"buffer_addr_mod_4096={addr % 4096} cpus={sorted(os.sched_getaffinity(0))} "
         f"ucx_env={json.dumps(ucx_env, sort_keys=True)} "
-        f"ucx_backend_params={json.dumps(params, sort_keys=True)}",
+        f"ucx_backend_params={json.dumps(params, sort_keys=True)} "
+        f"ucx_plugin_defaults={json.dumps(defaults, sort_keys=True)}",
         flush=True,
     )
 
