@@ -98,8 +98,15 @@ FERRY_BIN="$(readlink -f "$FERRY_BIN")"
 tmp="$(mktemp -d /tmp/ferry-defaults-compare.XXXXXX)"
 results="$tmp/results.tsv"
 : >"$results"
-pids=()
+pids=()     # our children not yet reaped (a reaped pid may belong to someone else soon)
 netns=()
+forget() {
+  local keep=() p
+  for p in "${pids[@]}"; do
+    [ "$p" = "$1" ] || keep+=("$p")
+  done
+  pids=("${keep[@]}")
+}
 cleanup() {
   local p ns q
   for p in "${pids[@]}"; do
@@ -182,6 +189,7 @@ wait_bounded() {
   fi
   waited_rc=0
   wait "$p" 2>/dev/null || waited_rc=$?
+  forget "$p"
 }
 
 start_store() {
@@ -212,6 +220,7 @@ start_store() {
 stop_store() {
   kill "$store_pid" 2>/dev/null || true
   wait "$store_pid" 2>/dev/null || true
+  forget "$store_pid"
 }
 
 # The libucp a process mapped (from /proc/PID/maps), waited for up to 10 s.
