@@ -223,6 +223,19 @@ stop_store() {
   forget "$store_pid"
 }
 
+# Run "$@" as a child of ours and wait for it: through `wait`, which the INT/TERM traps
+# interrupt (a plain foreground command would hold them back until it ended). Its
+# status goes to $fg_rc.
+fg_rc=0
+run_fg() {
+  "$@" 9>&- &
+  local p=$!
+  pids+=("$p")
+  fg_rc=0
+  wait "$p" || fg_rc=$?
+  forget "$p"
+}
+
 # The libucp a process mapped (from /proc/PID/maps), waited for up to 10 s.
 libucp_of() {
   local p=$1 i lib
@@ -265,11 +278,11 @@ run_ferry() {
       echo "$setting $block $((${addr#addr } % 4096))" >>"$tmp/ferry-align"
     fi
   fi
-  rc=0
-  "${ns_initiator[@]}" timeout 300 taskset -c 0 "${base_env[@]}" "${setting_env[@]}" "$FERRY_BIN" \
+  run_fg "${ns_initiator[@]}" timeout 300 taskset -c 0 "${base_env[@]}" "${setting_env[@]}" "$FERRY_BIN" \
     bench xfer --backend ucx --role initiator --tcpstore "$store_addr" --run-id "$id" "${sizes[@]}" \
     --op write,read --iters "$iters" --warmup "$warmup" --json "$json" \
-    >"$log.initiator" 2>&1 9>&- || rc=$?
+    >"$log.initiator" 2>&1
+  rc=$fg_rc
   wait_bounded "$tpid" 30
   trc=$waited_rc
   flock -u 9
@@ -311,15 +324,15 @@ run_nixl() {
     >"$log.target" 2>&1 9>&- &
   tpid=$!
   pids+=("$tpid")
-  rc=0
   # NIXL's processes crash at exit (below): the `{ } 2>/dev/null` keeps bash's own
   # "Segmentation fault" reports of them out of the output (the statuses are counted).
   {
-    "${ns_initiator[@]}" timeout 300 taskset -c 0 "${base_env[@]}" "${setting_env[@]}" "$python" \
+    run_fg "${ns_initiator[@]}" timeout 300 taskset -c 0 "${base_env[@]}" "${setting_env[@]}" "$python" \
       "$here/defaults_nixl.py" initiator --dir "$dir" --block "$block" --ops WRITE,READ \
-      --iters "$iters" --warmup "$warmup" >"$log.initiator" 2>&1 9>&- || rc=$?
+      --iters "$iters" --warmup "$warmup" >"$log.initiator" 2>&1
     wait_bounded "$tpid" 30
   } 2>/dev/null
+  rc=$fg_rc
   trc=$waited_rc
   flock -u 9
   exec 9>&-
