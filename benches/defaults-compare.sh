@@ -32,9 +32,10 @@
 # bytes; NIXL's print `buffer_addr_mod_4096` to show theirs.
 #
 # Ferry side: `ferry store serve` (its TCPStore, the rendezvous) and
-#   ferry bench xfer --backend ucx --role target    --tcpstore ADDR --run-id ID --start-block B --max-block B
-#   ferry bench xfer --backend ucx --role initiator --tcpstore ADDR --run-id ID --start-block B --max-block B
+#   ferry bench xfer --role target    --tcpstore ADDR --run-id ID --start-block B --max-block B
+#   ferry bench xfer --role initiator --tcpstore ADDR --run-id ID --start-block B --max-block B
 #                    --op write,read --iters N --warmup W --json FILE
+#   (no --backend: the default set; FERRY_BACKEND=ucx runs `--backend ucx` instead)
 # (explicit roles on one host too, so the target can be pinned to its own CPU; `--role
 # auto` would spawn the same target, pinned with the initiator). NIXL side:
 # benches/defaults_nixl.py (target / initiator, metadata blobs through files).
@@ -262,7 +263,7 @@ run_ferry() {
   exec 9>"$LOCK"
   flock 9
   "${ns_target[@]}" taskset -c 1 "${base_env[@]}" "${setting_env[@]}" "$FERRY_BIN" \
-    bench xfer --backend ucx --role target --tcpstore "$store_addr" --run-id "$id" "${sizes[@]}" \
+    bench xfer ${FERRY_BACKEND:+--backend "$FERRY_BACKEND"} --role target --tcpstore "$store_addr" --run-id "$id" "${sizes[@]}" \
     >"$log.target" 2>&1 9>&- &
   tpid=$!
   pids+=("$tpid")
@@ -279,7 +280,7 @@ run_ferry() {
     fi
   fi
   run_fg "${ns_initiator[@]}" timeout 300 taskset -c 0 "${base_env[@]}" "${setting_env[@]}" "$FERRY_BIN" \
-    bench xfer --backend ucx --role initiator --tcpstore "$store_addr" --run-id "$id" "${sizes[@]}" \
+    bench xfer ${FERRY_BACKEND:+--backend "$FERRY_BACKEND"} --role initiator --tcpstore "$store_addr" --run-id "$id" "${sizes[@]}" \
     --op write,read --iters "$iters" --warmup "$warmup" --json "$json" \
     >"$log.initiator" 2>&1
   rc=$fg_rc
@@ -371,7 +372,7 @@ echo "# Ferry (shipped defaults) vs NIXL $nixl_version (defaults), issue 20 item
 echo
 echo "- when: $(date -u '+%Y-%m-%d %H:%M:%S UTC'); host: $(hostname), $(nproc) CPUs, $(uname -r), load average $(cut -d' ' -f1-3 /proc/loadavg), THP $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null || echo '?')"
 echo "- Ferry: $FERRY_BIN ($("$FERRY_BIN" --version)), repository at $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')$(git -C "$root" diff --quiet HEAD -- 2>/dev/null || echo ' (+ local changes)'); libucp: the system's libucp.so.0 -> $sys_libucp ($ferry_ucx_line; FERRY_UCX_LIBRARY unset, no ucx_library)"
-echo "- Ferry params: none (\`ferry bench xfer --backend ucx\`, backend defaults; the target role turns its own progress_thread=true on by default); rendezvous: \`ferry store serve\` (TCPStore), pinned to CPU 1"
+echo "- Ferry params: none (\`ferry bench xfer${FERRY_BACKEND:+ --backend $FERRY_BACKEND}\`: ${FERRY_BACKEND:-the default backend set LOOPBACK, SHM, UCX, POSIX, each peer taking the first that reaches it}, backend defaults; the target role turns its own progress_thread=true on by default); rendezvous: \`ferry store serve\` (TCPStore), pinned to CPU 1"
 echo "- NIXL: nixl-cu12 $nixl_version from $venv (--no-deps + numpy), \`nixl_agent(name)\` with the default nixl_agent_config (backends [\"UCX\"] with default init params, progress thread on); libucp: $nixl_libucp (UCX $nixl_ucx_version); rendezvous: metadata blobs through files"
 echo "- both: initiator on CPU 0, target on CPU 1 (taskset); one descriptor per request; request made once per op, $WARMUP warm-up (3 at 64 MiB) + timed iterations (4 KiB, 1 MiB, 64 MiB): (a) $ITERS_A, (b) $ITERS_B; buffers calloc'd, block-sized (≥ 4 KiB); environment \`env -i PATH HOME\` + the setting's:"
 echo "  - (a) one host: no UCX_* variables"

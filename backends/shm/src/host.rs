@@ -4,10 +4,13 @@
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::OnceLock;
 
-/// This host's identity: the kernel boot id, the host name and the pid namespace.
-/// Two processes with the same identity share a kernel and a pid namespace, so a pid
-/// and `/proc/<pid>/fd/<n>` name the same thing for both; containers on one machine
-/// (same boot id, other pid namespace) differ.
+/// This host's identity: the kernel boot id, the host name, the pid namespace and the
+/// network namespace. Two processes with the same identity share a kernel and a pid
+/// namespace, so a pid and `/proc/<pid>/fd/<n>` name the same thing for both;
+/// containers on one machine (same boot id, other pid namespace) differ. Processes in
+/// different network namespaces are treated as different hosts too (SHM could reach
+/// them, but a network namespace is how containers, and this project's tests and
+/// benchmarks, stand for another machine: they get the network backend).
 pub fn host_identity() -> &'static str {
     static ID: OnceLock<String> = OnceLock::new();
     ID.get_or_init(|| {
@@ -17,10 +20,12 @@ pub fn host_identity() -> &'static str {
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
             .map(|s| s.trim().to_string())
             .unwrap_or_default();
-        let pidns = std::fs::read_link("/proc/self/ns/pid")
-            .map(|p| p.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        format!("{boot}/{host}/{pidns}")
+        let ns = |which: &str| {
+            std::fs::read_link(format!("/proc/self/ns/{which}"))
+                .map(|p| p.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        };
+        format!("{boot}/{host}/{}/{}", ns("pid"), ns("net"))
     })
 }
 
