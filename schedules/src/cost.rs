@@ -4,8 +4,109 @@
 //! multiplies the old sums by [`DECAY`], so the model follows a changing machine: ~200
 //! requests carry most of the weight). Pure arithmetic on six numbers: recording is a
 //! dozen floating-point operations, no allocation.
+//!
+//! One line cannot follow a transport whose rate changes with the size (a copy that
+//! leaves the cache, a protocol switch at a threshold), so [`SizeClasses`] also keeps,
+//! per operation and power-of-two size class, the last [`CLASS_SAMPLES`] durations; a
+//! class with at least [`CLASS_SAMPLES_MIN`] of them predicts their median (robust to a
+//! preempted request), scaled to the request's bytes within the class, with the spread
+//! of the samples as the margin. `World::estimate` asks the classes first, then the
+//! backend's own model (UCX's), then the line: a transport's model is calibrated by
+//! what this agent measured as soon as it measured that kind of request.
 
 use std::time::Duration;
+
+use ferry_storage::Op;
+
+/// Durations kept per size class.
+pub const CLASS_SAMPLES: usize = 8;
+/// Samples a size class needs before it predicts.
+pub const CLASS_SAMPLES_MIN: u32 = 3;
+/// Power-of-two size classes: requests of 2^k ..= 2^(k+1) - 1 bytes (the last one
+/// takes everything larger; class 0 also takes empty requests).
+const CLASSES: usize = 41;
+
+/// Recent durations of one operation and size class.
+#[derive(Clone, Copy, Debug, Default)]
+struct Class {
+    /// Seconds, a ring of the last [`CLASS_SAMPLES`].
+    seconds: [f32; CLASS_SAMPLES],
+    /// Bytes of the same requests.
+    bytes: [f32; CLASS_SAMPLES],
+    /// Samples recorded (the ring's next slot is `count % CLASS_SAMPLES`).
+    count: u32,
+}
+
+/// Per-(operation, size class) recent durations of one backend (see the module docs).
+/// Allocated at its first completed request, then updated in place.
+#[derive(Clone, Debug, Default)]
+pub struct SizeClasses {
+    classes: Option<Box<[[Class; CLASSES]; 2]>>,
+}
+
+fn class_of(bytes: u64) -> usize {
+    (63 - bytes.max(1).leading_zeros() as usize).min(CLASSES - 1)
+}
+
+fn op_index(op: Op) -> usize {
+    match op {
+        Op::Read => 0,
+        Op::Write => 1,
+    }
+}
+
+impl SizeClasses {
+    /// Add a completed request.
+    #[inline]
+    pub fn record(&mut self, op: Op, bytes: u64, duration: Duration) {
+        let classes = self
+            .classes
+            .get_or_insert_with(|| Box::new([[Class::default(); CLASSES]; 2]));
+        let c = &mut classes[op_index(op)][class_of(bytes)];
+        let at = c.count as usize % CLASS_SAMPLES;
+        c.seconds[at] = duration.as_secs_f32();
+        c.bytes[at] = bytes as f32;
+        c.count = c.count.saturating_add(1);
+    }
+
+    /// The prediction for a request of `op` and `bytes`, and how many samples it rests
+    /// on; `None` while its class has fewer than [`CLASS_SAMPLES_MIN`].
+    pub fn predict(&self, op: Op, bytes: u64) -> Option<(Prediction, u32)> {
+        let c = &self.classes.as_ref()?[op_index(op)][class_of(bytes)];
+        if c.count < CLASS_SAMPLES_MIN {
+            return None;
+        }
+        let n = (c.count as usize).min(CLASS_SAMPLES);
+        // Seconds per byte of each sample (bytes ≥ 1 for the ratio), sorted: the
+        // median, and the spread between the quartiles as the margin.
+        let mut rate = [0f64; CLASS_SAMPLES];
+        let mut plain = [0f64; CLASS_SAMPLES];
+        for i in 0..n {
+            rate[i] = f64::from(c.seconds[i]) / f64::from(c.bytes[i]).max(1.0);
+            plain[i] = f64::from(c.seconds[i]);
+        }
+        let median = |v: &mut [f64]| {
+            v.sort_unstable_by(f64::total_cmp);
+            (v[v.len() / 2], v[v.len() * 3 / 4] - v[v.len() / 4])
+        };
+        // Small requests cost about the same whatever their exact size; large ones
+        // scale with it. Within a class the two differ by at most 2x: take the rate
+        // above 64 KiB, the plain duration below.
+        let (y, spread) = if bytes >= 64 << 10 {
+            let (r, s) = median(&mut rate[..n]);
+            (r * bytes as f64, s * bytes as f64)
+        } else {
+            median(&mut plain[..n])
+        };
+        Some((
+            Prediction {
+                duration: secs(y),
+                margin: secs(spread),
+            },
+            n as u32,
+        ))
+    }
+}
 
 /// Weight each earlier sample keeps when a new one arrives.
 pub const DECAY: f64 = 0.995;
@@ -118,6 +219,39 @@ mod tests {
         let got = p.duration.as_nanos() as f64;
         assert!((got - want).abs() < want * 1e-6, "{p:?}");
         assert!(p.margin < Duration::from_nanos(10), "{p:?}");
+    }
+
+    #[test]
+    fn size_classes_follow_a_rate_that_changes_with_the_size_and_ignore_an_outlier() {
+        let mut c = SizeClasses::default();
+        assert_eq!(c.predict(Op::Read, 4096), None);
+        // 1 MiB at 10 GB/s, 16 MiB at 2.5 GB/s (out of the cache): no line fits both.
+        for i in 0..8u64 {
+            c.record(Op::Read, 1 << 20, Duration::from_nanos(104_858));
+            c.record(Op::Read, 16 << 20, Duration::from_nanos(6_710_886));
+            // One preempted 4 KiB request among fast ones.
+            let slow = if i == 3 { 5_000_000 } else { 3_000 };
+            c.record(Op::Read, 4096, Duration::from_nanos(slow));
+        }
+        let (p, n) = c.predict(Op::Read, 1 << 20).unwrap();
+        assert_eq!(n, CLASS_SAMPLES as u32);
+        assert!(
+            (p.duration.as_secs_f64() - 104.858e-6).abs() < 1e-6,
+            "{p:?}"
+        );
+        let (p, _) = c.predict(Op::Read, 16 << 20).unwrap();
+        assert!((p.duration.as_secs_f64() - 6.71e-3).abs() < 1e-4, "{p:?}");
+        let (p, _) = c.predict(Op::Read, 4096).unwrap();
+        assert!((p.duration.as_secs_f64() - 3e-6).abs() < 1e-7, "{p:?}");
+        // Another op, or a class never seen: nothing to say.
+        assert_eq!(c.predict(Op::Write, 1 << 20), None);
+        assert_eq!(c.predict(Op::Read, 64 << 20), None);
+        // Two samples are not enough.
+        c.record(Op::Write, 100, Duration::from_micros(2));
+        c.record(Op::Write, 100, Duration::from_micros(2));
+        assert_eq!(c.predict(Op::Write, 100), None);
+        c.record(Op::Write, 100, Duration::from_micros(2));
+        assert!(c.predict(Op::Write, 100).is_some());
     }
 
     #[test]

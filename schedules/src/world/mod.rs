@@ -169,6 +169,8 @@ pub struct World {
     pub(crate) metrics: std::sync::Arc<crate::metrics::Metrics>,
     /// Measured cost model per backend slot (`crate::cost`).
     pub(crate) costs: [crate::cost::CostModel; MAX_BACKENDS],
+    /// Per-size-class recent durations, indexed by backend slot (`cost.rs`).
+    pub(crate) size_costs: [crate::cost::SizeClasses; MAX_BACKENDS],
 }
 
 impl World {
@@ -195,6 +197,7 @@ impl World {
             allocations: Vec::new(),
             metrics: Default::default(),
             costs: Default::default(),
+            size_costs: Default::default(),
             bounds,
         }
     }

@@ -680,7 +680,9 @@ impl World {
         };
         if let (None, Some(d)) = (error, latency) {
             let slot = usize::from(self.xfers.slots[row]);
-            self.costs[slot].record(self.xfers.telemetry[row].total_bytes, d);
+            let bytes = self.xfers.telemetry[row].total_bytes;
+            self.costs[slot].record(bytes, d);
+            self.size_costs[slot].record(self.xfers.ops[row], bytes, d);
         }
         self.metrics
             .completed(usize::from(self.xfers.slots[row]), latency, error);
@@ -780,9 +782,11 @@ impl World {
         Ok(&self.xfers.states[row])
     }
 
-    /// How long request `xfer` is expected to take: its backend's own estimate where
-    /// it has one, else the fit of what this agent measured for the backend's completed
-    /// requests ([`Error::NoTelemetry`] before any, or with telemetry off).
+    /// How long request `xfer` is expected to take: what this agent measured for
+    /// requests of its backend, operation and size class once there are a few
+    /// (`cost::SizeClasses`), else the backend's own estimate where it has one (UCX's
+    /// model), else the line fitted to all of the backend's completed requests
+    /// ([`Error::NoTelemetry`] before any, or with telemetry off).
     pub fn estimate(&mut self, xfer: XferId) -> Result<ferry_backend_api::CostEstimate, Error> {
         let row = self
             .xfers
@@ -790,13 +794,20 @@ impl World {
             .ok_or_else(|| Error::not_found(Subject::Xfer(xfer)))?;
         let slot = usize::from(self.xfers.slots[row]);
         let (endpoint, op) = (self.xfers.endpoints[row], self.xfers.ops[row]);
+        let bytes = self.xfers.telemetry[row].total_bytes;
+        if let Some((p, _)) = self.size_costs[slot].predict(op, bytes) {
+            return Ok(ferry_backend_api::CostEstimate {
+                duration: p.duration,
+                margin: p.margin,
+                method: ferry_backend_api::CostMethod::Measured,
+            });
+        }
         let backend = self.backends.backends[slot]
             .as_mut()
             .expect("request slot is filled");
         if let Some(estimate) = backend.estimate(endpoint, op, &self.xfers.ranges[row]) {
             return Ok(estimate);
         }
-        let bytes = self.xfers.telemetry[row].total_bytes;
         let p = self.costs[slot]
             .predict(bytes)
             .ok_or(Error::NoTelemetry { xfer })?;
