@@ -74,7 +74,10 @@ fn control_plane_events_are_logged_once_each_and_flushes_summarized_at_trace() {
             && posix_line.contains("engine=threads"),
         "{posix_line}"
     );
-    let loopback = one_line(&lines, &format!("agent '{name_a}': backend LOOPBACK created"));
+    let loopback = one_line(
+        &lines,
+        &format!("agent '{name_a}': backend LOOPBACK created"),
+    );
     assert!(loopback.contains("reaches peers"), "{loopback}");
 
     // Regions: one line per register command (DRAM goes to both of a's backends).
@@ -102,7 +105,10 @@ fn control_plane_events_are_logged_once_each_and_flushes_summarized_at_trace() {
         &lines,
         &format!("agent '{name_a}': metadata of peer '{name_b}' loaded ("),
     );
-    assert!(loaded.contains("1 region(s)); taken by LOOPBACK"), "{loaded}");
+    assert!(
+        loaded.contains("1 region(s)); taken by LOOPBACK"),
+        "{loaded}"
+    );
     one_line(&lines, "loaded again: identical content, nothing changed");
     one_line(
         &lines,
@@ -177,7 +183,14 @@ fn control_plane_events_are_logged_once_each_and_flushes_summarized_at_trace() {
     let targets: Vec<Desc> = (0..64).map(|i| dst.desc((63 - i) * 64, 64)).collect();
     let mut cmds = CommandBuffer::with_capacity(8);
     let x = cmds
-        .create(Op::Write, MemKind::Dram, &descs, peer, MemKind::Dram, &targets)
+        .create(
+            Op::Write,
+            MemKind::Dram,
+            &descs,
+            peer,
+            MemKind::Dram,
+            &targets,
+        )
         .ticket();
     cmds.post(x);
     cmds.release(x);
@@ -187,14 +200,18 @@ fn control_plane_events_are_logged_once_each_and_flushes_summarized_at_trace() {
     assert_eq!(lines.len(), 1, "{lines:#?}");
     let summary = &lines[0];
     assert!(
-        summary.starts_with(&format!("TRACE ferry::flush: agent '{name_a}': flush: 3 command(s)"))
-            && summary.contains("[create 1, post 1, release 1]")
+        summary.starts_with(&format!(
+            "TRACE ferry::flush: agent '{name_a}': flush: 3 command(s)"
+        )) && summary.contains("[create 1, post 1, release 1]")
             && summary.contains("1 posted (4096 bytes), 1 completion(s)")
             && summary.contains("0 failed"),
         "{summary}"
     );
     a.deregister(region).unwrap();
     let lines = take();
-    one_line(&lines, &format!("agent '{name_a}': deregistered DRAM region"));
+    one_line(
+        &lines,
+        &format!("agent '{name_a}': deregistered DRAM region"),
+    );
     one_line(&lines, "flush: 1 command(s) [deregister 1]");
 }

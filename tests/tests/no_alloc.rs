@@ -138,6 +138,7 @@ fn steady_state_flushes_do_not_allocate() {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new("info"))
         .with_writer(std::io::stderr)
+        .with_ansi(false)
         .try_init()
         .expect("install the subscriber");
     assert_eq!(log::max_level(), log::LevelFilter::Info);

@@ -479,5 +479,8 @@ fn rust_log_debug_explains_the_demos_control_plane_and_trace_summarizes_flushes(
     assert!(err.is_empty(), "{err}");
     // A RUST_LOG the filter cannot parse is reported, and the demo still runs.
     let (_, err) = demo_logged("ferry=loud");
-    assert!(err.contains("RUST_LOG=\"ferry=loud\" not understood"), "{err}");
+    assert!(
+        err.contains("RUST_LOG=\"ferry=loud\" not understood"),
+        "{err}"
+    );
 }
