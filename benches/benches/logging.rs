@@ -15,12 +15,14 @@
 //!
 //! A global subscriber cannot be removed, so the cases run in this order in one
 //! process; run the whole file (`cargo bench -p ferry-benches --bench logging`), not a
-//! filter that skips `off`. Each turn checks that it succeeded.
+//! filter that skips `off`. Each turn checks that it succeeded. As in `control_path`,
+//! each turn is timed alone and criterion gets the median turn × the sample's turns
+//! (a preemption on a shared machine costs one turn, not a sample).
 
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use criterion::{criterion_group, criterion_main, Bencher, Criterion, Throughput};
 use ferry::{CommandBuffer, Desc, MemKind, Op, Side, XferStatus};
 use ferry_tests::{pair, Buffer, Rng};
 use tracing_subscriber::EnvFilter;
@@ -59,7 +61,7 @@ fn flush_with_logging(c: &mut Criterion) {
     group.measurement_time(Duration::from_secs(2));
 
     assert_eq!(log::max_level(), log::LevelFilter::Off);
-    group.bench_function("off", |b| b.iter(&mut turn));
+    group.bench_function("off", |b| per_turn_median(b, &mut turn));
 
     let (filter, reload) = tracing_subscriber::reload::Layer::new(EnvFilter::new("info"));
     {
@@ -78,19 +80,38 @@ fn flush_with_logging(c: &mut Criterion) {
             .expect("install the subscriber");
     }
     assert_eq!(log::max_level(), log::LevelFilter::Info);
-    group.bench_function("subscriber_info", |b| b.iter(&mut turn));
+    group.bench_function("subscriber_info", |b| per_turn_median(b, &mut turn));
 
     log::set_max_level(log::LevelFilter::Trace);
-    group.bench_function("subscriber_info_log_trace", |b| b.iter(&mut turn));
+    group.bench_function("subscriber_info_log_trace", |b| {
+        per_turn_median(b, &mut turn)
+    });
 
     FILTER.store(1, Ordering::Relaxed);
     reload
         .reload(EnvFilter::new("info,ferry::flush=trace"))
         .expect("reload the filter");
     // `log`'s max level is still Trace (case 3), so the summary's records get through.
-    group.bench_function("subscriber_trace_to_sink", |b| b.iter(&mut turn));
+    group.bench_function("subscriber_trace_to_sink", |b| {
+        per_turn_median(b, &mut turn)
+    });
     group.finish();
     ferry_tests::assert_shuffled_copy(&src, &dst, &order, BLOCK, "logging bench");
+}
+
+/// Run `turn` `iters` times, each timed alone, and report `iters` × the median turn.
+fn per_turn_median(b: &mut Bencher<'_>, mut turn: impl FnMut()) {
+    let mut times: Vec<Duration> = Vec::new();
+    b.iter_custom(|iters| {
+        times.clear();
+        for _ in 0..iters {
+            let t0 = Instant::now();
+            turn();
+            times.push(t0.elapsed());
+        }
+        times.sort_unstable();
+        times[times.len() / 2] * iters as u32
+    })
 }
 
 criterion_group!(benches, flush_with_logging);
