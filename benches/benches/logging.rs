@@ -13,6 +13,10 @@
 //! 4. `subscriber_trace_to_sink`: the flush summary on (`ferry::flush=trace`), formatted
 //!    and written to `io::sink` — what turning it on costs.
 //!
+//! Between 3 and 4, `interleaved` runs the three "off" settings turn by turn (switching
+//! `log`'s max level) and prints their medians: a fairer comparison on a shared machine
+//! whose speed drifts between criterion's cases.
+//!
 //! A global subscriber cannot be removed, so the cases run in this order in one
 //! process; run the whole file (`cargo bench -p ferry-benches --bench logging`), not a
 //! filter that skips `off`. Each turn checks that it succeeded. As in `control_path`,
@@ -87,6 +91,8 @@ fn flush_with_logging(c: &mut Criterion) {
         per_turn_median(b, &mut turn)
     });
 
+    interleaved(&mut turn);
+
     FILTER.store(1, Ordering::Relaxed);
     reload
         .reload(EnvFilter::new("info,ferry::flush=trace"))
@@ -97,6 +103,39 @@ fn flush_with_logging(c: &mut Criterion) {
     });
     group.finish();
     ferry_tests::assert_shuffled_copy(&src, &dst, &order, BLOCK, "logging bench");
+}
+
+/// Turns of each setting in [`interleaved`].
+const ROUNDS: usize = 20_000;
+
+/// The three "off" settings turn by turn in one loop — `log`'s max level Off (for the
+/// libraries, which log only through `log`, the same as no logger: every statement
+/// stops at that level check), Info (the subscriber's own), Trace (every statement asks
+/// the subscriber) — so a shared machine's changing speed hits all three alike; prints
+/// each one's median turn.
+fn interleaved(turn: &mut impl FnMut()) {
+    let levels = [
+        ("log off", log::LevelFilter::Off),
+        ("subscriber at info", log::LevelFilter::Info),
+        ("subscriber at info, log at trace", log::LevelFilter::Trace),
+    ];
+    let mut times: [Vec<Duration>; 3] = std::array::from_fn(|_| Vec::with_capacity(ROUNDS));
+    for _ in 0..ROUNDS {
+        for (k, &(_, level)) in levels.iter().enumerate() {
+            log::set_max_level(level);
+            let t0 = Instant::now();
+            turn();
+            times[k].push(t0.elapsed());
+        }
+    }
+    log::set_max_level(log::LevelFilter::Trace);
+    for ((what, _), t) in levels.iter().zip(&mut times) {
+        t.sort_unstable();
+        eprintln!(
+            "logging/flush interleaved ({ROUNDS} turns each): {what}: median {} ns",
+            t[ROUNDS / 2].as_nanos()
+        );
+    }
 }
 
 /// Run `turn` `iters` times, each timed alone, and report `iters` × the median turn.
