@@ -50,7 +50,7 @@ use crate::command::{
     Command, CommandBuffer, Created, FromCreated, NotifEntry, Outcome, Ref, Releasable, Side, Span,
     XferStatus,
 };
-use crate::logging::{BackendNames, FlushTrace};
+use crate::logging::{BackendNames, DescText, FlushTrace, PathText};
 use crate::merge::dispatch_key;
 use crate::world::{World, XferState};
 
@@ -421,37 +421,6 @@ fn phase_register(world: &mut World, cmds: &mut CommandBuffer, bucket: &[u32]) {
     }
 }
 
-/// A region's range for a log line: `4096 bytes at 0x7f.. (device 0)`; FILE: offset
-/// and descriptor.
-struct DescText(ferry_storage::MemKind, ferry_storage::Desc);
-
-impl std::fmt::Display for DescText {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let DescText(kind, d) = *self;
-        match kind {
-            ferry_storage::MemKind::File if d.len == 0 => {
-                write!(f, "from offset {} to the end (fd {})", d.addr, d.dev)
-            }
-            ferry_storage::MemKind::File => {
-                write!(f, "{} bytes at offset {} (fd {})", d.len, d.addr, d.dev)
-            }
-            _ => write!(f, "{} bytes at {:#x} (device {})", d.len, d.addr, d.dev),
-        }
-    }
-}
-
-/// ` (path /x/y)` for a FILE region registered by path.
-struct PathText<'a>(Option<&'a Path>);
-
-impl std::fmt::Display for PathText<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.0 {
-            Some(p) => write!(f, " (path {})", p.display()),
-            None => Ok(()),
-        }
-    }
-}
-
 // ---------------------------------------------------------------- 3. prep
 
 /// The temporary prepared lists of `create` commands: (command, local, remote).
@@ -801,9 +770,10 @@ fn phase_retire(world: &mut World, cmds: &mut CommandBuffer, bucket: &[u32]) {
                 what: Releasable::Prep(p),
             } => resolve(&cmds.outcomes, i, p).and_then(|p| world.release_prep(p)),
             Command::Deregister { region } => resolve(&cmds.outcomes, i, region).and_then(|r| {
-                let region = world
-                    .regions
-                    .row(r)
+                // Looked up for the log line only.
+                let region = log::log_enabled!(log::Level::Debug)
+                    .then(|| world.regions.row(r))
+                    .flatten()
                     .map(|row| (world.regions.kinds[row], world.regions.descs[row]));
                 let result = world.deregister_region(r);
                 match (&result, region) {

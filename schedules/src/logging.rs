@@ -53,6 +53,40 @@ impl fmt::Display for BackendNames<'_> {
     }
 }
 
+/// A region's range for a log line: `4096 bytes at 0x7f.. (device 0)`; FILE: offset
+/// and descriptor.
+pub(crate) struct DescText(
+    pub(crate) ferry_storage::MemKind,
+    pub(crate) ferry_storage::Desc,
+);
+
+impl std::fmt::Display for DescText {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let DescText(kind, d) = *self;
+        match kind {
+            ferry_storage::MemKind::File if d.len == 0 => {
+                write!(f, "from offset {} to the end (fd {})", d.addr, d.dev)
+            }
+            ferry_storage::MemKind::File => {
+                write!(f, "{} bytes at offset {} (fd {})", d.len, d.addr, d.dev)
+            }
+            _ => write!(f, "{} bytes at {:#x} (device {})", d.len, d.addr, d.dev),
+        }
+    }
+}
+
+/// ` (path /x/y)` for a FILE region registered by path.
+pub(crate) struct PathText<'a>(pub(crate) Option<&'a std::path::Path>);
+
+impl std::fmt::Display for PathText<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Some(p) => write!(f, " (path {})", p.display()),
+            None => Ok(()),
+        }
+    }
+}
+
 /// Distinct bounds whose hits are counted apart; further ones share the last entry.
 const LIMITS_TRACKED: usize = 16;
 
