@@ -2,9 +2,13 @@
 //! line per control-plane event (agent, backend, region registered and deregistered,
 //! peer loaded / reloaded / invalidated, connection, failures), a bound hit logged at
 //! its 1st, 2nd, 4th, 8th … hit only, and one `trace` summary per flush (target
-//! `ferry::flush`). (Its own test binary with one test: the logger is process-wide.)
+//! `ferry::flush`), the metadata exchange's requests and events. (Its own test binary
+//! with one test: the logger is process-wide.)
 
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use ferry::exchange::{ExchangeConfig, P2pConfig, Via};
 
 use ferry::{Agent, AgentConfig, Bounds, CommandBuffer, Desc, MemKind, Op, Params, Side};
 use ferry_tests::{register, unique, Buffer, Rng};
@@ -214,4 +218,61 @@ fn control_plane_events_are_logged_once_each_and_flushes_summarized_at_trace() {
         &format!("agent '{name_a}': deregistered DRAM region"),
     );
     one_line(&lines, "flush: 1 command(s) [deregister 1]");
+    log::set_max_level(log::LevelFilter::Debug);
+
+    // The exchange: started, a fetch over P2P, the metadata arriving, a withdrawal.
+    let c = ferry_tests::loopback_agent("log-c");
+    let name_c = c.name().to_string();
+    for agent in [&b, &c] {
+        let mut config = ExchangeConfig::default();
+        config.p2p.listen = Some(P2pConfig::LOOPBACK_EPHEMERAL);
+        agent.start_exchange(config).unwrap();
+    }
+    let at_b = b.exchange_listen_addr().unwrap();
+    c.fetch_remote_md(&name_b, Via::Peer(at_b), None).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !c.check_remote_md(&name_b, None).unwrap() {
+        assert!(Instant::now() < deadline, "the fetch never completed");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    b.invalidate_local_md(Via::Peer(c.exchange_listen_addr().unwrap()))
+        .unwrap();
+    while c.peer(&name_b).is_some() {
+        assert!(Instant::now() < deadline, "the withdrawal never arrived");
+        c.poll_exchange().unwrap();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let lines = take();
+    let started = one_line(&lines, &format!("exchange of '{name_c}' started"));
+    assert!(
+        started.contains("p2p listener 127.0.0.1:") && started.contains("store none"),
+        "{started}"
+    );
+    one_line(
+        &lines,
+        &format!(
+            "exchange of '{name_c}': fetching metadata 'metadata' of '{name_b}' from p2p {at_b}"
+        ),
+    );
+    let arrived = one_line(
+        &lines,
+        &format!("exchange of '{name_c}': metadata 'metadata' of '{name_b}' arrived over p2p ("),
+    );
+    assert!(arrived.contains(" bytes)"), "{arrived}");
+    one_line(
+        &lines,
+        &format!("agent '{name_c}': metadata of peer '{name_b}' loaded ("),
+    );
+    one_line(
+        &lines,
+        &format!("exchange of '{name_b}': withdrawing our metadata at p2p"),
+    );
+    one_line(
+        &lines,
+        &format!("exchange of '{name_c}': '{name_b}' withdrew its metadata (learned over p2p"),
+    );
+    one_line(
+        &lines,
+        &format!("agent '{name_c}': peer '{name_b}' invalidated"),
+    );
 }
