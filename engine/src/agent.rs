@@ -142,6 +142,16 @@ impl Agent {
         let metrics = world.metrics().clone();
         #[cfg(feature = "prometheus")]
         crate::prometheus::agent_created(&config.name, &metrics);
+        log::debug!(
+            "agent '{}' created (bounds: {} regions, {} prepared lists, {} requests, {} peers; \
+             telemetry {})",
+            config.name,
+            world.bounds.regions_max,
+            world.bounds.preps_max,
+            world.bounds.xfers_max,
+            world.bounds.peers_max,
+            if world.bounds.telemetry { "on" } else { "off" },
+        );
         Ok(Agent {
             state: Mutex::new(AgentState {
                 world,
@@ -195,10 +205,18 @@ impl Agent {
                 what: format!("not available on this machine: {reason}").into(),
             });
         }
-        let backend = factory.create(&BackendInit {
-            agent_name: &self.name,
-            params: &params,
-        })?;
+        let backend = factory
+            .create(&BackendInit {
+                agent_name: &self.name,
+                params: &params,
+            })
+            .inspect_err(|e| {
+                log::debug!(
+                    "agent '{}': creating backend {} failed: {e}",
+                    self.name,
+                    factory.name()
+                )
+            })?;
         let mut state = self.lock()?;
         if state
             .world
@@ -209,6 +227,33 @@ impl Agent {
                 subject: Subject::BackendName(factory.name().to_string()),
                 reason: "this agent already has a backend of this type".into(),
             });
+        }
+        if log::log_enabled!(log::Level::Debug) {
+            let caps = backend.capabilities();
+            log::debug!(
+                "agent '{}': backend {} created{}; memory {}{}; parameters {}",
+                self.name,
+                factory.name(),
+                backend
+                    .describe()
+                    .map(|d| format!(": {d}"))
+                    .unwrap_or_default(),
+                caps.mem_kinds
+                    .iter()
+                    .map(|k| k.name())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                if caps.remote {
+                    ", reaches peers"
+                } else {
+                    ", local only"
+                },
+                params
+                    .iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(" "),
+            );
         }
         state.world.add_backend(backend)
     }

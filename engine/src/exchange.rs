@@ -299,6 +299,10 @@ impl Agent {
                 match self.load_checked(&agent, &blob, origin) {
                     Ok(_) => self.metrics.exchange(ExchangeEvent::Loaded),
                     Err(error) => {
+                        log::debug!(
+                            "agent '{}': metadata {origin} for '{agent}' not loaded: {error}",
+                            self.name()
+                        );
                         self.metrics.exchange(ExchangeEvent::LoadFailed);
                         self.record_failure(agent, error);
                     }
@@ -320,6 +324,17 @@ impl Agent {
                 // What came after the last applied event is unknown: if a withdrawal
                 // was among it, the peer is dropped; the failure tells the caller to
                 // fetch again.
+                log::debug!(
+                    "agent '{}': {} exchange event(s) about '{agent}' were lost to a full \
+                     queue{}",
+                    self.name(),
+                    lost.events,
+                    if lost.invalidation {
+                        "; one was a withdrawal, so the peer is dropped"
+                    } else {
+                        ""
+                    }
+                );
                 if lost.invalidation {
                     self.drop_peer(&agent);
                 }

@@ -285,6 +285,17 @@ impl PeerView for PeerMdSet {
         let i = (*per.first()?)?;
         self.blobs[0].find(i, kind, desc).map(|r| Self::token(0, r))
     }
+
+    fn region_count(&self) -> usize {
+        if self.merged.is_empty() {
+            return self.blobs.first().map_or(0, |b| b.region_count());
+        }
+        self.merged
+            .iter()
+            .flat_map(|kinds| kinds.iter())
+            .map(|m| m.tokens.len())
+            .sum()
+    }
 }
 
 /// Engine-side metadata state: every peer's current blob set, and our generation.
@@ -395,6 +406,25 @@ impl MdState {
 
 impl MetadataLoader for MdState {
     fn load(&mut self, world: &mut World, blob: &[u8]) -> Result<PeerId, Error> {
+        let result = self.load_blob(world, blob);
+        if let Err(e) = &result {
+            log::debug!(
+                "agent '{}': peer metadata ({} bytes) not loaded: {e}",
+                world.name,
+                blob.len()
+            );
+        }
+        result
+    }
+
+    fn forget(&mut self, peer: PeerId) {
+        self.peers.remove(&peer);
+    }
+}
+
+impl MdState {
+    /// [`MetadataLoader::load`] without its log line for failures.
+    fn load_blob(&mut self, world: &mut World, blob: &[u8]) -> Result<PeerId, Error> {
         let md = Arc::new(PeerMd::from_bytes(blob)?);
         let name = md.agent().to_string();
         let known = world
@@ -405,9 +435,16 @@ impl MetadataLoader for MdState {
                 if set.generation == md.generation() && world.peer_view(peer)?.0.is_some() =>
             {
                 if !set.compare(&md)? {
+                    log::debug!(
+                        "agent '{}': metadata of peer '{name}' loaded again: identical \
+                         content, nothing changed (generation {:#x})",
+                        world.name,
+                        md.generation()
+                    );
                     return Ok(peer); // identical content: idempotent
                 }
                 if set.blobs.len() >= PEER_BLOBS_MAX {
+                    // Logged (rate-limited) by the executor, as every capacity error.
                     return Err(Error::Capacity {
                         what: "metadata blobs kept per peer generation",
                         limit: PEER_BLOBS_MAX,
@@ -427,9 +464,5 @@ impl MetadataLoader for MdState {
         let peer = unsafe { world.load_peer(&name, set.clone(), kind)? };
         self.peers.insert(peer, set);
         Ok(peer)
-    }
-
-    fn forget(&mut self, peer: PeerId) {
-        self.peers.remove(&peer);
     }
 }

@@ -50,6 +50,7 @@ use crate::command::{
     Command, CommandBuffer, Created, FromCreated, NotifEntry, Outcome, Ref, Releasable, Side, Span,
     XferStatus,
 };
+use crate::logging::{BackendNames, DescText, FlushTrace, PathText};
 use crate::merge::dispatch_key;
 use crate::world::{World, XferState};
 
@@ -209,6 +210,10 @@ pub fn flush(
         summary.failed = cmds.outcomes.len() as u32;
         return summary;
     }
+    let mut trace = FlushTrace::start();
+    if let Some(t) = trace.as_mut() {
+        t.count(&cmds.commands);
+    }
     let mut arena = std::mem::take(&mut world.arena);
     arena.reset();
     {
@@ -240,6 +245,13 @@ pub fn flush(
             (Dispatch) => {
                 posted = phase_dispatch(world, &arena, cmds, &buckets[Phase::Dispatch.position()]);
                 summary.posted = posted.len() as u32;
+                if let Some(t) = trace.as_mut() {
+                    t.bytes = posted
+                        .iter()
+                        .filter(|p| !cmds.outcomes[p.command as usize].is_err())
+                        .map(|p| world.xfers.telemetry[p.row as usize].total_bytes)
+                        .sum();
+                }
             };
             (Progress) => {
                 summary.completed =
@@ -271,7 +283,17 @@ pub fn flush(
     }
     world.arena = arena;
     cmds.flushed = true;
-    summary.failed = cmds.outcomes.iter().filter(|o| o.is_err()).count() as u32;
+    for outcome in &cmds.outcomes {
+        if let Outcome::Failed(e) = outcome {
+            summary.failed += 1;
+            if let Error::Capacity { what, limit } = e {
+                world.limits.hit(&world.name, what, *limit);
+            }
+        }
+    }
+    if let Some(t) = trace {
+        t.finish(&world.name, &summary);
+    }
     summary
 }
 
@@ -367,10 +389,35 @@ fn phase_register(world: &mut World, cmds: &mut CommandBuffer, bucket: &[u32]) {
                 mode,
             )
         });
-        let result = world
-            .register_region(kind, desc, hint, path)
-            .map(|id| Outcome::Created(Created::Region(id)));
-        set(cmds, i, result);
+        let result = world.register_region(kind, desc, hint, path);
+        match &result {
+            Ok(id) => log::debug!(
+                "agent '{}': registered {kind} region {id:?}: {}{} with {}",
+                world.name,
+                DescText(kind, desc),
+                PathText(path.map(|(p, _)| p)),
+                BackendNames::new(
+                    world,
+                    world
+                        .regions
+                        .row(*id)
+                        .map_or(ferry_storage::BackendMask::EMPTY, |row| {
+                            world.regions.backends[row]
+                        })
+                ),
+            ),
+            Err(e) => log::debug!(
+                "agent '{}': registering {kind} {}{} failed: {e}",
+                world.name,
+                DescText(kind, desc),
+                PathText(path.map(|(p, _)| p)),
+            ),
+        }
+        set(
+            cmds,
+            i,
+            result.map(|id| Outcome::Created(Created::Region(id))),
+        );
     }
 }
 
@@ -722,9 +769,27 @@ fn phase_retire(world: &mut World, cmds: &mut CommandBuffer, bucket: &[u32]) {
             Command::Release {
                 what: Releasable::Prep(p),
             } => resolve(&cmds.outcomes, i, p).and_then(|p| world.release_prep(p)),
-            Command::Deregister { region } => {
-                resolve(&cmds.outcomes, i, region).and_then(|r| world.deregister_region(r))
-            }
+            Command::Deregister { region } => resolve(&cmds.outcomes, i, region).and_then(|r| {
+                // Looked up for the log line only.
+                let region = log::log_enabled!(log::Level::Debug)
+                    .then(|| world.regions.row(r))
+                    .flatten()
+                    .map(|row| (world.regions.kinds[row], world.regions.descs[row]));
+                let result = world.deregister_region(r);
+                match (&result, region) {
+                    (Ok(()), Some((kind, desc))) => log::debug!(
+                        "agent '{}': deregistered {kind} region {r:?}: {}",
+                        world.name,
+                        DescText(kind, desc),
+                    ),
+                    (Err(e), _) => log::debug!(
+                        "agent '{}': deregistering region {r:?} failed: {e}",
+                        world.name
+                    ),
+                    (Ok(()), None) => {}
+                }
+                result
+            }),
             _ => unreachable!("classified as retire"),
         };
         set(cmds, i, result.map(|()| Outcome::Done));

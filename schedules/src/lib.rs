@@ -5,6 +5,7 @@
 pub mod command;
 pub mod cost;
 pub mod executor;
+pub mod logging;
 pub mod merge;
 pub mod metrics;
 pub mod world;

@@ -12,6 +12,13 @@
 //! counted apart and printed, not asserted: they serve peers, not the flush, and (at the
 //! time of writing) allocate while idle connections are open — see the report in
 //! `assert_no_allocation`.
+//!
+//! Logging: every part runs twice — with no logger, then with the `ferry` tool's
+//! subscriber installed at `info` (a `tracing-subscriber` fmt subscriber receiving the
+//! libraries' `log` records, writing to stderr): debug and trace stay off, and a flush
+//! still allocates nothing. The loopback part runs a third time with `log`'s max level
+//! raised to Trace by hand, so every disabled log statement reaches the subscriber and
+//! is refused there — still nothing allocated.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -119,13 +126,31 @@ struct Counts {
     elsewhere: usize,
 }
 
-/// Only one test in this binary: the counter is process-wide.
+/// Only one test in this binary: the counter (and the log subscriber) is process-wide.
 #[test]
 fn steady_state_flushes_do_not_allocate() {
+    assert_eq!(log::max_level(), log::LevelFilter::Off, "no logger yet");
     loopback();
     posix();
     ucx();
     shm();
+    // The same with a subscriber at info, as `ferry -v` installs it.
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new("info"))
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .try_init()
+        .expect("install the subscriber");
+    assert_eq!(log::max_level(), log::LevelFilter::Info);
+    assert!(!log::log_enabled!(log::Level::Debug));
+    loopback();
+    posix();
+    ucx();
+    shm();
+    // Every disabled statement now asks the subscriber (which says no).
+    log::set_max_level(log::LevelFilter::Trace);
+    assert!(!log::log_enabled!(target: "ferry::flush", log::Level::Trace));
+    loopback();
     // The counter works: an allocation inside the window is seen, and one on a backend
     // worker thread counts as the flush's.
     let (v, counts) = counted(|| vec![1u8; 3]);

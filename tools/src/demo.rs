@@ -94,6 +94,12 @@ fn dram(mib: usize, block_kib: usize) -> Result<(), String> {
 
     // Side-channel metadata exchange.
     let decode_md = decode.local_md().map_err(err)?;
+    tracing::debug!(
+        "demo: '{}' hands its metadata ({} bytes) to '{}' through a side channel",
+        decode.name(),
+        decode_md.len(),
+        prefill.name()
+    );
     let peer = prefill.load_remote_md(&decode_md).map_err(err)?;
     println!(
         "metadata: {} bytes from '{}' loaded by '{}'",

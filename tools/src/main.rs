@@ -8,8 +8,10 @@
 //!
 //! Logging: the libraries log through the `log` facade and print nothing; this binary
 //! installs a `tracing` subscriber (which also receives `log` records) writing to
-//! stderr. `RUST_LOG` selects what is shown (e.g. `RUST_LOG=ferry_ucx=debug`); without
-//! it, `-v` shows info and `-vv` debug, and warnings are always shown.
+//! stderr. `RUST_LOG` selects what is shown (e.g. `RUST_LOG=debug` for every
+//! control-plane event, `RUST_LOG=ferry_ucx=debug`, `RUST_LOG=ferry::flush=trace` for a
+//! summary line per flush); without it, `-v` shows info, `-vv` debug and `-vvv` trace,
+//! and warnings are always shown.
 // Reason: the tool registers its own buffers, which is the caller-side promise
 // `Agent::register` asks for; each block says why it holds.
 #![allow(unsafe_code)]
@@ -60,23 +62,40 @@ enum Command {
     Md(md::MdCmd),
 }
 
+/// Install the subscriber: `RUST_LOG` when set (a directive it cannot parse is reported
+/// and the `-v` level used instead), else warn / `-v` info / `-vv` debug / `-vvv`
+/// trace. Colours only when stderr is a terminal (piped logs stay greppable).
 fn init_logging(verbose: u8) {
+    use std::io::IsTerminal;
     use tracing_subscriber::EnvFilter;
-    let filter = match std::env::var("RUST_LOG") {
-        Ok(spec) if !spec.is_empty() => EnvFilter::new(spec),
-        _ => EnvFilter::new(match verbose {
-            0 => "warn",
-            1 => "info",
-            2 => "debug",
-            _ => "trace",
-        }),
+    let level = match verbose {
+        0 => "warn",
+        1 => "info",
+        2 => "debug",
+        _ => "trace",
     };
-    // `try_init` also routes `log` records (the libraries' facade) into tracing.
+    let mut refused = None;
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(spec) if !spec.trim().is_empty() => EnvFilter::try_new(&spec).unwrap_or_else(|e| {
+            refused = Some(format!(
+                "RUST_LOG={spec:?} not understood ({e}); using {level}"
+            ));
+            EnvFilter::new(level)
+        }),
+        _ => EnvFilter::new(level),
+    };
+    // `try_init` also routes `log` records (the libraries' facade) into tracing, and
+    // sets `log`'s max level to the filter's most verbose level, so a disabled library
+    // log statement costs one relaxed atomic load.
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_target(true)
         .try_init();
+    if let Some(why) = refused {
+        tracing::warn!("{why}");
+    }
 }
 
 fn backends() -> Result<(), String> {

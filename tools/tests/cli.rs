@@ -420,3 +420,67 @@ fn library_logs_reach_stderr_through_the_subscriber_only_when_asked() {
     let (_, err) = text(&o);
     assert!(err.contains(line), "RUST_LOG: {err}");
 }
+
+/// `ferry demo` with `RUST_LOG` set as `spec`: (stdout, stderr).
+fn demo_logged(spec: &str) -> (String, String) {
+    let o = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args(["demo", "--mib", "4"])
+        .env("RUST_LOG", spec)
+        .output()
+        .expect("run ferry demo");
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "RUST_LOG={spec}: {out}{err}");
+    (out, err)
+}
+
+#[test]
+fn rust_log_debug_explains_the_demos_control_plane_and_trace_summarizes_flushes() {
+    let (out, err) = demo_logged("debug");
+    assert!(out.contains("verified 4 MiB both ways"), "{out}");
+    // One line per control-plane event: agents, backends, regions, the peer.
+    for line in [
+        "agent 'demo-prefill' created",
+        "agent 'demo-decode' created",
+        "agent 'demo-prefill': backend LOOPBACK created: in-process memmove",
+        "agent 'demo-decode': backend LOOPBACK created",
+        "agent 'demo-prefill': registered DRAM region",
+        "agent 'demo-decode': registered DRAM region",
+        "agent 'demo-prefill': metadata of peer 'demo-decode' loaded",
+        "1 region(s)); taken by LOOPBACK",
+    ] {
+        assert!(err.contains(line), "RUST_LOG=debug: no '{line}' in:\n{err}");
+    }
+    assert_eq!(err.matches("registered DRAM region").count(), 3, "{err}");
+    // Piped stderr carries no colour codes, and debug shows no flush summaries.
+    assert!(!err.contains('\u{1b}'), "{err}");
+    assert!(err.contains(" DEBUG "), "{err}");
+    assert!(!err.contains("flush:"), "{err}");
+
+    // Trace of the flush summary only: a line per flush, nothing of the debug lines.
+    let (_, err) = demo_logged("ferry::flush=trace");
+    assert!(!err.contains("created"), "{err}");
+    let posts: Vec<&str> = err
+        .lines()
+        .filter(|l| l.contains("agent 'demo-prefill': flush: 1 command(s) [post 1]"))
+        .collect();
+    // Two passes (warm-up and measured) each way.
+    assert_eq!(posts.len(), 4, "{err}");
+    for l in posts {
+        assert!(l.contains(" TRACE ferry::flush:"), "{l}");
+        assert!(l.contains("1 posted (4194304 bytes)"), "{l}");
+        assert!(l.contains("0 failed"), "{l}");
+    }
+    assert!(err.contains("[prep 3, make 2]"), "{err}");
+
+    // No RUST_LOG, no -v: nothing on stderr at all.
+    let o = ferry(&["demo", "--mib", "4"]);
+    let (_, err) = text(&o);
+    assert!(o.status.success());
+    assert!(err.is_empty(), "{err}");
+    // A RUST_LOG the filter cannot parse is reported, and the demo still runs.
+    let (_, err) = demo_logged("ferry=loud");
+    assert!(
+        err.contains("RUST_LOG=\"ferry=loud\" not understood"),
+        "{err}"
+    );
+}

@@ -480,6 +480,14 @@ pub trait Backend: Send {
     /// Effective parameter values.
     fn params(&self) -> &Params;
 
+    /// What this instance runs on, in a few words for the agent's "backend created" log
+    /// line: the engine it chose, the library it loaded and that library's version where
+    /// it has one (`engine io_uring (queue depth 256, …)`, `cuFile from …, GDS mode`).
+    /// Called once, at creation. The default says nothing more than the type name.
+    fn describe(&self) -> Option<String> {
+        None
+    }
+
     /// Register a region; returns a private token and public metadata.
     ///
     /// # Safety

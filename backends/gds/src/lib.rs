@@ -440,11 +440,7 @@ impl GdsBackend {
                 )
             }
         };
-        log::info!(
-            "GDS: cuFile from {}, {mode}, engine {kind:?}",
-            cufile.library.display()
-        );
-        Ok(GdsBackend {
+        let backend = GdsBackend {
             params,
             files: Slots::with_capacity(64),
             bufs: Slots::with_capacity(64),
@@ -456,7 +452,20 @@ impl GdsBackend {
             cufile,
             mode,
             engine,
-        })
+        };
+        log::info!("GDS: {}", backend.description());
+        Ok(backend)
+    }
+
+    /// Library, mode and engine in words (`cuFile from <path>, GDS (nvidia-fs 2.26),
+    /// engine Batch`): logged at creation and in the agent's "backend created" line.
+    fn description(&self) -> String {
+        format!(
+            "cuFile from {}, {}, engine {:?}",
+            self.cufile.library.display(),
+            self.mode,
+            self.engine()
+        )
     }
 
     /// How cuFile moves bytes here (GDS or compatibility mode, and why).
@@ -808,6 +817,10 @@ impl Backend for GdsBackend {
 
     fn params(&self) -> &Params {
         &self.params
+    }
+
+    fn describe(&self) -> Option<String> {
+        Some(self.description())
     }
 
     unsafe fn register(&mut self, region: &RegionSpec<'_>) -> Result<Registered> {

@@ -762,6 +762,13 @@ impl Backend for Loopback {
         &self.params
     }
 
+    fn describe(&self) -> Option<String> {
+        Some(format!(
+            "in-process memmove, instance {} (peers in this process only)",
+            self.id
+        ))
+    }
+
     unsafe fn register(&mut self, region: &RegionSpec<'_>) -> Result<Registered> {
         if region.kind != MemKind::Dram {
             return Err(Error::NotSupported {

@@ -692,6 +692,18 @@ impl Backend for Shm {
         &self.params
     }
 
+    fn describe(&self) -> Option<String> {
+        Some(format!(
+            "memfd inbox of {} bytes ({} notification lanes of {} bytes), cross-memory \
+             attach {}, host identity {}",
+            self.inbox_mem.len(),
+            self.params["notif_lanes"],
+            self.params["notif_lane_bytes"],
+            if self.cma_enabled { "auto" } else { "off" },
+            self.host_id,
+        ))
+    }
+
     unsafe fn register(&mut self, region: &RegionSpec<'_>) -> Result<Registered> {
         if region.kind != MemKind::Dram {
             return Err(unsupported(format!("memory kind {}", region.kind)));

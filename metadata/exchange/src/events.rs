@@ -94,6 +94,50 @@ pub enum Event {
     },
 }
 
+/// One line about an event for the log: what, about whom, by which route, a blob's
+/// size (never its bytes).
+pub(crate) struct EventText<'a>(pub(crate) &'a Event);
+
+impl std::fmt::Display for EventText<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Event::Load {
+                agent,
+                label,
+                blob,
+                route,
+            } => write!(
+                f,
+                "metadata '{label}' of '{agent}' arrived over {} ({} bytes)",
+                route.name(),
+                blob.len()
+            ),
+            Event::Invalidate { agent, route } => write!(
+                f,
+                "'{agent}' withdrew its metadata (learned over {}: message, key deleted or \
+                 lease expired)",
+                route.name()
+            ),
+            Event::FetchFailed {
+                agent,
+                label,
+                error,
+            } => write!(f, "fetching '{label}' of '{agent}' failed: {error}"),
+            Event::Overflow { agent, lost, .. } => write!(
+                f,
+                "{} event(s) about {} lost to a full queue",
+                lost.events,
+                agent.as_deref().unwrap_or("unnamed agents")
+            ),
+            Event::SendFailed {
+                target,
+                what,
+                error,
+            } => write!(f, "sending '{what}' to {target} failed: {error}"),
+        }
+    }
+}
+
 /// What was lost for one agent (or for unknown agents) when the event queue was full.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Lost {
@@ -290,11 +334,16 @@ impl EventQueue {
         Self::record(&mut ledger, &event, self.queue.capacity());
         self.lossy.store(true, Ordering::Release);
         drop(ledger);
-        self.dropped.fetch_add(1, Ordering::Relaxed);
-        log::warn!(
-            "exchange: event queue full ({} events): dropped an event, reported as an overflow",
-            self.queue.capacity()
-        );
+        // Logged at the 1st, 2nd, 4th, 8th … drop: a queue nobody polls must not flood
+        // the log with a line per event.
+        let dropped = self.dropped.fetch_add(1, Ordering::Relaxed) + 1;
+        if dropped.is_power_of_two() {
+            log::warn!(
+                "exchange: event queue full ({} events): {dropped} event(s) dropped so far, \
+                 reported as overflows (logged at the 1st, 2nd, 4th, 8th … drop)",
+                self.queue.capacity()
+            );
+        }
         self.pushed();
     }
 

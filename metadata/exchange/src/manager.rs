@@ -46,12 +46,45 @@ impl Shared {
     /// shutting down, or the queue is full (then it is reported to the agent as an
     /// [`Event::Overflow`], see `EventQueue`).
     pub(crate) fn emit(&self, event: Event) -> bool {
+        log::debug!(
+            "exchange of '{}': {}",
+            self.agent,
+            crate::events::EventText(&event)
+        );
         self.events.push(event, &self.stop)
     }
 
     /// Store key of `agent`'s metadata under `label`.
     pub(crate) fn key(&self, agent: &str, label: &str) -> String {
         store_key(&self.namespace, agent, label)
+    }
+}
+
+/// `Some(x)` as `x`, `None` as `none`, for log lines.
+struct Opt<T>(Option<T>);
+
+impl<T: std::fmt::Display> std::fmt::Display for Opt<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.0 {
+            Some(x) => x.fmt(f),
+            None => f.write_str("none"),
+        }
+    }
+}
+
+/// Where a request goes, for log lines: `p2p 127.0.0.1:5000` or `the store (tcpstore
+/// at …)`.
+struct ViaText<'a>(Via, &'a Manager);
+
+impl std::fmt::Display for ViaText<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.0, self.1.store()) {
+            (Via::Peer(addr), _) => write!(f, "p2p {addr}"),
+            (Via::Store, Some((route, endpoint))) => {
+                write!(f, "the store ({} at {endpoint})", route.name())
+            }
+            (Via::Store, None) => f.write_str("the store (none configured)"),
+        }
     }
 }
 
@@ -180,6 +213,18 @@ impl Manager {
         if let Some(listen) = shared.config.p2p.listen {
             manager.listener = Some(p2p::Listener::start(shared.clone(), listen)?);
         }
+        log::debug!(
+            "exchange of '{agent}' started: p2p listener {}, store {}, embedded tcpstore \
+             server {}, namespace '{}', event queue of {}",
+            Opt(manager.p2p_listen_addr()),
+            match manager.store() {
+                Some((route, endpoint)) => format!("{} at {endpoint}", route.name()),
+                None => "none".into(),
+            },
+            Opt(manager.embedded_store_addr()),
+            shared.namespace,
+            shared.config.event_capacity,
+        );
         Ok(manager)
     }
 
@@ -270,6 +315,12 @@ impl Manager {
                 "is empty",
             ));
         }
+        log::debug!(
+            "exchange of '{}': sending metadata '{label}' ({} bytes) to {}",
+            self.shared.agent,
+            blob.len(),
+            ViaText(via, self)
+        );
         match via {
             Via::Peer(to) => self.p2p(|c| c.send(to, label, blob)),
             Via::Store => self.store_cmd(
@@ -293,6 +344,11 @@ impl Manager {
             }
             None => FULL_LABEL,
         };
+        log::debug!(
+            "exchange of '{}': fetching metadata '{label}' of '{agent}' from {}",
+            self.shared.agent,
+            ViaText(via, self)
+        );
         match via {
             Via::Peer(to) => self.p2p(|c| c.fetch(to, agent, label)),
             Via::Store => self.store_cmd(
@@ -308,6 +364,11 @@ impl Manager {
     /// Withdraw this agent's metadata: tell the peer at an address to drop it, or delete
     /// everything this agent published in the store (its watchers see the deletion).
     pub fn invalidate_local_md(&self, via: Via) -> Result<(), Error> {
+        log::debug!(
+            "exchange of '{}': withdrawing our metadata at {}",
+            self.shared.agent,
+            ViaText(via, self)
+        );
         match via {
             Via::Peer(to) => self.p2p(|c| c.invalidate(to)),
             Via::Store => self.store_cmd(StoreCmd::Withdraw, "invalidate_local_md"),

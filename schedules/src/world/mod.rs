@@ -79,6 +79,9 @@ pub trait PeerView: PeerRegions {
     /// Like [`PeerView::find`], also giving the region's own range, so the caller can
     /// test following descriptors against it without searching.
     fn find_bounds(&self, backend: u8, kind: MemKind, desc: Desc) -> Option<(u64, Desc)>;
+    /// Regions the view describes (over all its backends and memory kinds; a region
+    /// published in several blobs counts once). For logs and counts, not lookups.
+    fn region_count(&self) -> usize;
 }
 
 /// The last region a lookup hit: (dev, start, end) and what it resolved to.
@@ -171,6 +174,8 @@ pub struct World {
     pub(crate) costs: [crate::cost::CostModel; MAX_BACKENDS],
     /// Per-size-class recent durations, indexed by backend slot (`cost.rs`).
     pub(crate) size_costs: [crate::cost::SizeClasses; MAX_BACKENDS],
+    /// Hits of capacity bounds, for rate-limited log lines (`crate::logging`).
+    pub(crate) limits: crate::logging::LimitLog,
 }
 
 impl World {
@@ -198,6 +203,7 @@ impl World {
             metrics: Default::default(),
             costs: Default::default(),
             size_costs: Default::default(),
+            limits: Default::default(),
             bounds,
         }
     }

@@ -14,6 +14,25 @@ use ferry_backend_api::{PeerRegions, RemoteAgent};
 use ferry_storage::{handle_to_tag, BackendMask, Endpoint, Error, PeerId, Subject, MAX_BACKENDS};
 
 use super::{PeerView, World, XferState};
+use crate::logging::BackendNames;
+
+/// `; refused by UCX: <error>` when some backend refused a peer that others took.
+struct Refused<'a>(&'a World, BackendMask, Option<&'a Error>);
+
+impl std::fmt::Display for Refused<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.2 {
+            Some(e) if !self.1.is_empty() => {
+                write!(
+                    f,
+                    "; refused by {} ({e})",
+                    BackendNames::new(self.0, self.1)
+                )
+            }
+            _ => Ok(()),
+        }
+    }
+}
 
 /// How a load changes a known peer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -93,8 +112,9 @@ impl World {
             }
         };
         let replace = kind == LoadKind::Replace && !is_new;
+        let mut ended = 0;
         if replace {
-            self.unload_everywhere(peer, row, "reloaded with new content");
+            ended = self.unload_everywhere(peer, row, "reloaded with new content");
             self.peers.generations[row] = self.peers.generations[row].wrapping_add(1);
         }
         let mut slot_map = [None; MAX_BACKENDS];
@@ -104,6 +124,7 @@ impl World {
             self.peers.loaded[row]
         };
         let mut first_error = None;
+        let mut refused = BackendMask::EMPTY;
         let mut any_conn = false;
         for (slot, entry) in slot_map.iter_mut().enumerate() {
             let Some(backend) = self.backends.backends[slot].as_mut() else {
@@ -124,6 +145,7 @@ impl World {
             match backend.load_remote(peer, remote) {
                 Ok(()) => loaded.insert(slot),
                 Err(e) => {
+                    refused.insert(slot);
                     first_error.get_or_insert(e);
                 }
             }
@@ -136,8 +158,24 @@ impl World {
             if is_new {
                 self.remove_peer_row(peer);
             }
+            // The loader logs the failure (it also sees those before this point).
             return Err(error);
         }
+        log::debug!(
+            "agent '{}': metadata of peer '{name}' {} (generation {:#x}, {} region(s)); \
+             taken by {}{}",
+            self.name,
+            match (is_new, replace) {
+                (true, _) => "loaded".to_string(),
+                (false, true) =>
+                    format!("reloaded with new content ({ended} request(s) in flight to it ended)"),
+                (false, false) => "extended (partial metadata accumulates)".to_string(),
+            },
+            view.md_generation(),
+            view.region_count(),
+            BackendNames::new(self, loaded),
+            Refused(self, refused, first_error.as_ref()),
+        );
         self.peers.views[row] = Some(view);
         self.peers.slot_maps[row] = slot_map;
         self.peers.loaded[row] = loaded;
@@ -152,7 +190,14 @@ impl World {
             .peers
             .row(peer)
             .ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
-        self.unload_everywhere(peer, row, "invalidated");
+        let ended = self.unload_everywhere(peer, row, "invalidated");
+        log::debug!(
+            "agent '{}': peer '{}' invalidated: dropped by {}; {ended} request(s) in flight \
+             to it ended",
+            self.name,
+            self.peers.names[row],
+            BackendNames::new(self, self.peers.loaded[row]),
+        );
         self.remove_peer_row(peer);
         Ok(())
     }
@@ -172,13 +217,27 @@ impl World {
                 }
             }
         }
+        match &result {
+            Ok(()) => log::debug!(
+                "agent '{}': connected to peer '{}' through {}",
+                self.name,
+                self.peers.names[row],
+                BackendNames::new(self, self.peers.loaded[row]),
+            ),
+            Err(e) => log::debug!(
+                "agent '{}': connecting to peer '{}' failed: {e}",
+                self.name,
+                self.peers.names[row],
+            ),
+        }
         result
     }
 
     /// End the requests in flight to `peer` (they report not-found now; those whose
     /// backend cannot confirm a cancel drain until its completion) and make every
-    /// backend drop the peer.
-    fn unload_everywhere(&mut self, peer: PeerId, row: usize, why: &str) {
+    /// backend drop the peer. Returns how many requests it ended.
+    fn unload_everywhere(&mut self, peer: PeerId, row: usize, why: &str) -> usize {
+        let mut ended = 0;
         for x in 0..self.xfers.len() {
             if self.xfers.endpoints[x] != Endpoint::Peer(peer)
                 || self.xfers.states[x] != XferState::InProgress
@@ -200,12 +259,14 @@ impl World {
             } else {
                 XferState::Draining(error)
             };
+            ended += 1;
         }
         for slot in self.peers.loaded[row].iter() {
             if let Some(b) = self.backends.backends[slot].as_mut() {
                 b.unload_remote(peer);
             }
         }
+        ended
     }
 
     fn remove_peer_row(&mut self, peer: PeerId) {

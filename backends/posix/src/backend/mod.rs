@@ -235,6 +235,10 @@ impl Backend for PosixBackend {
         &self.params
     }
 
+    fn describe(&self) -> Option<String> {
+        Some(self.engine_text())
+    }
+
     unsafe fn register(&mut self, region: &RegionSpec<'_>) -> Result<Registered> {
         match region.kind {
             MemKind::File => self.register_file(region),

@@ -91,19 +91,7 @@ impl PosixBackend {
                 ))
             }
         };
-        match &engine {
-            Engine::Uring(e) => log::info!(
-                "posix: engine io_uring (queue depth {}, fixed buffers {}, fixed files {})",
-                e.depth(),
-                if e.fixed_buffers { "on" } else { "off" },
-                if e.fixed_files { "on" } else { "off" },
-            ),
-            Engine::Threads(e) => log::info!(
-                "posix: engine threads ({workers} workers, queue depth {})",
-                e.depth()
-            ),
-        }
-        Ok(PosixBackend {
+        let backend = PosixBackend {
             params,
             engine,
             register_buffers,
@@ -116,6 +104,27 @@ impl PosixBackend {
             ops: Ops::new(max_ops),
             pending: VecDeque::with_capacity(max_ops as usize),
             reaped: Vec::with_capacity(depth as usize),
-        })
+        };
+        log::info!("posix: {}", backend.engine_text());
+        Ok(backend)
+    }
+
+    /// The engine in words: `engine io_uring (queue depth 256, fixed buffers on, fixed
+    /// files on)` or `engine threads (4 workers, queue depth 256)`. Logged at creation
+    /// (info) and the agent's "backend created" line (`Backend::describe`).
+    pub(super) fn engine_text(&self) -> String {
+        match &self.engine {
+            Engine::Uring(e) => format!(
+                "engine io_uring (queue depth {}, fixed buffers {}, fixed files {})",
+                e.depth(),
+                if e.fixed_buffers { "on" } else { "off" },
+                if e.fixed_files { "on" } else { "off" },
+            ),
+            Engine::Threads(e) => format!(
+                "engine threads ({} workers, queue depth {})",
+                self.params.get("workers").map_or("?", String::as_str),
+                e.depth()
+            ),
+        }
     }
 }
