@@ -756,6 +756,28 @@ impl Backend for UcxBackend {
         &self.params
     }
 
+    fn describe(&self) -> Option<String> {
+        let (library, version) = self.ucx_library();
+        let v = self.ucx_version();
+        let old = (v.major, v.minor) < (1, 16);
+        Some(format!(
+            "UCX {version} from {}{}{}",
+            library.display(),
+            if self.has_progress_thread() {
+                ", progress thread"
+            } else {
+                ""
+            },
+            if old {
+                " (this UCX emulates RMA over tcp and into ordinary memory over shared \
+                 memory with active messages: with the default backends a same-host peer \
+                 goes to SHM; a newer libucp through ucx_library= drives tcp faster)"
+            } else {
+                ""
+            }
+        ))
+    }
+
     unsafe fn register(&mut self, region: &RegionSpec<'_>) -> Result<Registered> {
         if region.kind != MemKind::Dram && region.kind != MemKind::Vram {
             return Err(Error::NotSupported {

@@ -26,8 +26,10 @@ const PROGRESS_THREAD: &str = "progress_thread";
 #[pyclass(module = "ferry", name = "AgentConfig", get_all, set_all)]
 #[derive(Clone)]
 pub(crate) struct AgentConfig {
-    /// Backends created at start, in order (default `["UCX"]`, as NIXL).
-    backends: Vec<String>,
+    /// Backends created at start, in order. `None` (the default): Ferry's default set
+    /// (`ferry.DEFAULT_BACKENDS`: LOOPBACK, SHM, UCX, POSIX where available), so each
+    /// peer takes the fastest backend that reaches it — where NIXL creates UCX alone.
+    backends: Option<Vec<String>>,
     /// Parameters per backend name, `{ "UCX": {"key": "value"} }`.
     backend_params: HashMap<String, HashMap<String, String>>,
     /// Run the P2P metadata listener (NIXL's listen thread).
@@ -87,7 +89,7 @@ impl AgentConfig {
             }));
         }
         Ok(AgentConfig {
-            backends: backends.unwrap_or_else(|| vec!["UCX".into()]),
+            backends,
             backend_params: backend_params.unwrap_or_default(),
             enable_listen_thread,
             listen_port,
@@ -282,12 +284,12 @@ impl Agent {
         } else {
             Vec::new()
         };
-        for b in &config.backends {
+        for b in config.backends.iter().flatten() {
             if !names.iter().any(|n| n.eq_ignore_ascii_case(b)) {
                 names.push(b.clone());
             }
         }
-        for name in &names {
+        let params_of = |name: &str| -> Params {
             let mut params: Params = config
                 .backend_params
                 .iter()
@@ -295,8 +297,8 @@ impl Agent {
                 .map(|(_, v)| v.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
                 .unwrap_or_default();
             // NIXL's `enable_prog_thread` is the backend's own progress thread here.
-            let has_thread = plugin(name)
-                .map(|f| f.params.iter().any(|p| p.name == PROGRESS_THREAD))
+            let has_thread = ferry::factory(name)
+                .map(|f| f.params().iter().any(|p| p.name == PROGRESS_THREAD))
                 .unwrap_or(false);
             if has_thread && !params.contains_key(PROGRESS_THREAD) {
                 params.insert(
@@ -304,7 +306,13 @@ impl Agent {
                     config.enable_prog_thread.to_string(),
                 );
             }
-            inner.create_backend(name, &params).py()?;
+            params
+        };
+        for name in &names {
+            inner.create_backend(name, &params_of(name)).py()?;
+        }
+        if config.backends.is_none() {
+            inner.create_default_backends(params_of).py()?;
         }
         if let Some(cfg) = config.exchange()? {
             inner.start_exchange(cfg).py()?;

@@ -37,6 +37,7 @@ fn ferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // NIXL's names, for code ported line by line.
     m.add("nixl_agent", py.get_type::<agent::Agent>())?;
     m.add("nixl_agent_config", py.get_type::<agent::AgentConfig>())?;
+    m.add("DEFAULT_BACKENDS", ::ferry::DEFAULT_BACKENDS.to_vec())?;
     for (name, status, ty) in errors::classes(py) {
         ty.setattr("status", status)?;
         m.add(name, ty)?;
