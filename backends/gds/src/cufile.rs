@@ -340,11 +340,15 @@ pub enum OpenError {
     NoNvidiaDevice {
         /// The library as named.
         library: PathBuf,
+        /// The file the loader found for it.
+        found: PathBuf,
     },
     /// No CUDA driver library loads: cuFile's driver cannot open, so it is not called.
     NoCudaDriver {
         /// The library as named.
         library: PathBuf,
+        /// The file the loader found for it.
+        found: PathBuf,
         /// The loader's words for [`CUDA_DRIVER_LIBRARY`].
         reason: String,
     },
@@ -391,18 +395,22 @@ impl std::fmt::Display for OpenError {
                 "{} is not a usable cuFile: {symbol} missing ({reason})",
                 library.display()
             ),
-            OpenError::NoNvidiaDevice { library } => write!(
+            OpenError::NoNvidiaDevice { library, found } => write!(
                 f,
                 "cuFile found ({}) but this machine has no NVIDIA device ({} absent), so \
                  its driver cannot open; cuFileDriverOpen is not called",
-                library.display(),
+                found_as(library, found),
                 DEVICE_NODES.join(", ")
             ),
-            OpenError::NoCudaDriver { library, reason } => write!(
+            OpenError::NoCudaDriver {
+                library,
+                found,
+                reason,
+            } => write!(
                 f,
                 "cuFile found ({}) but no CUDA driver: {CUDA_DRIVER_LIBRARY} not found \
                  ({reason}), so its driver cannot open; cuFileDriverOpen is not called",
-                library.display()
+                found_as(library, found)
             ),
             OpenError::Driver {
                 library,
@@ -432,6 +440,15 @@ impl std::fmt::Display for OpenError {
 }
 
 impl std::error::Error for OpenError {}
+
+/// `name`, and the file it resolved to when that differs.
+fn found_as(name: &Path, found: &Path) -> String {
+    if name == found || found.as_os_str().is_empty() {
+        name.display().to_string()
+    } else {
+        format!("{} at {}", name.display(), found.display())
+    }
+}
 
 /// The CUDA driver library cuFile needs (the pre-check loads it; nothing calls it).
 pub const CUDA_DRIVER_LIBRARY: &str = "libcuda.so.1";
@@ -463,6 +480,8 @@ pub struct Library {
     pub api: Api,
     /// The library as first named.
     pub path: PathBuf,
+    /// The file the loader found (`dladdr` of an entry point; empty if it says nothing).
+    pub found: PathBuf,
     state: Mutex<DriverState>,
     changed: Condvar,
 }
@@ -501,7 +520,7 @@ fn renamed(e: &OpenError, named: &Path) -> OpenError {
     match &mut e {
         OpenError::NotFound { library, .. }
         | OpenError::NotCuFile { library, .. }
-        | OpenError::NoNvidiaDevice { library }
+        | OpenError::NoNvidiaDevice { library, .. }
         | OpenError::NoCudaDriver { library, .. }
         | OpenError::Driver { library, .. }
         | OpenError::TimedOut { library, .. }
@@ -587,6 +606,7 @@ pub fn load(library: &Path) -> Result<Arc<Library>, OpenError> {
         Arc::new(Library {
             api,
             path: library.to_path_buf(),
+            found: file_of(api.driver_open as *const c_void),
             state: Mutex::new(DriverState::Closed),
             changed: Condvar::new(),
         })
@@ -595,14 +615,30 @@ pub fn load(library: &Path) -> Result<Arc<Library>, OpenError> {
     Ok(found)
 }
 
+/// The file of the loaded object that holds `addr`, as the loader reports it.
+fn file_of(addr: *const c_void) -> PathBuf {
+    // SAFETY: dladdr only reads the loader's tables; `info` is plain data it fills.
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; `addr` is an entry point of a loaded library.
+    if unsafe { libc::dladdr(addr, &mut info) } == 0 || info.dli_fname.is_null() {
+        return PathBuf::new();
+    }
+    // SAFETY: dli_fname is a NUL-terminated string owned by the loader, valid while
+    // the library stays loaded (for good: it is leaked).
+    let name = unsafe { std::ffi::CStr::from_ptr(info.dli_fname) };
+    use std::os::unix::ffi::OsStrExt;
+    PathBuf::from(std::ffi::OsStr::from_bytes(name.to_bytes()))
+}
+
 /// The cheap check before cuFile's driver is opened: an NVIDIA device node exists
 /// ([`DEVICE_NODES`]) and the CUDA driver library loads (`dlopen` only, once per
 /// process). Without them a real cuFile cannot open its driver — and some builds spin
 /// forever trying — so it is refused here, at once.
-pub fn device_check(library: &Path) -> Result<(), OpenError> {
+pub fn device_check(lib: &Library, library: &Path) -> Result<(), OpenError> {
     if !DEVICE_NODES.iter().any(|p| Path::new(p).exists()) {
         return Err(OpenError::NoNvidiaDevice {
             library: library.to_path_buf(),
+            found: lib.found.clone(),
         });
     }
     static DRIVER: OnceLock<Result<(), String>> = OnceLock::new();
@@ -617,6 +653,7 @@ pub fn device_check(library: &Path) -> Result<(), OpenError> {
         .clone()
         .map_err(|reason| OpenError::NoCudaDriver {
             library: library.to_path_buf(),
+            found: lib.found.clone(),
             reason,
         })
 }

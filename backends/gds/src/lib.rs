@@ -240,7 +240,7 @@ fn availability(config: &Config) -> std::result::Result<Arc<cufile::Library>, Op
         return Err(e);
     }
     if config.device_check {
-        cufile::device_check(&config.library)?;
+        cufile::device_check(&lib, &config.library)?;
     }
     Ok(lib)
 }
