@@ -568,6 +568,11 @@ mod tests {
                     CudaError::NoDevice { .. } | CudaError::NoDeviceNode { .. } => {}
                     other => panic!("unexpected {other}"),
                 }
+                // The probe (what availability checks call) says the same, without
+                // cuInit, unless it was cuInit that refused.
+                if !matches!(err, CudaError::NoDevice { .. }) {
+                    assert_eq!(probe().unwrap_err(), err);
+                }
                 // Every entry point gives the same error instead of panicking.
                 assert_eq!(Device::open(0).unwrap_err(), err);
                 assert_eq!(device_count().unwrap_err(), err);
@@ -577,6 +582,40 @@ mod tests {
                 assert!(engine.to_string().contains("libcuda.so.1"), "{engine}");
             }
         }
+    }
+
+    #[test]
+    fn the_probe_never_initializes_the_driver_and_returns_at_once() {
+        let started = std::time::Instant::now();
+        let probed = probe();
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "{:?}",
+            started.elapsed()
+        );
+        if let Err(e) = &probed {
+            assert!(
+                matches!(
+                    e,
+                    CudaError::NoDriver { .. } | CudaError::NoDeviceNode { .. }
+                ),
+                "{e}"
+            );
+        }
+        let no_node = CudaError::NoDeviceNode {
+            library: DRIVER_LIBRARY,
+        };
+        assert!(no_node.to_string().contains("/dev/nvidiactl"), "{no_node}");
+        assert!(matches!(
+            no_node.into_error("GDS"),
+            Error::NotSupported { .. }
+        ));
+        let late = CudaError::InitTimedOut {
+            library: DRIVER_LIBRARY,
+            waited_ms: 60_000,
+        };
+        assert!(late.to_string().contains("cuInit"), "{late}");
+        assert!(matches!(late.into_error("UCX"), Error::Backend { .. }));
     }
 
     #[test]
