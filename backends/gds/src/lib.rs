@@ -6,7 +6,18 @@
 //! - **Library**: cuFile is loaded at run time (`libcufile.so.0`, or the file named by
 //!   the `cufile_library` parameter, e.g. the `nvidia-cufile` wheel's), so the default
 //!   build needs neither CUDA nor cuFile; without them `ferry backends` says why GDS is
-//!   unavailable. The driver is opened once per library and process.
+//!   unavailable.
+//! - **What is probed when**: availability checks (`available`, `available_with`,
+//!   `kind_available`: `ferry backends`, every agent's backend list) load the library
+//!   and look its symbols up — `dlopen` + `dlsym`, no call into cuFile — and, with
+//!   `device_check` (the default), refuse at once where no NVIDIA device node
+//!   ([`cufile::DEVICE_NODES`]) or no `libcuda.so.1` exists: a real cuFile without a GPU
+//!   cannot open its driver, and some builds spin forever trying. `cuFileDriverOpen`
+//!   runs only when a backend is created ([`cufile::open`]; [`probe_mode`] too), once
+//!   per loaded library and process, on a thread of its own, waited for at most
+//!   `driver_open_timeout_ms`. An open that does not return in time fails creation with
+//!   `ETIMEDOUT`; its thread stays inside cuFile (nothing can stop it), and later
+//!   creations are refused at once, starting no second open, until it returns.
 //! - **Mode**: with the nvidia-fs kernel module, cuFile DMAs between storage and GPU
 //!   memory; without it (*compatibility mode*) cuFile does POSIX I/O through bounce
 //!   buffers. [`GdsBackend::io_mode`] says which, and it is logged at creation.
