@@ -63,6 +63,28 @@ if command -v etcd >/dev/null; then
   FERRY_TEST_ETCD_BIN=$(command -v etcd)
 fi
 
+# ---------------------------------------------------------------- python venv, real libcufile
+# One venv for the whole run (the Python bindings' step below adds to it).
+if ! python3 -m venv "$scratch/pyvenv" 2>/dev/null; then
+  if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-venv >/dev/null
+  fi
+  rm -rf "$scratch/pyvenv" && python3 -m venv "$scratch/pyvenv"
+fi
+# PyTorch's CUDA wheel brings the nvidia-cufile wheel's libcufile.so.0 and loads it at
+# `import torch`; without a GPU some cuFile builds (1.17) spin forever inside
+# cuFileDriverOpen. Tests given FERRY_TEST_CUFILE load these real libraries and check
+# that probing never calls the driver open and that creation is bounded. Installed
+# apart from the venv, so the venv's torch loads its own.
+log "real libcufile: nvidia-cufile (torch's, CUDA 13) and nvidia-cufile-cu12 wheels"
+if "$scratch/pyvenv/bin/pip" install -q --target "$scratch/cufile" nvidia-cufile nvidia-cufile-cu12; then
+  FERRY_TEST_CUFILE=$(find "$scratch/cufile" -name libcufile.so.0 | sort | paste -sd: -)
+  export FERRY_TEST_CUFILE
+  echo "FERRY_TEST_CUFILE=$FERRY_TEST_CUFILE"
+else
+  echo "cannot install the cuFile wheels: tests that need them will skip (or fail under CI=true)" >&2
+fi
+
 # ---------------------------------------------------------------- tests
 export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
 export RUST_BACKTRACE=1
@@ -84,6 +106,20 @@ cargo clippy --workspace --all-targets "${features[@]}" -- -D warnings -D clippy
 log "cargo test --workspace ${features[*]}"
 cargo test --workspace "${features[@]}" --no-fail-fast
 
+# `ferry backends` probes every backend type: with a real libcufile preloaded and no GPU
+# it must return at once (it used to spin forever in cuFileDriverOpen).
+if [[ -n "${FERRY_TEST_CUFILE:-}" ]]; then
+  log "ferry backends with each real libcufile preloaded (timeout 10 s)"
+  ferry_bin="$(cd "${CARGO_TARGET_DIR:-target}" && pwd)/debug/ferry"
+  IFS=: read -r -a cufile_libs <<<"$FERRY_TEST_CUFILE"
+  for lib in "${cufile_libs[@]}"; do
+    started_ns=$(date +%s%N)
+    # In the scratch dir: a cuFile that was called would write cufile.log there.
+    (cd "$scratch" && timeout 10 env LD_PRELOAD="$lib" "$ferry_bin" backends >/dev/null)
+    echo "LD_PRELOAD=$lib ferry backends: $((($(date +%s%N) - started_ns) / 1000000)) ms"
+  done
+fi
+
 # ---------------------------------------------------------------- python bindings
 # engine/python (the `ferry` Python module) is outside the workspace: fmt and clippy it,
 # build it (debug, sharing target/) with maturin into a venv under the scratch dir,
@@ -92,13 +128,11 @@ py_started=$SECONDS
 log "python bindings: fmt, clippy, maturin develop, pytest"
 (cd engine/python && cargo fmt -- --check &&
   CARGO_TARGET_DIR="$PWD/../../target" cargo clippy -q --all-targets -- -D warnings)
-if ! python3 -m venv "$scratch/pyvenv" 2>/dev/null; then
-  if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-venv >/dev/null
-  fi
-  rm -rf "$scratch/pyvenv" && python3 -m venv "$scratch/pyvenv"
-fi
-"$scratch/pyvenv/bin/pip" install -q maturin numpy pytest
+# torch (the CUDA build from PyPI, ~2.8 GB; it runs on CPU) is in the venv made above:
+# the tests import it before and beside ferry, which also loads its libcufile.
+torch_started=$SECONDS
+"$scratch/pyvenv/bin/pip" install -q maturin numpy pytest torch
+echo "pip install maturin numpy pytest torch: $((SECONDS - torch_started)) s"
 (cd engine/python && VIRTUAL_ENV="$scratch/pyvenv" PATH="$scratch/pyvenv/bin:$PATH" \
   CARGO_TARGET_DIR="$PWD/../../target" maturin develop -q)
 py_rc=0

@@ -106,6 +106,13 @@ fn backends() -> Result<(), String> {
         };
         let kinds: Vec<&str> = info.mem_kinds.iter().map(|k| k.name()).collect();
         println!("{} ({}) memory: {}", info.name, status, kinds.join(", "));
+        if info.available.is_ok() && info.name == "GDS" {
+            // Listing only loads libcufile and looks its symbols up.
+            println!(
+                "  cuFile library found; its driver is opened when a GDS backend is created \
+                 (bounded by driver_open_timeout_ms), never by this listing"
+            );
+        }
         if info.available.is_ok() {
             for (kind, why) in info
                 .kinds

@@ -7,6 +7,12 @@
 //! a missing driver is [`CudaError::NoDriver`], a device the driver does not have is
 //! [`CudaError::NoDevice`] — typed errors, never a panic.
 //!
+//! What is probed when: [`probe`] (what availability checks call) only loads the driver
+//! library and looks for a device node ([`DEVICE_NODES`]) — nothing in the driver is
+//! called. [`driver`] (every other entry point, so the first VRAM registration or
+//! buffer) also runs `cuInit`, on a thread of its own and bounded by [`INIT_TIMEOUT`],
+//! and refuses at once, without `cuInit`, where no device node exists.
+//!
 //! What the backends need: [`Device`] (a device's primary context, made current on the
 //! thread that registers or moves its memory), [`pointer_device`] (which device owns
 //! an address). What tests, demos and benchmarks need: [`DeviceBuffer`] (device memory
@@ -17,13 +23,23 @@
 // Every unsafe block states why it is sound.
 #![allow(unsafe_code)]
 
-use std::sync::{Arc, OnceLock};
+use std::path::Path;
+use std::sync::{mpsc, Arc, OnceLock};
+use std::time::Duration;
 
 use cudarc::driver::{result, sys, CudaContext, DriverError};
 use ferry_storage::{Error, Subject};
 
 /// The CUDA driver library every CUDA call goes through.
 pub const DRIVER_LIBRARY: &str = "libcuda.so.1";
+
+/// Paths one of which exists where an NVIDIA GPU is usable: the control device node
+/// (bare metal and containers), the kernel driver's proc directory, WSL's GPU node.
+pub const DEVICE_NODES: &[&str] = &["/dev/nvidiactl", "/proc/driver/nvidia", "/dev/dxg"];
+
+/// The longest [`driver`] waits for `cuInit`. Past it the call is left running on its
+/// thread (`ferry-cuda-init`) and the process's answer is [`CudaError::InitTimedOut`].
+pub const INIT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Why CUDA cannot be used.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -35,6 +51,24 @@ pub enum CudaError {
         library: &'static str,
         /// What the loader (or `cuInit`) said.
         reason: String,
+    },
+    /// The driver library loads but no NVIDIA device node exists ([`DEVICE_NODES`]), so
+    /// `cuInit` is not called.
+    #[error(
+        "VRAM needs an NVIDIA device: {library} loads but none of {} exists",
+        DEVICE_NODES.join(", ")
+    )]
+    NoDeviceNode {
+        /// The driver library.
+        library: &'static str,
+    },
+    /// `cuInit` did not return within [`INIT_TIMEOUT`]; it goes on on its own thread.
+    #[error("cuInit of {library} has not returned after {waited_ms} ms; CUDA is refused in this process")]
+    InitTimedOut {
+        /// The driver library.
+        library: &'static str,
+        /// How long it was waited for.
+        waited_ms: u128,
     },
     /// The driver is there but has no device with this ordinal.
     #[error("no CUDA device {ordinal}: the driver reports {count} device(s)")]
@@ -68,14 +102,18 @@ impl CudaError {
     /// call `Backend`.
     pub fn into_error(self, backend: &'static str) -> Error {
         match self {
-            CudaError::NoDriver { .. } | CudaError::NoDevice { .. } => Error::NotSupported {
+            CudaError::NoDriver { .. }
+            | CudaError::NoDevice { .. }
+            | CudaError::NoDeviceNode { .. } => Error::NotSupported {
                 backend: backend.into(),
                 what: self.to_string().into(),
             },
             CudaError::NotDeviceMemory { .. } => {
                 Error::invalid(Subject::Named("VRAM region".into()), self.to_string())
             }
-            CudaError::Driver { .. } => Error::backend(backend, self.to_string()),
+            CudaError::Driver { .. } | CudaError::InitTimedOut { .. } => {
+                Error::backend(backend, self.to_string())
+            }
         }
     }
 }
@@ -95,11 +133,12 @@ fn driver_error(call: &'static str, e: DriverError) -> CudaError {
     }
 }
 
-/// Check, once per process, that the driver library opens and `cuInit` succeeds. Every
-/// other function calls this first; call it to ask "is there a CUDA driver here".
-pub fn driver() -> Result<(), CudaError> {
-    static STATE: OnceLock<Result<(), CudaError>> = OnceLock::new();
-    STATE
+/// Whether CUDA can work here, without initializing it: the driver library loads
+/// (`dlopen`, once per process) and a device node exists. What availability checks
+/// call: it never runs `cuInit` and never blocks.
+pub fn probe() -> Result<(), CudaError> {
+    static LIBRARY: OnceLock<Result<(), CudaError>> = OnceLock::new();
+    LIBRARY
         .get_or_init(|| {
             // SAFETY: opening the driver library runs its constructors, which only set up
             // the driver's own state. The handle is leaked on purpose: cudarc opens the
@@ -113,7 +152,52 @@ pub fn driver() -> Result<(), CudaError> {
                 }
             })?;
             std::mem::forget(library);
-            result::init().map_err(|e| match e.0 {
+            Ok(())
+        })
+        .clone()?;
+    if !DEVICE_NODES.iter().any(|p| Path::new(p).exists()) {
+        return Err(CudaError::NoDeviceNode {
+            library: DRIVER_LIBRARY,
+        });
+    }
+    Ok(())
+}
+
+/// Check, once per process, that [`probe`] passes and `cuInit` succeeds within
+/// [`INIT_TIMEOUT`]. Every other function calls this first; call it to ask "is there a
+/// usable CUDA driver here". The answer, a timeout included, is kept for the process:
+/// `cuInit` is called at most once.
+pub fn driver() -> Result<(), CudaError> {
+    static STATE: OnceLock<Result<(), CudaError>> = OnceLock::new();
+    STATE
+        .get_or_init(|| {
+            probe()?;
+            let (done, outcome) = mpsc::channel();
+            std::thread::Builder::new()
+                .name("ferry-cuda-init".into())
+                .spawn(move || {
+                    let _ = done.send(result::init());
+                })
+                .map_err(|e| CudaError::Driver {
+                    call: "cuInit",
+                    detail: format!("cannot start its thread: {e}"),
+                })?;
+            let init = match outcome.recv_timeout(INIT_TIMEOUT) {
+                Ok(init) => init,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    return Err(CudaError::InitTimedOut {
+                        library: DRIVER_LIBRARY,
+                        waited_ms: INIT_TIMEOUT.as_millis(),
+                    })
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(CudaError::Driver {
+                        call: "cuInit",
+                        detail: "its thread ended without an answer".into(),
+                    })
+                }
+            };
+            init.map_err(|e| match e.0 {
                 sys::CUresult::CUDA_ERROR_NO_DEVICE => CudaError::NoDevice {
                     ordinal: 0,
                     count: 0,
@@ -481,8 +565,13 @@ mod tests {
                             .to_string()
                             .starts_with("VRAM needs a CUDA driver: libcuda.so.1 not found"));
                     }
-                    CudaError::NoDevice { .. } => {}
+                    CudaError::NoDevice { .. } | CudaError::NoDeviceNode { .. } => {}
                     other => panic!("unexpected {other}"),
+                }
+                // The probe (what availability checks call) says the same, without
+                // cuInit, unless it was cuInit that refused.
+                if !matches!(err, CudaError::NoDevice { .. }) {
+                    assert_eq!(probe().unwrap_err(), err);
                 }
                 // Every entry point gives the same error instead of panicking.
                 assert_eq!(Device::open(0).unwrap_err(), err);
@@ -493,6 +582,40 @@ mod tests {
                 assert!(engine.to_string().contains("libcuda.so.1"), "{engine}");
             }
         }
+    }
+
+    #[test]
+    fn the_probe_never_initializes_the_driver_and_returns_at_once() {
+        let started = std::time::Instant::now();
+        let probed = probe();
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "{:?}",
+            started.elapsed()
+        );
+        if let Err(e) = &probed {
+            assert!(
+                matches!(
+                    e,
+                    CudaError::NoDriver { .. } | CudaError::NoDeviceNode { .. }
+                ),
+                "{e}"
+            );
+        }
+        let no_node = CudaError::NoDeviceNode {
+            library: DRIVER_LIBRARY,
+        };
+        assert!(no_node.to_string().contains("/dev/nvidiactl"), "{no_node}");
+        assert!(matches!(
+            no_node.into_error("GDS"),
+            Error::NotSupported { .. }
+        ));
+        let late = CudaError::InitTimedOut {
+            library: DRIVER_LIBRARY,
+            waited_ms: 60_000,
+        };
+        assert!(late.to_string().contains("cuInit"), "{late}");
+        assert!(matches!(late.into_error("UCX"), Error::Backend { .. }));
     }
 
     #[test]

@@ -8,7 +8,8 @@
 use std::ffi::{c_int, c_long, c_uint, c_void};
 use std::mem::{offset_of, size_of};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
 
 /// The file name of cuFile in a CUDA install or the `nvidia-cufile` wheel.
 pub const DEFAULT_LIBRARY: &str = "libcufile.so.0";
@@ -27,6 +28,8 @@ pub struct CUfileError {
 pub const CU_FILE_SUCCESS: c_uint = 0;
 /// `CU_FILE_DRIVER_NOT_INITIALIZED`.
 pub const CU_FILE_DRIVER_NOT_INITIALIZED: c_uint = 5001;
+/// `CU_FILE_DRIVER_ALREADY_OPEN` (accepted as success by [`open`]).
+pub const CU_FILE_DRIVER_ALREADY_OPEN: c_uint = 5026;
 /// `CU_FILE_CUDA_DRIVER_ERROR`.
 pub const CU_FILE_CUDA_DRIVER_ERROR: c_uint = 5011;
 /// `CU_FILE_HANDLE_TYPE_OPAQUE_FD`.
@@ -313,39 +316,253 @@ pub fn loader_error(e: &libloading::Error) -> String {
     }
 }
 
+/// Why cuFile cannot be loaded, checked or opened. Each names the library.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum OpenError {
+    /// The dynamic loader cannot load the library.
+    NotFound {
+        /// The library as named.
+        library: PathBuf,
+        /// The loader's words.
+        reason: String,
+    },
+    /// The library loads but lacks an entry point the backend calls.
+    NotCuFile {
+        /// The library as named.
+        library: PathBuf,
+        /// The missing symbol.
+        symbol: &'static str,
+        /// The loader's words.
+        reason: String,
+    },
+    /// No NVIDIA device node exists: cuFile's driver cannot open (and a real cuFile may
+    /// spin forever trying), so it is not called.
+    NoNvidiaDevice {
+        /// The library as named.
+        library: PathBuf,
+        /// The file the loader found for it.
+        found: PathBuf,
+    },
+    /// No CUDA driver library loads: cuFile's driver cannot open, so it is not called.
+    NoCudaDriver {
+        /// The library as named.
+        library: PathBuf,
+        /// The file the loader found for it.
+        found: PathBuf,
+        /// The loader's words for [`CUDA_DRIVER_LIBRARY`].
+        reason: String,
+    },
+    /// `cuFileDriverOpen` or `cuFileDriverGetProperties` returned an error.
+    Driver {
+        /// The library as named.
+        library: PathBuf,
+        /// Which call.
+        call: &'static str,
+        /// What it returned.
+        status: CUfileError,
+    },
+    /// `cuFileDriverOpen` did not return in time. The call goes on, on its own thread
+    /// ([`OPEN_THREAD`]); nothing can stop it.
+    TimedOut {
+        /// The library as named.
+        library: PathBuf,
+        /// How long it has been running.
+        waited: Duration,
+    },
+    /// The thread for `cuFileDriverOpen` could not be started.
+    Spawn {
+        /// The library as named.
+        library: PathBuf,
+        /// The OS's words.
+        reason: String,
+    },
+}
+
+impl std::fmt::Display for OpenError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            OpenError::NotFound { library, reason } => write!(
+                f,
+                "GDS needs cuFile: {} not found ({reason})",
+                library.display()
+            ),
+            OpenError::NotCuFile {
+                library,
+                symbol,
+                reason,
+            } => write!(
+                f,
+                "{} is not a usable cuFile: {symbol} missing ({reason})",
+                library.display()
+            ),
+            OpenError::NoNvidiaDevice { library, found } => write!(
+                f,
+                "cuFile found ({}) but this machine has no NVIDIA device ({} absent), so \
+                 its driver cannot open; cuFileDriverOpen is not called",
+                found_as(library, found),
+                DEVICE_NODES.join(", ")
+            ),
+            OpenError::NoCudaDriver {
+                library,
+                found,
+                reason,
+            } => write!(
+                f,
+                "cuFile found ({}) but no CUDA driver: {CUDA_DRIVER_LIBRARY} not found \
+                 ({reason}), so its driver cannot open; cuFileDriverOpen is not called",
+                found_as(library, found)
+            ),
+            OpenError::Driver {
+                library,
+                call,
+                status,
+            } => write!(
+                f,
+                "{call} failed: {} (from {})",
+                describe(*status),
+                library.display()
+            ),
+            OpenError::TimedOut { library, waited } => write!(
+                f,
+                "cuFileDriverOpen of {} has not returned after {} ms (parameter \
+                 driver_open_timeout_ms); the call is left running on thread '{OPEN_THREAD}' \
+                 and GDS backends on this library are refused until it returns",
+                library.display(),
+                waited.as_millis()
+            ),
+            OpenError::Spawn { library, reason } => write!(
+                f,
+                "cannot start the thread for cuFileDriverOpen of {}: {reason}",
+                library.display()
+            ),
+        }
+    }
+}
+
+impl std::error::Error for OpenError {}
+
+/// `name`, and the file it resolved to when that differs.
+fn found_as(name: &Path, found: &Path) -> String {
+    if name == found || found.as_os_str().is_empty() {
+        name.display().to_string()
+    } else {
+        format!("{} at {}", name.display(), found.display())
+    }
+}
+
+/// The CUDA driver library cuFile needs (the pre-check loads it; nothing calls it).
+pub const CUDA_DRIVER_LIBRARY: &str = "libcuda.so.1";
+
+/// Paths one of which exists where an NVIDIA GPU is usable: the control device node
+/// (bare metal and containers), the kernel driver's proc directory, WSL's GPU node.
+pub const DEVICE_NODES: &[&str] = &["/dev/nvidiactl", "/proc/driver/nvidia", "/dev/dxg"];
+
+/// The name of the thread that runs `cuFileDriverOpen`.
+pub const OPEN_THREAD: &str = "ferry-cufile-open";
+
+/// The driver state of one loaded library (shared by every name it was loaded under).
+#[derive(Debug)]
+enum DriverState {
+    /// Nothing called yet.
+    Closed,
+    /// The open thread is inside `cuFileDriverOpen` since `started`.
+    Opening { started: Instant },
+    /// Open; the properties it reported.
+    Open(CUfileDrvProps),
+    /// The open failed (for good: cuFile is not asked again in this process).
+    Failed(OpenError),
+}
+
+/// One cuFile loaded into the process, with its symbols looked up. Loading calls
+/// nothing in it; [`open`] opens its driver.
+pub struct Library {
+    /// The functions.
+    pub api: Api,
+    /// The library as first named.
+    pub path: PathBuf,
+    /// The file the loader found (`dladdr` of an entry point; empty if it says nothing).
+    pub found: PathBuf,
+    state: Mutex<DriverState>,
+    changed: Condvar,
+}
+
+impl std::fmt::Debug for Library {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Library").field("path", &self.path).finish()
+    }
+}
+
+impl Library {
+    fn lock(&self) -> MutexGuard<'_, DriverState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Why backends on this library are refused without asking cuFile again: an open
+    /// that failed, or one still running after `limit`. `None` when nothing is known
+    /// against it (never tried, open, or opening for less than `limit`).
+    pub fn known_failure(&self, named: &Path, limit: Duration) -> Option<OpenError> {
+        match &*self.lock() {
+            DriverState::Failed(e) => Some(renamed(e, named)),
+            DriverState::Opening { started } if started.elapsed() >= limit => {
+                Some(OpenError::TimedOut {
+                    library: named.to_path_buf(),
+                    waited: started.elapsed(),
+                })
+            }
+            _ => None,
+        }
+    }
+}
+
+/// `e` as if it were about the library named `named`.
+fn renamed(e: &OpenError, named: &Path) -> OpenError {
+    let mut e = e.clone();
+    match &mut e {
+        OpenError::NotFound { library, .. }
+        | OpenError::NotCuFile { library, .. }
+        | OpenError::NoNvidiaDevice { library, .. }
+        | OpenError::NoCudaDriver { library, .. }
+        | OpenError::Driver { library, .. }
+        | OpenError::TimedOut { library, .. }
+        | OpenError::Spawn { library, .. } => *library = named.to_path_buf(),
+    }
+    e
+}
+
 /// Load cuFile from `library` (a bare name is searched like the dynamic loader does) and
-/// open its driver. Loaded libraries stay loaded for the process's life and their driver
-/// open (cuFile counts opens per process; closing under another backend's feet is not
-/// worth the risk), so a second backend on the same library shares the first's.
-pub fn load(library: &Path) -> Result<Arc<CuFile>, String> {
-    static LOADED: OnceLock<Mutex<Vec<Arc<CuFile>>>> = OnceLock::new();
+/// look its symbols up: `dlopen` and `dlsym`, nothing called. This is all availability
+/// checks do. Loaded libraries stay loaded for the process's life; the same library
+/// under two names (a bare name and the path it resolved to, or a preloaded copy) is
+/// one [`Library`] with one driver state.
+pub fn load(library: &Path) -> Result<Arc<Library>, OpenError> {
+    type Loaded = Vec<(PathBuf, Arc<Library>)>;
+    static LOADED: OnceLock<Mutex<Loaded>> = OnceLock::new();
     let mut loaded = LOADED
         .get_or_init(Default::default)
         .lock()
         .unwrap_or_else(|e| e.into_inner());
-    if let Some(found) = loaded.iter().find(|c| c.library == library) {
+    if let Some((_, found)) = loaded.iter().find(|(name, _)| name == library) {
         return Ok(found.clone());
     }
     // SAFETY: loading cuFile runs its constructors (its own state only); each symbol is
     // looked up with the signature of cufile.h, and the library is leaked below so the
     // pointers stay valid.
     let lib = unsafe { libloading::Library::new(library.as_os_str()) }.map_err(|e| {
-        format!(
-            "GDS needs cuFile: {} not found ({})",
-            library.display(),
-            loader_error(&e)
-        )
+        OpenError::NotFound {
+            library: library.to_path_buf(),
+            reason: loader_error(&e),
+        }
     })?;
     let api = {
         macro_rules! sym {
             ($name:literal) => {
                 // SAFETY: the symbol has the signature declared for the field it fills.
                 *unsafe { lib.get(concat!($name, "\0").as_bytes()) }.map_err(|e| {
-                    format!(
-                        "{} is not a usable cuFile: {} missing ({e})",
-                        library.display(),
-                        $name
-                    )
+                    OpenError::NotCuFile {
+                        library: library.to_path_buf(),
+                        symbol: $name,
+                        reason: e.to_string(),
+                    }
                 })?
             };
         }
@@ -380,32 +597,149 @@ pub fn load(library: &Path) -> Result<Arc<CuFile>, String> {
         }
     };
     std::mem::forget(lib);
+    // The same library under another name: its entry points are the same addresses.
+    let same = loaded
+        .iter()
+        .find(|(_, l)| l.api.driver_open as usize == api.driver_open as usize)
+        .map(|(_, l)| l.clone());
+    let found = same.unwrap_or_else(|| {
+        Arc::new(Library {
+            api,
+            path: library.to_path_buf(),
+            found: file_of(api.driver_open as *const c_void),
+            state: Mutex::new(DriverState::Closed),
+            changed: Condvar::new(),
+        })
+    });
+    loaded.push((library.to_path_buf(), found.clone()));
+    Ok(found)
+}
+
+/// The file of the loaded object that holds `addr`, as the loader reports it.
+fn file_of(addr: *const c_void) -> PathBuf {
+    // SAFETY: dladdr only reads the loader's tables; `info` is plain data it fills.
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; `addr` is an entry point of a loaded library.
+    if unsafe { libc::dladdr(addr, &mut info) } == 0 || info.dli_fname.is_null() {
+        return PathBuf::new();
+    }
+    // SAFETY: dli_fname is a NUL-terminated string owned by the loader, valid while
+    // the library stays loaded (for good: it is leaked).
+    let name = unsafe { std::ffi::CStr::from_ptr(info.dli_fname) };
+    use std::os::unix::ffi::OsStrExt;
+    PathBuf::from(std::ffi::OsStr::from_bytes(name.to_bytes()))
+}
+
+/// The cheap check before cuFile's driver is opened: an NVIDIA device node exists
+/// ([`DEVICE_NODES`]) and the CUDA driver library loads (`dlopen` only, once per
+/// process). Without them a real cuFile cannot open its driver — and some builds spin
+/// forever trying — so it is refused here, at once.
+pub fn device_check(lib: &Library, library: &Path) -> Result<(), OpenError> {
+    if !DEVICE_NODES.iter().any(|p| Path::new(p).exists()) {
+        return Err(OpenError::NoNvidiaDevice {
+            library: library.to_path_buf(),
+            found: lib.found.clone(),
+        });
+    }
+    static DRIVER: OnceLock<Result<(), String>> = OnceLock::new();
+    DRIVER
+        .get_or_init(|| {
+            // SAFETY: the CUDA driver's constructors set up its own state only; nothing
+            // in it is called here. Leaked: cuFile and cudarc load it by name anyway.
+            unsafe { libloading::Library::new(CUDA_DRIVER_LIBRARY) }
+                .map(std::mem::forget)
+                .map_err(|e| loader_error(&e))
+        })
+        .clone()
+        .map_err(|reason| OpenError::NoCudaDriver {
+            library: library.to_path_buf(),
+            found: lib.found.clone(),
+            reason,
+        })
+}
+
+/// Open the driver of `lib` (named `named` in messages) and read its properties, giving
+/// `cuFileDriverOpen` at most `timeout` from when it was first called.
+///
+/// The call runs on a thread of its own ([`OPEN_THREAD`]). When it does not return in
+/// time the thread is left behind, still inside cuFile (nothing can stop it) and this is
+/// [`OpenError::TimedOut`]; every later open of the same library is refused at once
+/// while it has not returned — no second thread is started — and succeeds or fails
+/// with its result once it does. A failed open is remembered and not retried.
+pub fn open(lib: &Arc<Library>, named: &Path, timeout: Duration) -> Result<CuFile, OpenError> {
+    let mut state = lib.lock();
+    loop {
+        match &*state {
+            DriverState::Open(props) => {
+                return Ok(CuFile {
+                    api: lib.api,
+                    library: named.to_path_buf(),
+                    props: *props,
+                })
+            }
+            DriverState::Failed(e) => return Err(renamed(e, named)),
+            DriverState::Closed => {
+                let shared = Arc::clone(lib);
+                std::thread::Builder::new()
+                    .name(OPEN_THREAD.into())
+                    .spawn(move || {
+                        let result = open_now(&shared.api, &shared.path);
+                        let mut state = shared.lock();
+                        *state = match result {
+                            Ok(props) => DriverState::Open(props),
+                            Err(e) => DriverState::Failed(e),
+                        };
+                        shared.changed.notify_all();
+                    })
+                    .map_err(|e| OpenError::Spawn {
+                        library: named.to_path_buf(),
+                        reason: e.to_string(),
+                    })?;
+                *state = DriverState::Opening {
+                    started: Instant::now(),
+                };
+            }
+            DriverState::Opening { started } => {
+                let waited = started.elapsed();
+                let Some(left) = timeout.checked_sub(waited).filter(|d| !d.is_zero()) else {
+                    return Err(OpenError::TimedOut {
+                        library: named.to_path_buf(),
+                        waited,
+                    });
+                };
+                state = lib
+                    .changed
+                    .wait_timeout(state, left)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+            }
+        }
+    }
+}
+
+/// `cuFileDriverOpen` then `cuFileDriverGetProperties`, on the calling thread.
+fn open_now(api: &Api, library: &Path) -> Result<CUfileDrvProps, OpenError> {
     // SAFETY: no arguments; opening twice in a process is allowed (already-open is
     // accepted below).
     let status = unsafe { (api.driver_open)() };
-    if status.err != CU_FILE_SUCCESS && status.err != 5026 {
-        return Err(format!(
-            "cuFileDriverOpen failed: {} (from {})",
-            describe(status),
-            library.display()
-        ));
+    if status.err != CU_FILE_SUCCESS && status.err != CU_FILE_DRIVER_ALREADY_OPEN {
+        return Err(OpenError::Driver {
+            library: library.to_path_buf(),
+            call: "cuFileDriverOpen",
+            status,
+        });
     }
     let mut props = CUfileDrvProps::default();
     // SAFETY: props is writable and has the layout asserted above.
     let status = unsafe { (api.driver_get_properties)(&mut props) };
     if status.err != CU_FILE_SUCCESS {
-        return Err(format!(
-            "cuFileDriverGetProperties failed: {}",
-            describe(status)
-        ));
+        return Err(OpenError::Driver {
+            library: library.to_path_buf(),
+            call: "cuFileDriverGetProperties",
+            status,
+        });
     }
-    let cufile = Arc::new(CuFile {
-        api,
-        library: library.to_path_buf(),
-        props,
-    });
-    loaded.push(cufile.clone());
-    Ok(cufile)
+    Ok(props)
 }
 
 /// How cuFile moves bytes on this machine.
@@ -499,7 +833,9 @@ mod tests {
 
     #[test]
     fn missing_library_is_a_message_not_a_panic() {
-        let err = load(Path::new("/nonexistent/libcufile.so.0")).unwrap_err();
+        let err = load(Path::new("/nonexistent/libcufile.so.0"))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("GDS needs cuFile"), "{err}");
         assert!(err.contains("/nonexistent/libcufile.so.0"), "{err}");
     }

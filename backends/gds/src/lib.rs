@@ -6,7 +6,18 @@
 //! - **Library**: cuFile is loaded at run time (`libcufile.so.0`, or the file named by
 //!   the `cufile_library` parameter, e.g. the `nvidia-cufile` wheel's), so the default
 //!   build needs neither CUDA nor cuFile; without them `ferry backends` says why GDS is
-//!   unavailable. The driver is opened once per library and process.
+//!   unavailable.
+//! - **What is probed when**: availability checks (`available`, `available_with`,
+//!   `kind_available`: `ferry backends`, every agent's backend list) load the library
+//!   and look its symbols up — `dlopen` + `dlsym`, no call into cuFile — and, with
+//!   `device_check` (the default), refuse at once where no NVIDIA device node
+//!   ([`cufile::DEVICE_NODES`]) or no `libcuda.so.1` exists: a real cuFile without a GPU
+//!   cannot open its driver, and some builds spin forever trying. `cuFileDriverOpen`
+//!   runs only when a backend is created ([`cufile::open`]; [`probe_mode`] too), once
+//!   per loaded library and process, on a thread of its own, waited for at most
+//!   `driver_open_timeout_ms`. An open that does not return in time fails creation with
+//!   `ETIMEDOUT`; its thread stays inside cuFile (nothing can stop it), and later
+//!   creations are refused at once, starting no second open, until it returns.
 //! - **Mode**: with the nvidia-fs kernel module, cuFile DMAs between storage and GPU
 //!   memory; without it (*compatibility mode*) cuFile does POSIX I/O through bounce
 //!   buffers. [`GdsBackend::io_mode`] says which, and it is logged at creation.
@@ -43,6 +54,7 @@ use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use ferry_backend_api::{
     Backend, BackendFactory, BackendInit, Capabilities, Completions, Endpoint, Error, Failure,
@@ -50,7 +62,7 @@ use ferry_backend_api::{
     Result, Subject,
 };
 
-use crate::cufile::{CUfileDescr, CUfileDescrHandle, CUfileHandle, CuFile, IoMode};
+use crate::cufile::{CUfileDescr, CUfileDescrHandle, CUfileHandle, CuFile, IoMode, OpenError};
 use crate::engine::{BatchEngine, IoJob, IoOutcome, ThreadEngine};
 use crate::slots::Slots;
 
@@ -65,6 +77,19 @@ pub const PARAMS: &[ParamSpec] = &[
         name: "cufile_library",
         default: "",
         doc: "path of the libcufile to load; empty = libcufile.so.0 from the loader's path",
+    },
+    ParamSpec {
+        name: "driver_open_timeout_ms",
+        default: "5000",
+        doc: "longest wait for cuFileDriverOpen at creation (1..=600000); past it creation \
+              fails and the call is left running on its own thread",
+    },
+    ParamSpec {
+        name: "device_check",
+        default: "true",
+        doc: "refuse at once, before cuFileDriverOpen, when no NVIDIA device node or no \
+              libcuda.so.1 is here (false: only for a cuFile that needs no GPU, such as a \
+              test stand-in)",
     },
     ParamSpec {
         name: "engine",
@@ -129,6 +154,8 @@ enum EngineChoice {
 #[derive(Clone, Debug)]
 struct Config {
     library: PathBuf,
+    driver_open_timeout: Duration,
+    device_check: bool,
     engine: EngineChoice,
     threads: usize,
     batch_entries: usize,
@@ -162,6 +189,14 @@ fn number<T: std::str::FromStr + PartialOrd>(
         .ok_or_else(|| bad_param(params, key, why))
 }
 
+fn flag(params: &Params, key: &str) -> Result<bool> {
+    match params.get(key).map(String::as_str) {
+        Some("true" | "1" | "yes") => Ok(true),
+        Some("false" | "0" | "no") => Ok(false),
+        _ => Err(bad_param(params, key, "expected true or false")),
+    }
+}
+
 impl Config {
     fn from_params(params: &Params) -> Result<Config> {
         let library = match params.get("cufile_library").map(|s| s.trim()) {
@@ -180,19 +215,15 @@ impl Config {
                 ))
             }
         };
-        let register_buffers = match params.get("register_buffers").map(String::as_str) {
-            Some("true" | "1" | "yes") => true,
-            Some("false" | "0" | "no") => false,
-            _ => {
-                return Err(bad_param(
-                    params,
-                    "register_buffers",
-                    "expected true or false",
-                ))
-            }
-        };
         Ok(Config {
             library,
+            driver_open_timeout: Duration::from_millis(number(
+                params,
+                "driver_open_timeout_ms",
+                1..=600_000,
+                "expected 1..=600000",
+            )?),
+            device_check: flag(params, "device_check")?,
             engine,
             threads: number(params, "threads", 1..=64, "expected 1..=64")?,
             batch_entries: number(params, "batch_entries", 1..=1024, "expected 1..=1024")?,
@@ -205,21 +236,50 @@ impl Config {
             )?,
             max_requests: number(params, "max_requests", 1..=65536, "expected 1..=65536")?,
             max_ops: number(params, "max_ops", 1..=1 << 20, "expected 1..=1048576")?,
-            register_buffers,
+            register_buffers: flag(params, "register_buffers")?,
         })
     }
 }
 
-/// Why GDS cannot work here with the default library, or `Ok`.
-fn availability() -> std::result::Result<Arc<CuFile>, String> {
-    let cufile = cufile::load(Path::new(cufile::DEFAULT_LIBRARY))?;
-    Ok(cufile)
+/// Why GDS cannot work here with `config`, or the loaded library: `dlopen` + `dlsym`,
+/// the device pre-check (unless `device_check=false`) and what an earlier open in this
+/// process left behind (a failure, or an open still running past the timeout). Nothing
+/// in cuFile is called: `cuFileDriverOpen` happens only when a backend is created.
+fn availability(config: &Config) -> std::result::Result<Arc<cufile::Library>, OpenError> {
+    let lib = cufile::load(&config.library)?;
+    if let Some(e) = lib.known_failure(&config.library, config.driver_open_timeout) {
+        return Err(e);
+    }
+    if config.device_check {
+        cufile::device_check(&lib, &config.library)?;
+    }
+    Ok(lib)
+}
+
+/// The configuration of the default parameters.
+fn default_config() -> Config {
+    let params = ferry_backend_api::effective_params(NAME, PARAMS, &Params::new())
+        .expect("the defaults are valid");
+    Config::from_params(&params).expect("the defaults are valid")
+}
+
+/// Load cuFile as a backend would (`config`): the checks of [`availability`], then its
+/// driver opened within `driver_open_timeout_ms`.
+fn open_cufile(config: &Config) -> std::result::Result<CuFile, OpenError> {
+    let lib = availability(config)?;
+    cufile::open(&lib, &config.library, config.driver_open_timeout)
 }
 
 /// How cuFile from `library` (`None` = `libcufile.so.0`) would move bytes here: GDS or
-/// compatibility mode, and why — without making a backend.
+/// compatibility mode, and why — without making a backend. Like creation this opens
+/// cuFile's driver (after the device pre-check, within the default
+/// `driver_open_timeout_ms`); availability checks never do.
 pub fn probe_mode(library: Option<&Path>) -> std::result::Result<IoMode, String> {
-    let cufile = cufile::load(library.unwrap_or(Path::new(cufile::DEFAULT_LIBRARY)))?;
+    let mut config = default_config();
+    if let Some(library) = library {
+        config.library = library.to_path_buf();
+    }
+    let cufile = open_cufile(&config).map_err(|e| e.to_string())?;
     Ok(cufile::detect_mode(&cufile))
 }
 
@@ -240,19 +300,24 @@ impl BackendFactory for GdsFactory {
         MEM_KINDS
     }
 
+    /// The library loads and has cuFile's symbols, and (with the default
+    /// `device_check`) the machine has an NVIDIA device and a CUDA driver library.
+    /// Never calls into cuFile.
     fn available(&self) -> std::result::Result<(), String> {
-        availability().map(|_| ())
+        availability(&default_config())
+            .map(|_| ())
+            .map_err(|e| e.to_string())
     }
 
     fn available_with(&self, params: &Params) -> std::result::Result<(), String> {
-        match params.get("cufile_library").map(|s| s.trim()) {
-            Some(path) if !path.is_empty() => cufile::load(Path::new(path)).map(|_| ()),
-            _ => self.available(),
-        }
+        let config = ferry_backend_api::effective_params(NAME, PARAMS, params)
+            .and_then(|p| Config::from_params(&p))
+            .map_err(|e| e.to_string())?;
+        availability(&config).map(|_| ()).map_err(|e| e.to_string())
     }
 
     fn kind_available(&self, kind: MemKind) -> std::result::Result<(), String> {
-        availability()?;
+        self.available()?;
         match kind {
             MemKind::Vram => vram_available(),
             MemKind::Dram | MemKind::File => Ok(()),
@@ -265,17 +330,11 @@ impl BackendFactory for GdsFactory {
     }
 }
 
+/// The CUDA driver library loads and a device node exists; `cuInit` waits for a VRAM
+/// registration.
 #[cfg(feature = "cuda")]
 fn vram_available() -> std::result::Result<(), String> {
-    ferry_cuda::device_count()
-        .map_err(|e| e.to_string())
-        .and_then(|n| {
-            if n == 0 {
-                Err("the CUDA driver reports no device".to_string())
-            } else {
-                Ok(())
-            }
-        })
+    ferry_cuda::probe().map_err(|e| e.to_string())
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -374,6 +433,30 @@ fn descriptor(index: usize, addr: u64, len: u64, dev: u64) -> Subject {
     }
 }
 
+/// The engine's error for a cuFile that cannot be loaded or opened: a machine without
+/// a GPU or CUDA driver is `NotSupported`; a missing library, a failed or timed-out
+/// driver open is `Backend` (errno `ENOENT`, `EIO`, `ETIMEDOUT`). Each names the library.
+fn open_error(e: OpenError) -> Error {
+    let errno = match &e {
+        OpenError::NoNvidiaDevice { .. } | OpenError::NoCudaDriver { .. } => {
+            return Error::NotSupported {
+                backend: NAME.into(),
+                what: e.to_string().into(),
+            }
+        }
+        OpenError::NotFound { .. } | OpenError::NotCuFile { .. } => libc::ENOENT,
+        OpenError::Driver { .. } => libc::EIO,
+        OpenError::TimedOut { .. } => libc::ETIMEDOUT,
+        OpenError::Spawn { .. } => libc::EAGAIN,
+    };
+    Error::Backend {
+        backend: NAME.into(),
+        errno,
+        desc: None,
+        detail: e.to_string().into(),
+    }
+}
+
 fn cufile_error(what: &str, err: cufile::CUfileError) -> Error {
     Error::Backend {
         backend: NAME.into(),
@@ -388,12 +471,7 @@ impl GdsBackend {
     pub fn new(init: &BackendInit<'_>) -> Result<GdsBackend> {
         let params = ferry_backend_api::effective_params(NAME, PARAMS, init.params)?;
         let config = Config::from_params(&params)?;
-        let cufile = cufile::load(&config.library).map_err(|reason| Error::Backend {
-            backend: NAME.into(),
-            errno: libc::ENOENT,
-            desc: None,
-            detail: reason.into(),
-        })?;
+        let cufile = Arc::new(open_cufile(&config).map_err(open_error)?);
         let mode = cufile::detect_mode(&cufile);
         let max_batch = cufile.props.max_batch_io_size as usize;
         if max_batch != 0 && config.batch_entries > max_batch {

@@ -126,6 +126,8 @@ fn gds_moves_file_and_dram_through_an_agent() {
     let agent = Agent::new(AgentConfig::named("gds-engine")).unwrap();
     let mut params = Params::new();
     params.insert("cufile_library".into(), lib.display().to_string());
+    // The stand-in needs no GPU: skip the NVIDIA device pre-check.
+    params.insert("device_check".into(), "false".into());
     params.insert("engine".into(), "batch".into());
     agent.create_backend("GDS", &params).unwrap();
     let dir = tempfile::tempdir().unwrap();

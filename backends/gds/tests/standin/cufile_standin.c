@@ -122,7 +122,33 @@ static size_t cap(size_t size) {
 }
 
 /* ---- driver */
-CUfileError_t cuFileDriverOpen(void) { pthread_mutex_lock(&lock); opened++; pthread_mutex_unlock(&lock); return status(OK); }
+/* Built with -DSTANDIN_OPEN_BLOCKS, cuFileDriverOpen waits until standin_release_open()
+ * is called: a cuFile whose driver open does not return (as a real one without a GPU). */
+static int open_calls;
+static bool open_released;
+static pthread_cond_t open_release = PTHREAD_COND_INITIALIZER;
+void standin_release_open(void) {
+  pthread_mutex_lock(&lock);
+  open_released = true;
+  pthread_cond_broadcast(&open_release);
+  pthread_mutex_unlock(&lock);
+}
+int standin_open_calls(void) {
+  pthread_mutex_lock(&lock);
+  int n = open_calls;
+  pthread_mutex_unlock(&lock);
+  return n;
+}
+CUfileError_t cuFileDriverOpen(void) {
+  pthread_mutex_lock(&lock);
+  open_calls++;
+#ifdef STANDIN_OPEN_BLOCKS
+  while (!open_released) pthread_cond_wait(&open_release, &lock);
+#endif
+  opened++;
+  pthread_mutex_unlock(&lock);
+  return status(OK);
+}
 CUfileError_t cuFileDriverClose(void) { return status(OK); }
 CUfileError_t cuFileDriverGetProperties(CUfileDrvProps_t *props) {
   if (!opened) return status(NOT_INITIALIZED);
