@@ -59,14 +59,16 @@ fn check_model(what: &str, agent: &Agent, target: Option<&Agent>, make: impl Fn(
             "{what}: {size:>8} B  estimate {:>10.1?} ± {:>9.1?} ({:?})  measured {measured:>10.1?}",
             estimate.duration, estimate.margin, estimate.method
         );
+        // Every size was measured eight times: its own class answers (a median of what
+        // was measured, so not asserted to grow with the size: two sizes that cost the
+        // same syscall may swap places by noise).
+        assert_eq!(estimate.method, CostMethod::Measured, "{what}: {size} B");
         assert!(
-            estimate.duration >= last,
-            "{what}: larger requests take longer"
+            estimate.duration > Duration::ZERO && estimate.duration < Duration::from_secs(60),
+            "{what}: {size} B estimated {:?}",
+            estimate.duration
         );
-        last = estimate.duration;
-        if estimate.method == CostMethod::Measured {
-            assert!(estimate.duration > Duration::ZERO, "{what}");
-        }
+        last = last.max(estimate.duration);
     }
     assert!(
         last > Duration::ZERO,

@@ -157,6 +157,14 @@ pub const PARAMS: &[ParamSpec] = &[
               set; 'ucx' = UCX's own default (8256)",
     },
     ParamSpec {
+        name: "tcp_seg_bytes",
+        default: "auto",
+        doc: "send segment of UCX's tcp transport (UCX_TCP_TX_SEG_SIZE; the receive segment, \
+              UCX_TCP_RX_SEG_SIZE, is set to 4x it), 8192..=1048576; 'auto' = 262144 unless \
+              UCX_TCP_TX_SEG_SIZE, UCX_TCP_RX_SEG_SIZE or UCX_TCP_SEG_SIZE is set; 'ucx' = \
+              UCX's own defaults (8 KiB / 64 KiB)",
+    },
+    ParamSpec {
         name: "notif_queue",
         default: "65536",
         doc: "inbound notifications the inbox holds until drained; past it a local sender gets a \
@@ -311,6 +319,8 @@ pub struct Config {
     /// Segment size of UCX's shared-memory transports to set (`None` = leave UCX's
     /// configuration alone).
     pub shm_seg_bytes: Option<u32>,
+    /// Send segment of UCX's tcp transport to set (receive: 4×; `None` = UCX's).
+    pub tcp_seg_bytes: Option<u32>,
     /// When small WRITEs are batched into active messages.
     pub am_batch: AmBatchMode,
     /// Largest batched range (0 = off).
@@ -339,6 +349,21 @@ const FIFO_SIZE_ENV: [&str; 3] = [
 /// ~8 KiB move 1 MiB ranges ~1.3× faster (see the README). UCX's FIFO element carries the
 /// length in 16 bits, so 64 KiB is out of reach.
 pub const SHM_SEG_BYTES_AUTO: u32 = 32768;
+
+/// tcp send segment applied by `tcp_seg_bytes=auto` (the receive segment is 4× it).
+/// UCX 1.13 has no RMA over tcp: it carries puts and gets in active messages of one send
+/// segment each, 8 KiB by default. 256 KiB segments (set as UCX's `TX_SEG_SIZE` and
+/// `RX_SEG_SIZE`, which only tcp has) moved one request across two network namespaces
+/// ~3× faster (measured back to back, UCX 1.13.1: 256 KiB WRITE 0.41 → 1.14 GB/s, 16 MiB
+/// WRITE 0.36 → 1.33, 16 MiB READ 0.48 → 1.30) and left 4 KiB requests as they were.
+pub const TCP_SEG_BYTES_AUTO: u32 = 262_144;
+
+/// Environment variables through which a user already chose tcp segment sizes.
+const TCP_SEG_ENV: [&str; 3] = [
+    "UCX_TCP_TX_SEG_SIZE",
+    "UCX_TCP_RX_SEG_SIZE",
+    "UCX_TCP_SEG_SIZE",
+];
 
 /// Environment variables through which a user already chose the shared-memory segment size.
 const SEG_SIZE_ENV: [&str; 3] = ["UCX_MM_SEG_SIZE", "UCX_SYSV_SEG_SIZE", "UCX_POSIX_SEG_SIZE"];
@@ -471,6 +496,14 @@ impl Config {
             |_| true,
         )
         .map_err(|()| bad("shm_seg_bytes", "expected 'auto', 'ucx' or 4096..=32768"))?;
+        let tcp_seg_bytes = ucx_tuning(
+            get("tcp_seg_bytes"),
+            TCP_SEG_BYTES_AUTO,
+            &TCP_SEG_ENV,
+            8192..=1 << 20,
+            |_| true,
+        )
+        .map_err(|()| bad("tcp_seg_bytes", "expected 'auto', 'ucx' or 8192..=1048576"))?;
         let am_batch = match get("am_batch") {
             "auto" => AmBatchMode::Auto,
             "on" | "true" => AmBatchMode::On,
@@ -515,6 +548,7 @@ impl Config {
             close_force,
             shm_fifo_size,
             shm_seg_bytes,
+            tcp_seg_bytes,
             chunk_bytes,
             window_bytes,
             workers,
@@ -946,6 +980,8 @@ mod tests {
             ("shm_fifo_size", "1"),
             ("shm_fifo_size", "big"),
             ("shm_seg_bytes", "65536"),
+            ("tcp_seg_bytes", "4096"),
+            ("tcp_seg_bytes", "2097152"),
             ("shm_seg_bytes", "1"),
             ("notif_queue", "0"),
             ("notif_queue_bytes", "10"),

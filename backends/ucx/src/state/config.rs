@@ -53,9 +53,24 @@ pub(super) fn zcopy_thresh_override(version: ferry_ucx_sys::UcxVersion) -> Optio
         .then(|| ZCOPY_THRESH_NEW_UCX.to_string())
 }
 
+/// Whether a `UCX_TLS` value may select the tcp transport.
+pub(super) fn may_use_tcp(tls: &str) -> bool {
+    let tls = tls.trim();
+    tls.starts_with('^') || tls.split(',').any(|t| matches!(t.trim(), "all" | "tcp"))
+}
+
 #[cfg(test)]
 mod shm_tests {
-    use super::may_use_shared_memory;
+    use super::{may_use_shared_memory, may_use_tcp};
+
+    #[test]
+    fn tcp_settings_follow_the_transport_list() {
+        assert!(may_use_tcp("tcp"));
+        assert!(may_use_tcp("sm,tcp,self"));
+        assert!(may_use_tcp("^cma"));
+        assert!(!may_use_tcp("sm,self"));
+        assert!(!may_use_tcp("rc,ud"));
+    }
 
     #[test]
     fn shared_memory_settings_follow_the_transport_list() {

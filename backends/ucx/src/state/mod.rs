@@ -69,7 +69,7 @@ use batch::{
 };
 pub(crate) use callbacks::Events;
 use callbacks::{on_ep_error, on_notif, on_op_done, CompletionQueue, OpCell, PeerLink};
-use config::{may_use_shared_memory, rndv_thresh_override, zcopy_thresh_override};
+use config::{may_use_shared_memory, may_use_tcp, rndv_thresh_override, zcopy_thresh_override};
 use deadline::{Deadline, Watch};
 pub(crate) use diagnostics::errno_of;
 #[cfg(test)]
@@ -210,6 +210,12 @@ impl Core {
         let shm = tls.as_deref().is_none_or(may_use_shared_memory);
         let fifo_size = config.shm_fifo_size.filter(|_| shm).map(|n| n.to_string());
         let seg_size = config.shm_seg_bytes.filter(|_| shm).map(|n| n.to_string());
+        let tcp = tls.as_deref().is_none_or(may_use_tcp);
+        let tcp_tx = config.tcp_seg_bytes.filter(|_| tcp);
+        let (tcp_tx_seg, tcp_rx_seg) = (
+            tcp_tx.map(|n| n.to_string()),
+            tcp_tx.map(|n| (u64::from(n) * 4).to_string()),
+        );
         let zcopy_thresh = zcopy_thresh_override(ucp.version());
         let rndv_thresh = rndv_thresh_override();
         let overrides = [
@@ -218,6 +224,8 @@ impl Core {
             // A transport setting: UCX keeps it and applies it to the mm transports.
             (c"MM_FIFO_SIZE", &fifo_size),
             (c"MM_SEG_SIZE", &seg_size),
+            (c"TX_SEG_SIZE", &tcp_tx_seg),
+            (c"RX_SEG_SIZE", &tcp_rx_seg),
             (c"ZCOPY_THRESH", &zcopy_thresh),
             (c"RNDV_THRESH", &rndv_thresh),
         ];
