@@ -278,7 +278,12 @@ impl Agent {
             if have.contains(&factory.name()) {
                 continue;
             }
-            let params = params_of(factory.name());
+            let mut params = params_of(factory.name());
+            for &(ty, key, value) in registry::DEFAULT_SET_PARAMS {
+                if ty == factory.name() && !params.contains_key(key) {
+                    params.insert(key.to_string(), value.to_string());
+                }
+            }
             let effective = effective_params(factory.name(), factory.params(), &params)?;
             if let Err(reason) = factory.available_with(&effective) {
                 log::info!(

@@ -50,6 +50,18 @@ static SHM: ferry_shm::ShmFactory = ferry_shm::ShmFactory;
 /// caller who has them names it.
 pub const DEFAULT_BACKENDS: &[&str] = &["LOOPBACK", "SHM", "UCX", "POSIX"];
 
+/// Parameters a backend gets in the default set unless the caller sets them: (type, key,
+/// value). UCX's shared-memory tuning (`shm_fifo_size`/`shm_seg_bytes=auto`: 4096 FIFO
+/// entries of 32 KiB) makes UCX allocate and zero ~128 MiB of shared memory per
+/// transport when the backend is created (measured: `ucx_info` creating a worker takes
+/// 173 ms with it, 29 ms without, UCX 1.13.1); in the default set a same-host peer's
+/// DRAM goes through SHM, so UCX keeps its own defaults there and an agent with the
+/// default set is made in tens of milliseconds.
+pub const DEFAULT_SET_PARAMS: &[(&str, &str, &str)] = &[
+    ("UCX", "shm_fifo_size", "ucx"),
+    ("UCX", "shm_seg_bytes", "ucx"),
+];
+
 /// Every backend factory compiled in, in preference order.
 pub fn factories() -> Vec<&'static dyn BackendFactory> {
     vec![&LOOPBACK, &UCX, &POSIX, &GDS, &SHM]
