@@ -8,27 +8,13 @@
 
 mod common;
 
+use common::{create, params};
+
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use ferry_backend_api::{BackendFactory, BackendInit, Error, Params};
-use ferry_gds::{cufile, GdsBackend, GdsFactory};
-
-fn params(lib: &Path, extra: &[(&str, &str)]) -> Params {
-    let mut params = Params::new();
-    params.insert("cufile_library".into(), lib.display().to_string());
-    for (k, v) in extra {
-        params.insert((*k).into(), (*v).into());
-    }
-    params
-}
-
-fn create(params: &Params) -> Result<GdsBackend, Error> {
-    GdsBackend::new(&BackendInit {
-        agent_name: "gds-open",
-        params,
-    })
-}
+use ferry_backend_api::{BackendFactory, Error};
+use ferry_gds::{cufile, GdsFactory};
 
 /// `standin_open_calls()` of the stand-in at `lib`.
 fn open_calls(lib: &Path) -> i32 {

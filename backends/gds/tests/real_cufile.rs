@@ -16,12 +16,14 @@
 
 mod common;
 
+use common::{create, params};
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ferry_backend_api::{BackendFactory, BackendInit, Error, MemKind, Params};
-use ferry_gds::{cufile, GdsBackend, GdsFactory};
+use ferry_backend_api::{BackendFactory, Error, MemKind};
+use ferry_gds::{cufile, GdsFactory};
 
 /// The longest a child may run.
 const CHILD_LIMIT: Duration = Duration::from_secs(20);
@@ -81,22 +83,6 @@ fn child_library() -> Option<PathBuf> {
         .unwrap_or_else(|e| panic!("cannot load {}: {e}", lib.display()));
     std::mem::forget(loaded);
     Some(lib)
-}
-
-fn params(lib: &Path, extra: &[(&str, &str)]) -> Params {
-    let mut params = Params::new();
-    params.insert("cufile_library".into(), lib.display().to_string());
-    for (k, v) in extra {
-        params.insert((*k).into(), (*v).into());
-    }
-    params
-}
-
-fn create(params: &Params) -> Result<GdsBackend, Error> {
-    GdsBackend::new(&BackendInit {
-        agent_name: "real-cufile",
-        params,
-    })
 }
 
 fn timed<T>(what: &str, limit: Duration, f: impl FnOnce() -> T) -> T {

@@ -79,3 +79,23 @@ pub fn real_cufile() -> Vec<PathBuf> {
     }
     paths
 }
+
+/// GDS parameters naming `lib` as the cuFile library, plus `extra`.
+pub fn params(lib: &Path, extra: &[(&str, &str)]) -> ferry_backend_api::Params {
+    let mut params = ferry_backend_api::Params::new();
+    params.insert("cufile_library".into(), lib.display().to_string());
+    for (k, v) in extra {
+        params.insert((*k).into(), (*v).into());
+    }
+    params
+}
+
+/// A GDS backend made directly (no agent) with `params`.
+pub fn create(
+    params: &ferry_backend_api::Params,
+) -> Result<ferry_gds::GdsBackend, ferry_backend_api::Error> {
+    ferry_gds::GdsBackend::new(&ferry_backend_api::BackendInit {
+        agent_name: "gds-test",
+        params,
+    })
+}
