@@ -205,10 +205,20 @@ impl Agent {
                 what: format!("not available on this machine: {reason}").into(),
             });
         }
+        self.add_backend(factory, &params)
+    }
+
+    /// Create and add a backend from `factory` with effective `params` whose
+    /// availability was checked.
+    fn add_backend(
+        &self,
+        factory: &'static dyn ferry_backend_api::BackendFactory,
+        params: &Params,
+    ) -> Result<BackendId> {
         let backend = factory
             .create(&BackendInit {
                 agent_name: &self.name,
-                params: &params,
+                params,
             })
             .inspect_err(|e| {
                 log::debug!(
@@ -293,7 +303,7 @@ impl Agent {
                 );
                 continue;
             }
-            self.create_backend(factory.name(), &params)?;
+            self.add_backend(factory, &effective)?;
             created.push(factory.name());
         }
         log::debug!(

@@ -228,6 +228,8 @@ impl World {
         self.backends.ids[slot] = Some(id);
         self.backends.caps[slot] = Some(backend.capabilities());
         self.metrics.set_backend(slot, backend.name());
+        // Sized now, so that recording a completion (in a flush) never allocates.
+        self.size_costs[slot] = crate::cost::SizeClasses::new();
         self.backends.backends[slot] = Some(backend);
         Ok(id)
     }

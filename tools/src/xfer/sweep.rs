@@ -494,6 +494,11 @@ fn run_case(
     let agent = &w.agent;
     let mut s = Samples::default();
     s.prep.extend(prep_once);
+    // The backend is chosen at make: read it once, outside the timed iterations.
+    s.via = prepared
+        .first()
+        .and_then(|&x| agent.xfer_backend(x).ok())
+        .unwrap_or("");
     let mut done = vec![false; lists.len()];
     let mut xs: Vec<XferId> = prepared.clone();
     let bytes_per_iter: u64 = lists
@@ -533,12 +538,18 @@ fn run_case(
             }
         }
         post_all(agent, &xs, &mut done)?;
+        if s.via.is_empty() {
+            // One-shot: the first request made tells.
+            s.via = xs
+                .first()
+                .and_then(|&x| agent.xfer_backend(x).ok())
+                .unwrap_or("?");
+        }
         for &x in &xs {
             let t = agent.telemetry(x).map_err(err)?;
             s.post.push(t.post_duration);
             s.xfer.push(t.xfer_duration);
             s.ranges = t.desc_count;
-            s.via = agent.xfer_backend(x).unwrap_or("?");
         }
         if case.request == RequestMode::Oneshot {
             for &x in &xs {
