@@ -353,9 +353,10 @@ pub const SHM_SEG_BYTES_AUTO: u32 = 32768;
 /// tcp send segment applied by `tcp_seg_bytes=auto` (the receive segment is 4× it).
 /// UCX 1.13 has no RMA over tcp: it carries puts and gets in active messages of one send
 /// segment each, 8 KiB by default. 256 KiB segments (set as UCX's `TX_SEG_SIZE` and
-/// `RX_SEG_SIZE`, which only tcp has) moved one request across two network namespaces
-/// ~3× faster (measured back to back, UCX 1.13.1: 256 KiB WRITE 0.41 → 1.14 GB/s, 16 MiB
-/// WRITE 0.36 → 1.33, 16 MiB READ 0.48 → 1.30) and left 4 KiB requests as they were.
+/// `RX_SEG_SIZE`, which only tcp has) move one request across two network namespaces
+/// 2–3× faster (UCX 1.13.1, medians of 3 interleaved runs of `ucx` vs `auto`: 256 KiB
+/// WRITE 0.56 → 1.17 GB/s, 16 MiB WRITE 0.60 → 1.76, 256 KiB READ 0.61 → 1.97, 16 MiB
+/// READ 0.76 → 2.29; see `backends/ucx/README.md`).
 pub const TCP_SEG_BYTES_AUTO: u32 = 262_144;
 
 /// Environment variables through which a user already chose tcp segment sizes.
