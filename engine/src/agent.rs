@@ -138,7 +138,16 @@ impl Agent {
         }
         #[cfg(feature = "tracy")]
         let _ = tracy_client::Client::start();
-        let world = World::new(&config.name, config.bounds);
+        let world = match World::new(&config.name, config.bounds) {
+            Ok(world) => world,
+            Err(e) => {
+                names_in_use()
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&config.name);
+                return Err(e);
+            }
+        };
         let metrics = world.metrics().clone();
         #[cfg(feature = "prometheus")]
         crate::prometheus::agent_created(&config.name, &metrics);

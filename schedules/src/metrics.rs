@@ -28,7 +28,7 @@ use ferry_storage::{Error, MAX_BACKENDS};
 pub const LATENCY_BUCKETS: usize = 32;
 
 /// The kinds request errors are counted by (the reference system's status names).
-pub const ERROR_KINDS: [&str; 10] = [
+pub const ERROR_KINDS: [&str; 11] = [
     "INVALID_PARAM",
     "NOT_FOUND",
     "MISMATCH",
@@ -39,6 +39,7 @@ pub const ERROR_KINDS: [&str; 10] = [
     "REMOTE_DISCONNECT",
     "CANCELED",
     "NO_TELEM",
+    "POISONED",
 ];
 
 /// Add `n` to a counter that only the world-lock holder writes.

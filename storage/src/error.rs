@@ -225,7 +225,8 @@ impl Error {
         }
     }
 
-    /// The reference system's status name for this error (`NIXL_ERR_*` without prefix).
+    /// The reference system's status name for this error (`NIXL_ERR_*` without prefix);
+    /// `POISONED` is Ferry's own (the reference system has no such state).
     pub fn status_name(&self) -> &'static str {
         match self {
             Error::InvalidParam { .. } => "INVALID_PARAM",
@@ -242,7 +243,8 @@ impl Error {
             Error::Capacity { .. } => "NOT_ALLOWED",
             Error::DependencyFailed { .. } => "INVALID_PARAM",
             Error::StaleRegion { .. } => "NOT_FOUND",
-            Error::Poisoned { .. } => "NOT_ALLOWED",
+            // Not a refusal of this call: the agent refuses everything from now on.
+            Error::Poisoned { .. } => "POISONED",
         }
     }
 }

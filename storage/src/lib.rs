@@ -14,7 +14,9 @@ mod table;
 mod types;
 
 pub use error::{Error, Result, Subject};
-pub use handles::{BackendId, PeerId, PrepId, RegionId, XferId};
+pub use handles::{
+    AgentTag, BackendId, PeerId, PrepId, RegionId, XferId, SLOTS_MAX, TAG_MAX, TAG_SHIFT,
+};
 pub use section::{SectionIndex, SectionInsertError};
 pub use table::{Column, RegionRow, RegionTable, RowPush, RowRemove, Rows};
 pub use types::{BackendMask, Desc, Endpoint, MemKind, Op, MAX_BACKENDS};

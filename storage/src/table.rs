@@ -11,18 +11,23 @@
 
 use std::ops::{Deref, DerefMut};
 
-use slotmap::{Key, SlotMap};
+use slotmap::{Key, KeyData, SlotMap};
 
 use crate::types::{BackendMask, Desc, MemKind, MAX_BACKENDS};
-use crate::RegionId;
+use crate::{AgentTag, RegionId};
 
 /// Handle ↔ row bookkeeping shared by every table.
+///
+/// The handles it hands out carry the owning agent's [`AgentTag`]: the slot map holds
+/// untagged keys, `keys` the tagged (public) ones.
 #[derive(Debug)]
 pub struct Rows<K: Key> {
-    /// Row of each live handle.
+    /// Row of each live handle (untagged keys).
     slots: SlotMap<K, u32>,
-    /// Handle of each row (indexed by row).
+    /// Handle of each row (indexed by row), as handed out.
     keys: Vec<K>,
+    /// The owning agent's tag.
+    tag: AgentTag,
 }
 
 /// Proof that [`Rows::push_row`] just appended row `row`: what lets a [`Column`] grow.
@@ -38,19 +43,30 @@ pub struct RowRemove {
     row: usize,
 }
 
-impl<K: Key> Default for Rows<K> {
+impl<K: Key + From<KeyData>> Default for Rows<K> {
     fn default() -> Self {
         Rows::with_capacity(0)
     }
 }
 
-impl<K: Key> Rows<K> {
-    /// Bookkeeping for up to `capacity` rows before growing.
+impl<K: Key + From<KeyData>> Rows<K> {
+    /// Bookkeeping for up to `capacity` rows before growing; untagged handles.
     pub fn with_capacity(capacity: usize) -> Self {
+        Rows::tagged(capacity, AgentTag::NONE)
+    }
+
+    /// Bookkeeping whose handles carry `tag` (see [`AgentTag`]).
+    pub fn tagged(capacity: usize, tag: AgentTag) -> Self {
         Rows {
             slots: SlotMap::with_capacity_and_key(capacity),
             keys: Vec::with_capacity(capacity),
+            tag,
         }
+    }
+
+    /// The tag this table's handles carry.
+    pub fn tag(&self) -> AgentTag {
+        self.tag
     }
 
     /// Number of live rows.
@@ -72,7 +88,8 @@ impl<K: Key> Rows<K> {
     #[inline]
     pub fn push_row(&mut self) -> (K, RowPush) {
         let row = self.keys.len();
-        let key = self.slots.insert(row as u32);
+        debug_assert!(row < crate::SLOTS_MAX, "table beyond SLOTS_MAX rows");
+        let key = self.tag.stamp(self.slots.insert(row as u32));
         self.keys.push(key);
         (key, RowPush { row })
     }
@@ -80,7 +97,7 @@ impl<K: Key> Rows<K> {
     /// Row of `key`, or `None` for a stale or foreign handle.
     #[inline]
     pub fn row(&self, key: K) -> Option<usize> {
-        self.slots.get(key).map(|&r| r as usize)
+        self.slots.get(self.tag.stamp(key)).map(|&r| r as usize)
     }
 
     /// Handle of `row`.
@@ -97,10 +114,10 @@ impl<K: Key> Rows<K> {
     /// Remove `key`; the caller swap-removes every column with the proof.
     #[inline]
     pub fn remove_row(&mut self, key: K) -> Option<RowRemove> {
-        let row = self.slots.remove(key)? as usize;
+        let row = self.slots.remove(self.tag.stamp(key))? as usize;
         self.keys.swap_remove(row);
         if let Some(&moved) = self.keys.get(row) {
-            self.slots[moved] = row as u32;
+            self.slots[self.tag.stamp(moved)] = row as u32;
         }
         Some(RowRemove { row })
     }
@@ -206,8 +223,15 @@ macro_rules! table {
         impl $name {
             /// An empty table with room for `capacity` rows.
             pub fn with_capacity(capacity: usize) -> Self {
+                Self::tagged(capacity, $crate::AgentTag::NONE)
+            }
+
+            /// An empty table whose handles carry `tag` (see [`AgentTag`]).
+            ///
+            /// [`AgentTag`]: $crate::AgentTag
+            pub fn tagged(capacity: usize, tag: $crate::AgentTag) -> Self {
                 $name {
-                    rows: $crate::Rows::with_capacity(capacity),
+                    rows: $crate::Rows::tagged(capacity, tag),
                     $( $field: $crate::Column::with_capacity(capacity), )*
                 }
             }
@@ -246,6 +270,11 @@ macro_rules! table {
             #[inline]
             pub fn row(&self, key: $key) -> Option<usize> {
                 self.rows.row(key)
+            }
+
+            /// The tag this table's handles carry.
+            pub fn tag(&self) -> $crate::AgentTag {
+                self.rows.tag()
             }
 
             /// Handle of `row`.

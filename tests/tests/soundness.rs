@@ -483,6 +483,8 @@ fn a_panic_inside_a_flush_poisons_the_agent_which_then_refuses_work() {
         agent: t.a.name().to_string(),
     };
     assert_eq!(t.a.post(x), Err(poisoned.clone()));
+    // Its own status: callers switching on status tell it from a refusal.
+    assert_eq!(poisoned.status_name(), "POISONED");
     assert_eq!(t.a.release(x), Err(poisoned.clone()));
     assert_eq!(t.a.local_md(), Err(poisoned.clone()));
     let mut cmds = CommandBuffer::with_capacity(4);

@@ -34,7 +34,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use slotmap::SecondaryMap;
+use slotmap::SparseSecondaryMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
@@ -406,7 +406,7 @@ pub struct Loopback {
     pinned: Vec<(Table, u64)>,
     faults: Arc<Faults>,
     /// Loaded peers, by handle (a secondary map: no hashing on the post path).
-    peers: SecondaryMap<PeerId, RemotePeer>,
+    peers: SparseSecondaryMap<PeerId, RemotePeer>,
     held: VecDeque<Held>,
 }
 
@@ -449,7 +449,7 @@ impl Loopback {
             slots_used: 0,
             pinned: Vec::with_capacity(64),
             faults,
-            peers: SecondaryMap::new(),
+            peers: SparseSecondaryMap::new(),
             held: VecDeque::with_capacity(64),
         })
     }

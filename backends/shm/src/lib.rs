@@ -44,7 +44,7 @@ use ferry_backend_api::{
     Error, Failure, FailureKind, MemKind, NotifSink, Op, ParamSpec, Params, PeerId, PeerRegions,
     Post, RegionSpec, Registered, RemoteAgent, Result, Subject,
 };
-use slotmap::SecondaryMap;
+use slotmap::SparseSecondaryMap;
 
 pub use segment::{HugePages, SharedMemory, ShmOptions, HUGE_PAGE_BYTES};
 
@@ -204,7 +204,7 @@ pub struct Shm {
     lane_names: Vec<(u64, String)>,
     regions: Vec<LocalSlot>,
     free_slots: Vec<u32>,
-    peers: SecondaryMap<PeerId, Peer>,
+    peers: SparseSecondaryMap<PeerId, Peer>,
     /// Scratch of one request's CMA ranges (capacity kept: no allocation once warm).
     cma_pending: Vec<CmaRange>,
     local_iov: Vec<Iov>,
@@ -315,7 +315,7 @@ impl Shm {
             lane_names: vec![(0, String::new()); lanes],
             regions: Vec::new(),
             free_slots: Vec::new(),
-            peers: SecondaryMap::new(),
+            peers: SparseSecondaryMap::new(),
             cma_pending: Vec::with_capacity(CMA_IOVECS_MAX),
             local_iov: Vec::with_capacity(CMA_IOVECS_MAX),
             remote_iov: Vec::with_capacity(CMA_IOVECS_MAX),

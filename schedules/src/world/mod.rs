@@ -28,8 +28,8 @@ use std::sync::Arc;
 
 use ferry_backend_api::{Backend, Capabilities, Completions, PeerRegions, Range};
 use ferry_storage::{
-    BackendId, Desc, Error, MemKind, PeerId, RegionId, RegionTable, SectionIndex, Subject,
-    MAX_BACKENDS,
+    AgentTag, BackendId, Desc, Error, MemKind, PeerId, RegionId, RegionTable, SectionIndex,
+    Subject, MAX_BACKENDS, SLOTS_MAX, TAG_MAX,
 };
 
 /// Bounds chosen at start-up. Every table and queue is limited by one of these.
@@ -176,24 +176,82 @@ pub struct World {
     pub(crate) size_costs: [crate::cost::SizeClasses; MAX_BACKENDS],
     /// Hits of capacity bounds, for rate-limited log lines (`crate::logging`).
     pub(crate) limits: crate::logging::LimitLog,
+    /// This agent's identity inside its handles (returned to the pool on drop).
+    pub(crate) tag: TagLease,
+}
+
+/// Tags of live worlds: bit `n` set = tag `n` in use (tag 0 is never handed out).
+static TAGS_IN_USE: std::sync::Mutex<[u64; (TAG_MAX as usize + 64) / 64]> =
+    std::sync::Mutex::new([0; (TAG_MAX as usize + 64) / 64]);
+
+/// One live world's [`AgentTag`], unique among the process's live worlds.
+#[derive(Debug)]
+pub(crate) struct TagLease(AgentTag);
+
+impl TagLease {
+    /// The lowest free tag, or `Capacity` when TAG_MAX worlds are alive.
+    fn take() -> Result<TagLease, Error> {
+        let mut used = TAGS_IN_USE.lock().unwrap_or_else(|e| e.into_inner());
+        for n in 1..=TAG_MAX {
+            let (word, bit) = (usize::from(n) / 64, n % 64);
+            if used[word] & (1 << bit) == 0 {
+                used[word] |= 1 << bit;
+                return Ok(TagLease(AgentTag::new(n).expect("in range")));
+            }
+        }
+        Err(Error::Capacity {
+            what: "live agents per process",
+            limit: usize::from(TAG_MAX),
+        })
+    }
+
+    pub(crate) fn get(&self) -> AgentTag {
+        self.0
+    }
+}
+
+impl Drop for TagLease {
+    fn drop(&mut self) {
+        let n = self.0.get();
+        let mut used = TAGS_IN_USE.lock().unwrap_or_else(|e| e.into_inner());
+        used[usize::from(n) / 64] &= !(1 << (n % 64));
+    }
 }
 
 impl World {
-    /// An empty world for agent `name`.
-    pub fn new(name: &str, bounds: Bounds) -> World {
+    /// An empty world for agent `name`. Fails if a bound exceeds what a table can hold
+    /// ([`SLOTS_MAX`] − 1 rows) or [`TAG_MAX`] worlds are alive.
+    pub fn new(name: &str, bounds: Bounds) -> Result<World, Error> {
+        for (what, value) in [
+            ("regions_max", bounds.regions_max),
+            ("preps_max", bounds.preps_max),
+            ("xfers_max", bounds.xfers_max),
+            ("peers_max", bounds.peers_max),
+        ] {
+            if value >= SLOTS_MAX {
+                return Err(Error::invalid(
+                    Subject::Named(format!("bound {what}").into()),
+                    format!(
+                        "{value} is more than a table holds ({} rows)",
+                        SLOTS_MAX - 1
+                    ),
+                ));
+            }
+        }
+        let tag = TagLease::take()?;
         let xfers = bounds.xfers_max.min(1 << 14);
-        World {
+        Ok(World {
             name: name.to_string(),
             backends: BackendSlots {
                 backends: (0..MAX_BACKENDS).map(|_| None).collect(),
                 caps: vec![None; MAX_BACKENDS],
                 ..BackendSlots::default()
             },
-            regions: RegionTable::with_capacity(bounds.regions_max.min(1 << 12)),
+            regions: RegionTable::tagged(bounds.regions_max.min(1 << 12), tag.get()),
             sections: (0..MAX_BACKENDS).map(|_| Default::default()).collect(),
-            preps: PrepTable::with_capacity(bounds.preps_max.min(1 << 10)),
-            xfers: XferTable::with_capacity(bounds.xfers_max.min(1 << 10)),
-            peers: PeerTable::with_capacity(bounds.peers_max.min(1 << 8)),
+            preps: PrepTable::tagged(bounds.preps_max.min(1 << 10), tag.get()),
+            xfers: XferTable::tagged(bounds.xfers_max.min(1 << 10), tag.get()),
+            peers: PeerTable::tagged(bounds.peers_max.min(1 << 8), tag.get()),
             peer_names: HashMap::new(),
             pools: Pools::default(),
             completions: Completions::with_capacity(xfers),
@@ -204,8 +262,9 @@ impl World {
             costs: Default::default(),
             size_costs: Default::default(),
             limits: Default::default(),
+            tag,
             bounds,
-        }
+        })
     }
 
     /// The agent's metrics (counters recorded by the phases; readable from any thread).
@@ -224,7 +283,7 @@ impl World {
                 what: "backends per agent",
                 limit: MAX_BACKENDS,
             })?;
-        let id = self.backends.keys.insert(slot as u8);
+        let id = self.tag.get().stamp(self.backends.keys.insert(slot as u8));
         self.backends.ids[slot] = Some(id);
         self.backends.caps[slot] = Some(backend.capabilities());
         self.metrics.set_backend(slot, backend.name());
@@ -238,7 +297,7 @@ impl World {
     pub fn backend_slot(&self, id: BackendId) -> Result<usize, Error> {
         self.backends
             .keys
-            .get(id)
+            .get(self.tag.get().stamp(id))
             .map(|&s| usize::from(s))
             .ok_or_else(|| Error::not_found(Subject::Backend(id)))
     }
