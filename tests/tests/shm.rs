@@ -825,3 +825,76 @@ fn the_default_set_gives_each_peer_the_first_backend_that_reaches_it() {
         .unwrap_err();
     assert!(e.to_string().contains("no_such_parameter"), "{e}");
 }
+
+/// Issue 21, item 3: a WRITE whose attached notification does not fit in the target's
+/// ring is refused before its data moves (`Capacity`, destination untouched), never
+/// failed after the bytes landed; once the target drains, the same post goes through
+/// and its notification arrives.
+#[test]
+fn a_full_notification_ring_refuses_the_write_before_its_data_moves() {
+    let a = shm_agent("shm-nfull-a", &[]);
+    // A small ring at the target: a few 40-byte records fill it.
+    let b = shm_agent("shm-nfull-b", &[("notif_lane_bytes", "256")]);
+    let mut src = Buffer::zeroed(4096);
+    let dst = Buffer::zeroed(4096);
+    register(&a, &src);
+    register(&b, &dst);
+    let b_at_a = a.load_remote_md(&b.local_md().unwrap()).unwrap();
+    let payload = [7u8; 32];
+    let mut sent = 0usize;
+    let mut refused = None;
+    for round in 1..=64u8 {
+        // Each round writes its own byte: a refused round must leave the last one.
+        src.bytes_mut().fill(round);
+        // Refused at create (the backend is chosen then) or at post: either way before
+        // anything moved.
+        let result = a
+            .create(
+                Op::Write,
+                MemKind::Dram,
+                &[src.whole()],
+                b_at_a,
+                MemKind::Dram,
+                &[dst.whole()],
+                Some(&payload),
+            )
+            .and_then(|x| {
+                let r = a.post(x);
+                a.release(x).unwrap();
+                r
+            });
+        match result {
+            Ok(XferStatus::Done) => sent += 1,
+            Ok(other) => panic!("round {round}: {other:?}"),
+            Err(e) => {
+                assert!(matches!(e, Error::Capacity { .. }), "round {round}: {e}");
+                assert!(
+                    dst.bytes().iter().all(|&x| x == round - 1),
+                    "round {round}: refused, but its data moved"
+                );
+                refused = Some(round);
+                break;
+            }
+        }
+    }
+    let refused = refused.expect("the ring never filled");
+    assert!(sent >= 2, "only {sent} notifications fit");
+    // The target drains: every accepted notification is there, then the post works.
+    let got = b.drain_notifications();
+    assert_eq!(got.len(), sent);
+    let x = a
+        .create(
+            Op::Write,
+            MemKind::Dram,
+            &[src.whole()],
+            b_at_a,
+            MemKind::Dram,
+            &[dst.whole()],
+            Some(&payload),
+        )
+        .unwrap();
+    assert_eq!(a.post(x).unwrap(), XferStatus::Done);
+    assert!(dst.bytes().iter().all(|&x| x == refused));
+    assert_eq!(b.drain_notifications().len(), 1);
+    a.release(x).unwrap();
+}

@@ -65,6 +65,26 @@
 //! Slices passed *into* a call (`Post::ranges`, notification payloads, metadata bytes)
 //! are borrowed only for the duration of that call; a backend copies what it keeps.
 //!
+//! # No byte after a failure is reported
+//!
+//! A request reported failed (peer timeout, disconnect, unload with it in flight) must
+//! not write into the target afterwards: its data is undefined *where it had landed
+//! by then*, and nothing more of it arrives later. What each backend does for that:
+//!
+//! - **LOOPBACK**: copies inside `post` or a later `progress`; a failure is reported
+//!   only for ranges not copied, and nothing is queued anywhere else. Guaranteed.
+//! - **SHM**: one-sided CMA or memcpy from the initiator's own thread inside
+//!   `post`/`progress`; nothing is queued in the kernel. Guaranteed.
+//! - **UCX**: the force close cancels what UCX holds; what the kernel already took
+//!   for a TCP connection is dropped too (its connections to the peer are reset with
+//!   `connect(AF_UNSPEC)` before the close, `backends/ucx/src/state/sockets.rs`), so
+//!   nothing of a failed request is retransmitted once a link that went down comes
+//!   back (tested across network namespaces, `tests/tests/netns.rs`). Not covered:
+//!   data the peer sends us on connections the peer opened (UCX drops READ replies
+//!   of canceled requests), RDMA transports (not run here), and UCX 1.13 targets,
+//!   whose software RMA over tcp may abort the target process when a put arrives on a
+//!   connection that was reset (a UCX defect, see `backends/ucx/README.md`).
+//!
 //! # Every post yields exactly one completion
 //!
 //! Once `post` has returned `Ok`, each of its requests produces exactly one

@@ -929,6 +929,14 @@ impl Backend for Shm {
                     limit: p.inbox.payload_max(),
                 });
             }
+            // Refused before anything moves when the target's ring has no room now (a
+            // batch's later posts are checked again in `post`, before their data).
+            if !p.lane.fits(payload.len()) {
+                return Err(Error::Capacity {
+                    what: "SHM notification ring records (the target has not drained its ring)",
+                    limit: p.inbox.payload_max(),
+                });
+            }
         }
         let Err(why) = &p.cma else {
             return Ok(());
@@ -959,10 +967,20 @@ impl Backend for Shm {
         match endpoint {
             Endpoint::Local => {
                 for post in batch {
-                    // SAFETY: forwarded from the caller of `post`.
-                    let mut result = unsafe { self.run_local(post) };
+                    // An attached notification's room is checked before the data moves:
+                    // no room, nothing moved (the producer is us alone, so the room
+                    // stays until the push).
+                    let mut result = match post.notif {
+                        Some(payload) if !self.self_lane.fits(payload.len()) => {
+                            Err(fail(FailureKind::Backend, libc::ENOBUFS, None))
+                        }
+                        // SAFETY: forwarded from the caller of `post`.
+                        _ => unsafe { self.run_local(post) },
+                    };
                     if let (Ok(()), Some(payload)) = (result, post.notif) {
-                        if !self.self_lane.push(payload) {
+                        let pushed = self.self_lane.push(payload);
+                        debug_assert!(pushed, "room was checked before the data moved");
+                        if !pushed {
                             result = Err(fail(FailureKind::Backend, libc::ENOBUFS, None));
                         }
                     }
@@ -980,10 +998,27 @@ impl Backend for Shm {
                     // LIVENESS_TTL old, above); a peer that dies during the copies
                     // leaves our mapping of its segment valid, and a CMA call to it
                     // fails ESRCH.
-                    let mut result = unsafe { self.run_peer(peer, post) };
+                    // An attached notification's room is checked first (see above).
+                    let room = match post.notif {
+                        Some(payload) => self
+                            .peers
+                            .get_mut(peer)
+                            .expect("checked above")
+                            .lane
+                            .fits(payload.len()),
+                        None => true,
+                    };
+                    let mut result = if room {
+                        // SAFETY: forwarded from the caller of `post`.
+                        unsafe { self.run_peer(peer, post) }
+                    } else {
+                        Err(fail(FailureKind::Backend, libc::ENOBUFS, None))
+                    };
                     let p = self.peers.get_mut(peer).expect("checked above");
                     if let (Ok(()), Some(payload)) = (result, post.notif) {
-                        if !p.lane.push(payload) {
+                        let pushed = p.lane.push(payload);
+                        debug_assert!(pushed, "room was checked before the data moved");
+                        if !pushed {
                             result = Err(fail(FailureKind::Backend, libc::ENOBUFS, None));
                         }
                     }

@@ -330,31 +330,50 @@ pub struct Lane {
 }
 
 impl Lane {
-    /// Append one notification; false if the ring has no room (the target has not
-    /// drained) or the payload is longer than a lane takes.
-    pub fn push(&mut self, payload: &[u8]) -> bool {
+    /// Whether a record of `len` payload bytes fits now. This lane's producer is the
+    /// only one that uses up room, so a record that fits still fits at the next
+    /// `push` of it (an attached notification is checked before its data moves).
+    pub fn fits(&self, len: usize) -> bool {
+        self.room(len).is_some()
+    }
+
+    /// Where a record of `len` bytes goes: (ring offset, bytes skipped to wrap, bytes
+    /// used in all, the consumer head it was checked against), or `None` if it does not
+    /// fit.
+    fn room(&self, len: usize) -> Option<(u64, u64, u64, u64)> {
         let size = self.inbox.lane_bytes as u64;
-        if payload.len() > self.inbox.payload_max() {
-            return false;
+        if len > self.inbox.payload_max() {
+            return None;
         }
-        let record = (8 + payload.len().next_multiple_of(8)) as u64;
+        let record = (8 + len.next_multiple_of(8)) as u64;
         let at = self.tail % size;
         let skip = if at + record > size { size - at } else { 0 };
         let need = skip + record;
         // The consumer's head lives in the target's memory: never trust it to be sane
         // (a head past our tail, or positions near overflow, read as "full").
+        let tail = self.tail;
         let fits = |head: u64| {
-            self.tail
-                .checked_add(need)
+            tail.checked_add(need)
                 .and_then(|end| end.checked_sub(head))
                 .is_some_and(|used| used <= size)
         };
-        if !fits(self.head_seen) {
-            self.head_seen = self.inbox.head(self.lane).load(Ordering::Acquire);
-            if !fits(self.head_seen) {
-                return false;
+        let mut head = self.head_seen;
+        if !fits(head) {
+            head = self.inbox.head(self.lane).load(Ordering::Acquire);
+            if !fits(head) {
+                return None;
             }
         }
+        Some((at, skip, need, head))
+    }
+
+    /// Append one notification; false if the ring has no room (the target has not
+    /// drained) or the payload is longer than a lane takes.
+    pub fn push(&mut self, payload: &[u8]) -> bool {
+        let Some((at, skip, need, head)) = self.room(payload.len()) else {
+            return false;
+        };
+        self.head_seen = head;
         let ring = self.inbox.ring(self.lane);
         let mut at = at as usize;
         if skip > 0 {

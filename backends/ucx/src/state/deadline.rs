@@ -39,7 +39,7 @@ const SCAN_INTERVAL: Duration = Duration::from_millis(50);
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct Watch {
     /// Requests (and standalone notifications) to the peer that hold a slot.
-    outstanding: u32,
+    pub(super) outstanding: u32,
     /// Virtual time of the last completion on the endpoint, or of the post that found it
     /// idle.
     since: Duration,
@@ -117,6 +117,11 @@ impl Core {
     /// A peer's state goes away with `outstanding` slots still counted (unload).
     pub(super) fn watch_forget(&mut self, watch: Watch) {
         self.deadline.outstanding -= watch.outstanding.min(self.deadline.outstanding);
+    }
+
+    /// Whether `peer_timeout_ms=0` (no deadline, so nothing in flight is counted).
+    pub(super) fn deadline_disabled(&self) -> bool {
+        self.deadline.timeout.is_none()
     }
 
     /// Advance the clock (at the start of a pump) if anything is watched.

@@ -46,6 +46,7 @@ mod memory;
 mod notifications;
 mod peers;
 mod requests;
+mod sockets;
 mod vram;
 
 use std::collections::{HashMap, VecDeque};

@@ -51,6 +51,9 @@ pub(super) struct PeerState {
     /// Whether puts/gets on its endpoint go over tcp, where UCX sends inline for as long
     /// as the socket takes data: a post then paces itself (`requests::IssueBudget`).
     pub(super) paced: bool,
+    /// The peer's listening TCP sockets our endpoint connected to (`sockets.rs`): reset
+    /// before a failed endpoint is closed, so nothing queued in the kernel goes later.
+    pub(super) tcp_remotes: Vec<std::net::SocketAddr>,
 }
 
 /// A peer region's rkey, unpacked on its endpoint.
@@ -113,6 +116,7 @@ impl Core {
                 am_msg_bytes: 0,
                 accepts_batches: info.batches(),
                 paced: false,
+                tcp_remotes: Vec::new(),
             },
         );
         Ok(())
@@ -122,9 +126,23 @@ impl Core {
     /// then report them) and release its rkeys and error-handler argument once UCX
     /// confirmed the close (at once, or later from the graveyard).
     pub(super) fn teardown_peer(&mut self, peer: PeerId) {
-        let Some(ep) = self.peers.get(&peer).map(|state| state.ep) else {
+        let Some(state) = self.peers.get(&peer) else {
             return;
         };
+        let ep = state.ep;
+        // A failed endpoint, or one with work in flight (or no count of it: without a
+        // deadline nothing is counted): what the kernel still queues must not go later.
+        let failing =
+            state.down.is_some() || state.watch.outstanding > 0 || self.deadline_disabled();
+        if !ep.is_null() && failing && !state.tcp_remotes.is_empty() {
+            let reset = super::sockets::abort_connections_to(&state.tcp_remotes);
+            log::debug!(
+                "UCX: endpoint to '{}' closes after a failure: {reset} TCP connection(s) to \
+                 {:?} reset (queued data dropped)",
+                state.name,
+                state.tcp_remotes
+            );
+        }
         if !ep.is_null() {
             // What the window kept from UCX never will go: fail it and flush now.
             self.cut_deferred(ep, ucs_status_t::UCS_ERR_CANCELED);
@@ -310,7 +328,10 @@ impl Core {
             events: Arc::as_ptr(&self.events),
             status: AtomicI8::new(0),
         });
+        // The TCP connections UCX opens for the endpoint appear during the create.
+        let sockets_before = super::sockets::socket_inodes();
         let ep = self.create_ep(worker, &state.remote_address, Some(&link))?;
+        let tcp_remotes = super::sockets::new_remotes(&sockets_before);
         let transports = self.ep_transports(ep);
         let state = self.peers.get_mut(&peer).expect("present");
         let am_msg_bytes = if state.accepts_batches {
@@ -319,6 +340,7 @@ impl Core {
             0
         };
         state.link = Some(link);
+        state.tcp_remotes = tcp_remotes;
         state.am_msg_bytes = am_msg_bytes;
         state.paced = super::requests::rma_over_tcp(&transports);
         log::info!(
