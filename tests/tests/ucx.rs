@@ -425,3 +425,60 @@ fn shared_mapping_exists(inode: &str, path: &str) -> bool {
             fields.len() >= 6 && fields[4] == inode && fields[5..].join(" ") == path
         })
 }
+
+/// Issue 21, item 3 on UCX: a request to this agent itself whose attached notification
+/// finds the inbox full is refused at post (`Capacity`), before its data moves; once
+/// drained, the same kind of request goes through and notifies.
+#[test]
+fn a_full_inbox_refuses_a_self_write_with_notification_before_its_data_moves() {
+    if !ucx_ready() {
+        return;
+    }
+    let a = Agent::new(AgentConfig::named(unique("ucx-nfull"))).unwrap();
+    let mut params = Params::new();
+    params.insert("notif_queue".into(), "2".into());
+    a.create_backend("UCX", &params).expect("UCX backend");
+    let mut src = Buffer::zeroed(4096);
+    let dst = Buffer::zeroed(4096);
+    register(&a, &src);
+    register(&a, &dst);
+    let write = |byte: u8, src: &mut Buffer| {
+        src.bytes_mut().fill(byte);
+        let x = a
+            .create(
+                Op::Write,
+                MemKind::Dram,
+                &[src.whole()],
+                ferry::Side::Local,
+                MemKind::Dram,
+                &[dst.whole()],
+                Some(b"n"),
+            )
+            .unwrap();
+        let deadline = Instant::now() + TIMEOUT;
+        let mut r = a.post(x);
+        while r == Ok(XferStatus::InProgress) {
+            assert!(Instant::now() < deadline, "self write not done");
+            r = a.check(x);
+        }
+        a.release(x).unwrap();
+        r
+    };
+    // The two the inbox holds.
+    assert_eq!(write(1, &mut src), Ok(XferStatus::Done));
+    assert_eq!(write(2, &mut src), Ok(XferStatus::Done));
+    // The third is refused before anything moves.
+    let e = write(3, &mut src).unwrap_err();
+    assert!(matches!(e, Error::Capacity { .. }), "{e}");
+    assert!(
+        dst.bytes().iter().all(|&b| b == 2),
+        "refused, but its data moved"
+    );
+    assert_eq!(a.drain_notifications().len(), 2);
+    assert_eq!(write(4, &mut src), Ok(XferStatus::Done));
+    assert!(dst.bytes().iter().all(|&b| b == 4));
+    assert_eq!(
+        a.drain_notifications(),
+        vec![(a.name().to_string(), b"n".to_vec())]
+    );
+}

@@ -301,6 +301,7 @@ impl Core {
                 failure: None,
                 notif: Vec::new(),
                 has_notif: false,
+                reserved: false,
                 next: NONE,
                 ep: ptr::null_mut(),
                 deferred: 0,

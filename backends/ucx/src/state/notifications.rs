@@ -11,12 +11,21 @@ use super::*;
 /// transfer); one from a peer cannot be answered (UCX active messages have no reply), so
 /// it is counted (`UcxBackend::refused_notifications`) and logged at the next drain. A
 /// notification that was accepted stays until `drain` hands it over.
+///
+/// A notification this agent attaches to a request to itself is *reserved* when the
+/// request is posted (entries and bytes counted against the bounds, `reserve`), so a
+/// post is refused up front (`Capacity`, nothing moved) rather than failed after its
+/// data moved; the reservation is consumed when the data is in place
+/// (`push_reserved`, which cannot fail) or returned if the request fails first.
 pub(crate) struct Inbox {
     pub(super) bytes: Vec<u8>,
     /// (start in `bytes`, sender name length, payload length)
     pub(super) entries: Vec<(usize, u32, u32)>,
     entries_max: usize,
     bytes_max: usize,
+    /// Entries and bytes reserved by posted requests to this agent itself.
+    reserved_entries: usize,
+    reserved_bytes: usize,
 }
 
 impl Inbox {
@@ -28,7 +37,44 @@ impl Inbox {
             entries: Vec::new(),
             entries_max,
             bytes_max,
+            reserved_entries: 0,
+            reserved_bytes: 0,
         }
+    }
+
+    fn fits(&self, need: usize) -> bool {
+        self.entries.len() + self.reserved_entries < self.entries_max
+            && self
+                .bytes
+                .len()
+                .saturating_add(self.reserved_bytes)
+                .saturating_add(need)
+                <= self.bytes_max
+    }
+
+    /// Reserve room for one notification of `need` bytes (sender name included);
+    /// false if there is none.
+    #[must_use]
+    pub(crate) fn reserve(&mut self, need: usize) -> bool {
+        if !self.fits(need) {
+            return false;
+        }
+        self.reserved_entries += 1;
+        self.reserved_bytes += need;
+        true
+    }
+
+    /// Give back a reservation of `need` bytes that will not be used.
+    pub(crate) fn unreserve(&mut self, need: usize) {
+        self.reserved_entries = self.reserved_entries.saturating_sub(1);
+        self.reserved_bytes = self.reserved_bytes.saturating_sub(need);
+    }
+
+    /// Store a notification whose room was reserved (never refused).
+    pub(crate) fn push_reserved(&mut self, from: &[u8], payload: &[u8]) {
+        self.unreserve(from.len() + payload.len());
+        let stored = self.push(from, payload);
+        debug_assert!(stored, "a reserved notification always fits");
     }
 
     /// The configured entry bound.
@@ -40,9 +86,7 @@ impl Inbox {
     #[must_use]
     pub(crate) fn push(&mut self, from: &[u8], payload: &[u8]) -> bool {
         let need = from.len() + payload.len();
-        if self.entries.len() >= self.entries_max
-            || self.bytes.len().saturating_add(need) > self.bytes_max
-        {
+        if !self.fits(need) {
             return false;
         }
         let start = self.bytes.len();
@@ -72,22 +116,19 @@ impl Core {
     pub(super) fn send_notif(&mut self, index: u32) {
         let peer = self.slots[index as usize].peer;
         let Some(peer) = peer else {
-            // To oneself: straight into the inbox, the data is already in place.
-            let slot = &self.slots[index as usize];
-            let accepted = self
-                .events
+            // To oneself: straight into the inbox, the data is already in place, into
+            // the room reserved at post.
+            let slot = &mut self.slots[index as usize];
+            debug_assert!(
+                slot.reserved,
+                "a notification to oneself is reserved at post"
+            );
+            slot.reserved = false;
+            self.events
                 .inbox
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .push(&self.agent_name, &slot.notif);
-            if !accepted {
-                // The sender is this agent: its request fails, the inbox is full.
-                self.slots[index as usize].failure = Some(Failure {
-                    kind: FailureKind::Backend,
-                    errno: libc::ENOBUFS,
-                    range: None,
-                });
-            }
+                .push_reserved(&self.agent_name, &slot.notif);
             self.finish(index);
             return;
         };

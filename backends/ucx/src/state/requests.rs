@@ -21,6 +21,8 @@ pub(super) struct Slot {
     /// Notification to send after the flush (payload copied here; capacity reused).
     pub(super) notif: Vec<u8>,
     pub(super) has_notif: bool,
+    /// Its notification (to this agent itself) holds a reservation in the inbox.
+    pub(super) reserved: bool,
     /// Next slot of the same flushed batch.
     pub(super) next: u32,
     /// Head slot of a batch: the endpoint its flush goes to.
@@ -222,6 +224,9 @@ impl Core {
             });
         }
         self.validate(endpoint, ep, batch)?;
+        if peer.is_none() {
+            self.reserve_own_notifs(batch)?;
+        }
 
         let mut head = NONE;
         let mut tail = NONE;
@@ -338,6 +343,7 @@ impl Core {
             slot.peer = peer;
             slot.failure = slot.failure.or(failure);
             slot.has_notif = post.notif.is_some();
+            slot.reserved = peer.is_none() && post.notif.is_some();
             slot.notif.clear();
             if let Some(notif) = post.notif {
                 slot.notif.extend_from_slice(notif);
@@ -569,10 +575,41 @@ impl Core {
         }
     }
 
+    /// Reserve inbox room for the notifications of a batch to this agent itself: all
+    /// or none (`Capacity`, nothing posted).
+    fn reserve_own_notifs(&mut self, batch: &[Post<'_>]) -> Result<()> {
+        let name = self.agent_name.len();
+        let mut inbox = self.events.inbox.lock().unwrap_or_else(|e| e.into_inner());
+        for (i, post) in batch.iter().enumerate() {
+            let Some(notif) = post.notif else { continue };
+            if !inbox.reserve(name + notif.len()) {
+                for earlier in &batch[..i] {
+                    if let Some(n) = earlier.notif {
+                        inbox.unreserve(name + n.len());
+                    }
+                }
+                return Err(Error::Capacity {
+                    what: "UCX notification inbox (parameters notif_queue, notif_queue_bytes)",
+                    limit: inbox.entries_max(),
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// Report the slot's outcome (if it has a tag) and free it.
     pub(super) fn finish(&mut self, index: u32) {
         if let Some(peer) = self.slots[index as usize].peer {
             self.watch_ended(peer);
+        }
+        if std::mem::take(&mut self.slots[index as usize].reserved) {
+            // Failed before its notification: the room goes back.
+            let need = self.agent_name.len() + self.slots[index as usize].notif.len();
+            self.events
+                .inbox
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .unreserve(need);
         }
         let slot = &mut self.slots[index as usize];
         debug_assert!(slot.state != SlotState::Free);
