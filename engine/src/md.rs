@@ -252,6 +252,22 @@ impl PeerRegions for PeerMdSet {
         let (blob, region) = Self::split(token);
         self.blobs.get(blob)?.region(region).map(|r| r.public_md)
     }
+    fn for_each_region(&self, backend: &str, visit: &mut dyn FnMut(u64, Desc, &[u8])) {
+        let Some(index) = self.names.iter().position(|n| n == backend) else {
+            return;
+        };
+        for (b, blob) in self.blobs.iter().enumerate() {
+            let Some(in_blob) = self.per_blob[index].get(b).copied().flatten() else {
+                continue;
+            };
+            // A region published in two blobs is listed twice (same token content).
+            for (r, region) in blob.regions().enumerate() {
+                if region.backend == in_blob {
+                    visit(Self::token(b, r as u32), region.desc, region.public_md);
+                }
+            }
+        }
+    }
 }
 
 impl PeerView for PeerMdSet {

@@ -898,3 +898,76 @@ fn a_full_notification_ring_refuses_the_write_before_its_data_moves() {
     assert_eq!(b.drain_notifications().len(), 1);
     a.release(x).unwrap();
 }
+
+/// Issue 21, item 5: forged SHM region metadata (the segment's nonce, fd, length, base,
+/// or the owner's pid patched) is refused when the peer's metadata is loaded, naming the
+/// region — not at the first transfer. The genuine metadata loads and moves bytes.
+#[test]
+fn forged_shm_region_metadata_is_refused_at_load() {
+    use ferry::metadata::{MdWriter, PeerMd};
+    let a = shm_agent("shm-forge-a", &[]);
+    let b = shm_agent("shm-forge-b", &[]);
+    let shared = SharedMemory::alloc(1 << 16, &ShmOptions::default()).unwrap();
+    try_register(&b, MemKind::Dram, shared.desc()).unwrap();
+    let genuine = PeerMd::from_bytes(&b.local_md().unwrap()).unwrap();
+    let shm = genuine.backend_index("SHM").expect("SHM in the metadata");
+    let (_, conn) = genuine.backend(shm).unwrap();
+    let conn = conn.expect("connection info").to_vec();
+    let region = genuine
+        .regions()
+        .find(|r| r.backend == shm)
+        .expect("the shared region");
+    let (desc, md) = (region.desc, region.public_md.to_vec());
+    // Layout (backends/shm/src/wire.rs): tag u8 | pid u32 | host hash u64 | fd i32 |
+    // nonce [16] | base u64 | len u64.
+    assert_eq!(md.len(), 49);
+    let patch = |at: usize, bytes: &[u8]| {
+        let mut m = md.clone();
+        m[at..at + bytes.len()].copy_from_slice(bytes);
+        m
+    };
+    let fd = i32::from_le_bytes(md[13..17].try_into().unwrap());
+    let base = u64::from_le_bytes(md[33..41].try_into().unwrap());
+    let len = u64::from_le_bytes(md[41..49].try_into().unwrap());
+    let mut nonce = md[17..33].to_vec();
+    nonce[0] ^= 0xff;
+    let forgeries = [
+        ("nonce", patch(17, &nonce)),
+        ("fd", patch(13, &(fd + 1000).to_le_bytes())),
+        ("length", patch(41, &(len * 2).to_le_bytes())),
+        ("base", patch(33, &(base + 4096).to_le_bytes())),
+        ("pid", patch(1, &(std::process::id() + 1).to_le_bytes())),
+    ];
+    for (generation, (what, forged)) in forgeries.iter().enumerate() {
+        let mut w = MdWriter::new(genuine.agent(), 100 + generation as u64);
+        let backend = w.backend("SHM", Some(&conn));
+        w.region(backend, MemKind::Dram, desc, forged);
+        let e = a.load_remote_md(&w.finish().unwrap()).unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains("SHM region") && text.contains(&format!("{:#x}", desc.addr)),
+            "forged {what}: {text}"
+        );
+        assert!(
+            a.peer(genuine.agent()).is_none(),
+            "forged {what}: loaded anyway"
+        );
+    }
+    // The genuine metadata loads and works.
+    let at = a.load_remote_md(genuine.as_bytes()).unwrap();
+    let src = Buffer::random(1 << 16, &mut Rng::new(3));
+    register(&a, &src);
+    let x = a
+        .create(
+            Op::Write,
+            MemKind::Dram,
+            &[src.whole()],
+            at,
+            MemKind::Dram,
+            &[shared.desc()],
+            None,
+        )
+        .unwrap();
+    assert_eq!(a.post(x).unwrap(), XferStatus::Done);
+    a.release(x).unwrap();
+}

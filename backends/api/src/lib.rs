@@ -236,6 +236,12 @@ pub trait PeerRegions: Send + Sync {
     fn agent_name(&self) -> &str;
     /// Public metadata of the region named by `token`, or `None` if unknown.
     fn public_md(&self, token: u64) -> Option<&[u8]>;
+    /// Every region the peer published for backend type `backend`: (token, range,
+    /// public metadata), for a backend that checks what it was given when it loads a
+    /// peer. The default lists nothing.
+    fn for_each_region(&self, backend: &str, visit: &mut dyn FnMut(u64, Desc, &[u8])) {
+        let _ = (backend, visit);
+    }
 }
 
 /// What a backend receives about a peer when its metadata is loaded (or reloaded).

@@ -385,6 +385,70 @@ fn region_md(peer: &Peer, token: u64) -> Result<RegionMd> {
     Ok(md)
 }
 
+/// Check every region a peer published for this backend before any is used: its
+/// metadata parses, names the peer's process and host, and a shareable region lies
+/// inside its segment, which is mapped now (the mapping checks the fd, the memfd's name
+/// against the nonce, its sealed size against the length). A forged or stale region
+/// refuses the whole load (`InvalidMetadata`, naming it), instead of failing its first
+/// transfer. Mappings are kept for the transfers (`Peer::segments`).
+fn validate_regions(peer: &mut Peer) -> Result<()> {
+    let regions = peer.regions.clone();
+    let mut first_error = None;
+    let mut seen = 0usize;
+    regions.for_each_region(NAME, &mut |token, desc, bytes| {
+        if first_error.is_some() {
+            return;
+        }
+        seen += 1;
+        let bad = |why: String| Error::InvalidMetadata {
+            reason: format!(
+                "SHM region {:#x}+{} (token {token:#x}) of peer '{}': {why}",
+                desc.addr, desc.len, peer.name
+            )
+            .into(),
+        };
+        let md = match region_md(peer, token) {
+            Ok(md) => md,
+            Err(e) => {
+                first_error = Some(bad(e.to_string()));
+                return;
+            }
+        };
+        debug_assert_eq!(RegionMd::parse(bytes).ok(), Some(md));
+        let Some(seg) = md.segment else { return };
+        let inside = desc.addr >= seg.base
+            && desc
+                .addr
+                .checked_add(desc.len)
+                .is_some_and(|end| end <= seg.base + seg.len);
+        if !inside {
+            first_error = Some(bad(format!(
+                "outside its segment {:#x}+{}",
+                seg.base, seg.len
+            )));
+            return;
+        }
+        if let Some((_, m)) = peer.segments.iter().find(|(n, _)| *n == seg.nonce) {
+            if m.len() as u64 != seg.len {
+                first_error = Some(bad(format!(
+                    "its segment was published with {} bytes elsewhere",
+                    m.len()
+                )));
+            }
+            return;
+        }
+        match PeerMapping::open(md.pid, seg.fd, &seg.nonce, seg.len) {
+            Ok(m) => peer.segments.push((seg.nonce, m)),
+            Err(e) => first_error = Some(bad(format!("its segment: {e}"))),
+        }
+    });
+    if let Some(e) = first_error {
+        return Err(e);
+    }
+    log::trace!("SHM: peer '{}': {seen} region(s) checked", peer.name);
+    Ok(())
+}
+
 /// Resolve (and on first use map) the peer region `token`.
 fn resolve(peer: &mut Peer, token: u64) -> std::result::Result<Target, (i32, String)> {
     if let Some((t, target)) = peer.last {
@@ -778,7 +842,11 @@ impl Backend for Shm {
             // accumulated regions (tokens may name other regions now: forget them).
             return match self.peers.get_mut(peer) {
                 Some(p) => {
-                    p.regions = remote.regions;
+                    let old = std::mem::replace(&mut p.regions, remote.regions);
+                    if let Err(e) = validate_regions(p) {
+                        p.regions = old;
+                        return Err(e);
+                    }
                     p.resolved.clear();
                     p.last = None;
                     Ok(())
@@ -805,8 +873,13 @@ impl Backend for Shm {
         }
         if let Some(p) = self.peers.get_mut(peer) {
             if p.inbox_nonce == conn.inbox_nonce && !p.inbox.is_closed() {
-                // Same peer process: keep mappings and lane, take the new regions.
-                p.regions = remote.regions;
+                // Same peer process: keep mappings and lane, take the new regions (once
+                // they pass; the old ones stay otherwise).
+                let old = std::mem::replace(&mut p.regions, remote.regions);
+                if let Err(e) = validate_regions(p) {
+                    p.regions = old;
+                    return Err(e);
+                }
                 p.resolved.clear();
                 p.last = None;
                 return Ok(());
@@ -873,25 +946,24 @@ impl Backend for Shm {
         let lane = inbox
             .claim(self.owner_id, &self.agent)
             .map_err(|e| refused(format!("its notification inbox: {e}")))?;
-        self.peers.insert(
-            peer,
-            Peer {
-                name: remote.name.to_string(),
-                pid,
-                inbox_nonce: conn.inbox_nonce,
-                host_hash: fnv1a(conn.host_id.as_bytes()),
-                live,
-                live_checked: Cell::new(None),
-                lane,
-                inbox,
-                cma,
-                regions: remote.regions,
-                resolved: HashMap::new(),
-                last: None,
-                segments: Vec::new(),
-                _inbox_map: inbox_map,
-            },
-        );
+        let mut new = Peer {
+            name: remote.name.to_string(),
+            pid,
+            inbox_nonce: conn.inbox_nonce,
+            host_hash: fnv1a(conn.host_id.as_bytes()),
+            live,
+            live_checked: Cell::new(None),
+            lane,
+            inbox,
+            cma,
+            regions: remote.regions,
+            resolved: HashMap::new(),
+            last: None,
+            segments: Vec::new(),
+            _inbox_map: inbox_map,
+        };
+        validate_regions(&mut new)?;
+        self.peers.insert(peer, new);
         Ok(())
     }
 
