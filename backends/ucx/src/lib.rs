@@ -205,6 +205,15 @@ pub const PARAMS: &[ParamSpec] = &[
               with active messages; 'on'; 'off')",
     },
     ParamSpec {
+        name: "am_tcp",
+        default: "auto",
+        doc: "carry every DRAM range (not only small ones) in Ferry's active messages, in \
+              pieces of a batch message, instead of UCX's puts and gets ('auto': on endpoints \
+              whose puts go over tcp, where UCX emulates them with active messages anyway and \
+              UCX 1.13 aborts a target whose connection is reset under a put; the target \
+              checks every range against its registrations; 'on'; 'off')",
+    },
+    ParamSpec {
         name: "am_batch_range_bytes",
         default: "4096",
         doc: "largest range that is batched into active messages (0 = batching off; \
@@ -323,6 +332,8 @@ pub struct Config {
     pub tcp_seg_bytes: Option<u32>,
     /// When small WRITEs are batched into active messages.
     pub am_batch: AmBatchMode,
+    /// When every DRAM range goes in active messages (`Auto`: where puts go over tcp).
+    pub am_tcp: AmBatchMode,
     /// Largest batched range (0 = off).
     pub am_batch_range_bytes: u64,
     /// Largest batch message (`None` = per endpoint: [`AM_BATCH_BYTES_SHM`] or
@@ -511,6 +522,12 @@ impl Config {
             "off" | "false" => AmBatchMode::Off,
             _ => return Err(bad("am_batch", "expected 'auto', 'on' or 'off'")),
         };
+        let am_tcp = match get("am_tcp") {
+            "auto" => AmBatchMode::Auto,
+            "on" | "true" => AmBatchMode::On,
+            "off" | "false" => AmBatchMode::Off,
+            _ => return Err(bad("am_tcp", "expected 'auto', 'on' or 'off'")),
+        };
         let am_batch_bytes: Option<usize> = match get("am_batch_bytes") {
             "auto" => None,
             text => Some(
@@ -540,6 +557,7 @@ impl Config {
             .ok_or_else(|| bad("am_batch_messages", "expected 1..=65536"))?;
         Ok(Config {
             am_batch,
+            am_tcp,
             am_batch_range_bytes,
             am_batch_bytes,
             am_batch_messages,

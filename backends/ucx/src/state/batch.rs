@@ -575,6 +575,25 @@ pub(crate) fn am_batch_suits(summary: &str) -> bool {
     })
 }
 
+/// Whether puts and gets on an endpoint with lanes `summary` go over tcp: a tcp lane
+/// has an RMA role, or no lane has one (UCX then emulates them with active messages)
+/// and active messages go over tcp (UCX 1.13: `tcp/lo [am am_bw#0 keepalive]`).
+pub(crate) fn puts_over_tcp(summary: &str) -> bool {
+    let lanes = || {
+        summary.split(", ").map(|lane| {
+            let (transport, roles) = lane.split_once(" [").unwrap_or((lane, ""));
+            (transport, roles.trim_end_matches(']'))
+        })
+    };
+    let tcp_with = |prefix: &str| {
+        lanes().any(|(t, roles)| {
+            t.starts_with("tcp") && roles.split(' ').any(|r| r.starts_with(prefix))
+        })
+    };
+    let any_rma = lanes().any(|(_, roles)| roles.split(' ').any(|r| r.starts_with("rma")));
+    tcp_with("rma") || (!any_rma && tcp_with("am"))
+}
+
 /// `am_batch_bytes=auto`: [`crate::AM_BATCH_BYTES_TCP`] when the lane that carries
 /// active messages (role `am`) is tcp, else [`crate::AM_BATCH_BYTES_SHM`].
 pub(crate) fn am_batch_bytes_for(summary: &str) -> usize {
@@ -624,6 +643,8 @@ pub(super) struct AmBatch {
     /// `am_batch_bytes` (`None`: per endpoint, see [`am_batch_bytes_for`]).
     msg_bytes: Option<usize>,
     mode: AmBatchMode,
+    /// `am_tcp`: every DRAM range in messages, where puts go over tcp.
+    all_mode: AmBatchMode,
     /// Index in `Core::cells` of message 0's send cell.
     cell_base: u32,
     /// Acks that named no message waiting for one.
@@ -662,6 +683,7 @@ impl AmBatch {
             },
             msg_bytes: config.am_batch_bytes,
             mode: config.am_batch,
+            all_mode: config.am_tcp,
             cell_base,
             stale_acks: 0,
             sent: 0,
@@ -682,6 +704,16 @@ impl AmBatch {
                 .unwrap_or_else(|| am_batch_bytes_for(summary))
         } else {
             0
+        }
+    }
+
+    /// Whether every DRAM range to an endpoint that batches (`suits` > 0) goes in
+    /// messages; `Auto`: where its puts go over tcp ([`puts_over_tcp`]).
+    pub(super) fn all_ranges(&self, summary: &str) -> bool {
+        match self.all_mode {
+            AmBatchMode::Off => false,
+            AmBatchMode::On => true,
+            AmBatchMode::Auto => puts_over_tcp(summary),
         }
     }
 
@@ -949,6 +981,17 @@ impl Core {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn puts_go_over_tcp_with_a_tcp_rma_lane_or_with_no_rma_lane_and_tcp_active_messages() {
+        assert!(puts_over_tcp("tcp/lo [am am_bw#0 keepalive]"));
+        assert!(puts_over_tcp("tcp/eth0 [am rma_bw#0 keepalive]"));
+        assert!(!puts_over_tcp(
+            "posix/memory [am], cma/memory [rma_bw#0], tcp/lo [keepalive]"
+        ));
+        assert!(!puts_over_tcp("rc_mlx5/mlx5_0:1 [am rma_bw#0]"));
+        assert!(!puts_over_tcp("posix/memory [am]"));
+    }
 
     #[test]
     fn region_index_covers_only_registered_memory() {

@@ -51,6 +51,9 @@ pub(super) struct PeerState {
     /// Whether puts/gets on its endpoint go over tcp, where UCX sends inline for as long
     /// as the socket takes data: a post then paces itself (`requests::IssueBudget`).
     pub(super) paced: bool,
+    /// Whether every DRAM range to it goes in batch messages (`am_tcp`), never as a
+    /// UCX put or get.
+    pub(super) am_all: bool,
     /// The peer's listening TCP sockets our endpoint connected to (`sockets.rs`): reset
     /// before a failed endpoint is closed, so nothing queued in the kernel goes later.
     pub(super) tcp_remotes: Vec<std::net::SocketAddr>,
@@ -116,6 +119,7 @@ impl Core {
                 am_msg_bytes: 0,
                 accepts_batches: info.batches(),
                 paced: false,
+                am_all: false,
                 tcp_remotes: Vec::new(),
             },
         );
@@ -329,9 +333,16 @@ impl Core {
             status: AtomicI8::new(0),
         });
         // The TCP connections UCX opens for the endpoint appear during the create.
+        let bracket = super::sockets::BRACKET
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         let sockets_before = super::sockets::socket_inodes();
-        let ep = self.create_ep(worker, &state.remote_address, Some(&link))?;
-        let tcp_remotes = super::sockets::new_remotes(&sockets_before);
+        let ep = self.create_ep(worker, &state.remote_address, Some(&link));
+        let mut tcp_remotes = super::sockets::new_remotes(&sockets_before);
+        drop(bracket);
+        let ep = ep?;
+        let address = &self.peers[&peer].remote_address;
+        tcp_remotes.retain(|r| super::sockets::in_worker_address(r, address));
         let transports = self.ep_transports(ep);
         let state = self.peers.get_mut(&peer).expect("present");
         let am_msg_bytes = if state.accepts_batches {
@@ -343,11 +354,14 @@ impl Core {
         state.tcp_remotes = tcp_remotes;
         state.am_msg_bytes = am_msg_bytes;
         state.paced = super::requests::rma_over_tcp(&transports);
+        state.am_all = am_msg_bytes > 0 && self.am.all_ranges(&transports);
         log::info!(
             "UCX {}: endpoint to '{}' on worker {worker} uses {transports}; small ranges {}",
             self.ucp.version(),
             state.name,
-            if am_msg_bytes > 0 {
+            if state.am_all {
+                format!("and large ones go in Ferry's messages of up to {am_msg_bytes} bytes")
+            } else if am_msg_bytes > 0 {
                 format!("batched in messages of up to {am_msg_bytes} bytes")
             } else if !state.accepts_batches {
                 "put/get one by one (its connection info has no batch-message feature)".to_string()

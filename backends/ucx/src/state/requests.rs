@@ -57,9 +57,12 @@ pub(super) struct Deferred {
     pub(super) local_addr: u64,
     pub(super) remote_addr: u64,
     pub(super) len: u64,
-    /// For a small range to pack into a batch message (`batch.rs`, never split): the
-    /// endpoint's message size; 0 = a put/get.
+    /// For a range to pack into batch messages (`batch.rs`): the endpoint's message
+    /// size; 0 = a put/get. A small range goes whole into one message; with `am_only`
+    /// any range goes in pieces of a message.
     pub(super) am_bytes: u32,
+    /// Only in messages (`am_tcp`): with no message free it waits, never a put/get.
+    pub(super) am_only: bool,
 }
 
 /// What one post or one pump may still hand to UCX: at most a window of bytes
@@ -240,6 +243,9 @@ impl Core {
         let am_bytes = peer
             .and_then(|p| self.peers.get(&p))
             .map_or(0, |s| s.am_msg_bytes);
+        let am_all = peer
+            .and_then(|p| self.peers.get(&p))
+            .is_some_and(|s| s.am_all);
         for post in batch {
             let batch_post = am_bytes > 0
                 && post.local_kind == MemKind::Dram
@@ -289,34 +295,28 @@ impl Core {
                     len: range.len,
                     am_bytes: if batch_post
                         && !mapped
-                        && range.len <= self.am.range_max
-                        && range.len as usize + AM_RANGE_OVERHEAD_BYTES <= am_bytes
+                        && (am_all
+                            || (range.len <= self.am.range_max
+                                && range.len as usize + AM_RANGE_OVERHEAD_BYTES <= am_bytes))
                     {
                         am_bytes as u32
                     } else {
                         0
                     },
+                    am_only: batch_post && !mapped && am_all,
                 };
                 if piece.am_bytes > 0 {
-                    if !budget.left() {
+                    self.am_pack_piece(&mut piece, &mut budget);
+                    if piece.len == 0 {
+                        continue;
+                    }
+                    if piece.am_only || !budget.left() {
+                        // The rest waits for a free message (or the next window).
                         self.deferred.push_back(piece);
                         deferred += 1;
                         continue;
                     }
-                    if self.am_pack(
-                        post.op,
-                        head,
-                        slot_index,
-                        ep,
-                        range.local_addr,
-                        range.remote_addr,
-                        range.len,
-                        am_bytes,
-                    ) {
-                        budget.spend(range.len);
-                        continue;
-                    }
-                    // No batch message free: the range takes the put path.
+                    // No batch message free: the (small) range takes the put path.
                 }
                 while piece.len > 0 && budget.left() {
                     let now = budget.step(piece.len);
@@ -435,6 +435,36 @@ impl Core {
         }
     }
 
+    /// Pack as much of `piece` into batch messages as the window and the free messages
+    /// allow: whole if it is small, else in pieces of one message each (`am_only`).
+    /// Advances `piece` past what went.
+    fn am_pack_piece(&mut self, piece: &mut Deferred, budget: &mut IssueBudget) {
+        let cap = (piece.am_bytes as usize - AM_RANGE_OVERHEAD_BYTES) as u64;
+        while piece.len > 0 && budget.left() {
+            let now = if piece.am_only {
+                piece.len.min(cap)
+            } else {
+                piece.len
+            };
+            if !self.am_pack(
+                piece.op,
+                piece.head,
+                piece.slot,
+                piece.ep,
+                piece.local_addr,
+                piece.remote_addr,
+                now,
+                piece.am_bytes as usize,
+            ) {
+                return;
+            }
+            budget.spend(now);
+            piece.local_addr += now;
+            piece.remote_addr += now;
+            piece.len -= now;
+        }
+    }
+
     /// Hand deferred ranges to UCX, at most one window. Returns whether it did.
     pub(super) fn issue_deferred(&mut self) -> bool {
         let mut budget = IssueBudget::new(self.window_bytes, false, self.chunk_bytes);
@@ -446,23 +476,18 @@ impl Core {
             let piece = *piece;
             let (head, slot) = (piece.head, piece.slot as usize);
             let mut done = self.slots[slot].failure.is_some();
-            if !done
-                && piece.am_bytes > 0
-                && self.am_pack(
-                    piece.op,
-                    head,
-                    piece.slot,
-                    piece.ep,
-                    piece.local_addr,
-                    piece.remote_addr,
-                    piece.len,
-                    piece.am_bytes as usize,
-                )
-            {
-                budget.spend(piece.len);
-                done = true;
-                any = true;
+            if !done && piece.am_bytes > 0 {
+                let mut rest = piece;
+                self.am_pack_piece(&mut rest, &mut budget);
+                any |= rest.len < piece.len;
+                *self.deferred.front_mut().expect("present") = rest;
+                done = rest.len == 0;
+                if !done && (rest.am_only || !budget.left()) {
+                    // Waits for a free message (acks free them) or the next window.
+                    break;
+                }
             }
+            let piece = *self.deferred.front().expect("present");
             if !done {
                 let piece = &piece;
                 let now = budget.step(piece.len);

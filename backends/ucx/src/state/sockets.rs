@@ -14,7 +14,11 @@
 //!
 //! - When an endpoint is made, the TCP sockets that appeared during `ucp_ep_create` are
 //!   the endpoint's connections (UCX's tcp transport connects there). Their remote
-//!   addresses (the peer's UCX listening sockets) are kept with the peer.
+//!   addresses (the peer's UCX listening sockets) are kept with the peer — only those
+//!   whose port and IPv4 address both appear in the peer's worker address (UCX packs
+//!   them there), and the bracket is held against the other UCX backends of this
+//!   process ([`BRACKET`]), so a socket another thread opened meanwhile is not taken
+//!   for the peer's.
 //! - Before a failed peer's endpoint is closed (deadline passed, UCX reported it, or it is
 //!   unloaded with requests in flight), every TCP socket of this process connected to one
 //!   of those addresses is dissolved with `connect(AF_UNSPEC)`: Linux's `tcp_disconnect`
@@ -57,6 +61,21 @@ fn socket_fds() -> Vec<(i32, u64)> {
         }
     }
     out
+}
+
+/// Held across a bracket (socket scan, `ucp_ep_create`, socket scan) by every UCX
+/// backend of the process.
+pub(super) static BRACKET: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Whether `remote` can be one of the peer's UCX listening sockets: its port (network
+/// order) and, for IPv4, its address bytes appear in the peer's worker address.
+pub(super) fn in_worker_address(remote: &SocketAddr, address: &[u8]) -> bool {
+    let contains = |needle: &[u8]| address.windows(needle.len()).any(|w| w == needle);
+    let port_ok = contains(&remote.port().to_be_bytes());
+    match remote {
+        SocketAddr::V4(v4) => port_ok && contains(&v4.ip().octets()),
+        SocketAddr::V6(v6) => port_ok && contains(&v6.ip().octets()),
+    }
 }
 
 /// Socket inodes of this process (the "before" of a bracket).
@@ -186,6 +205,23 @@ mod tests {
     use std::io::{Read, Write};
     use std::net::{TcpListener, TcpStream};
     use std::time::Duration;
+
+    #[test]
+    fn a_remote_is_the_peers_only_if_its_address_bytes_are_in_the_worker_address() {
+        let remote: SocketAddr = "10.231.0.2:50115".parse().unwrap();
+        let mut blob = vec![0u8; 40];
+        blob[7..11].copy_from_slice(&[10, 231, 0, 2]);
+        blob[20..22].copy_from_slice(&50115u16.to_be_bytes());
+        assert!(in_worker_address(&remote, &blob));
+        assert!(!in_worker_address(
+            &"10.231.0.2:50116".parse().unwrap(),
+            &blob
+        ));
+        assert!(!in_worker_address(
+            &"10.231.0.3:50115".parse().unwrap(),
+            &blob
+        ));
+    }
 
     #[test]
     fn addresses_parse_as_the_kernel_prints_them() {
