@@ -27,7 +27,8 @@ use ferry_backend_api::{
     effective_params, BackendInit, Capabilities, FileMode, Params, QueryResult,
 };
 use ferry_schedules::{
-    flush, Bounds, CommandBuffer, FlushSummary, Phase, Side, Telemetry, World, XferStatus,
+    flush, Bounds, CommandBuffer, DeregStatus, FlushSummary, Phase, Side, Telemetry, World,
+    XferStatus,
 };
 use ferry_storage::{
     BackendId, Desc, Error, MemKind, Op, PeerId, PrepId, RegionId, Result, Subject, XferId,
@@ -465,8 +466,22 @@ impl Agent {
     }
 
     /// Deregister a region. Refused while a request using it is in flight.
-    pub fn deregister(&self, region: RegionId) -> Result<()> {
-        self.one(|c| c.deregister(region).index(), done)
+    ///
+    /// Where a backend's peers may still reach the region (SHM peers copying into it),
+    /// the first call withdraws it — out of the tables and the published metadata, so
+    /// nothing new can name it — and answers [`DeregStatus::Pending`]: keep the memory
+    /// and call again with the same handle (it never blocks); [`DeregStatus::Done`]
+    /// once no backend touches the memory again. With no peer holding it, the first
+    /// call is `Done`.
+    pub fn deregister(&self, region: RegionId) -> Result<DeregStatus> {
+        self.one(
+            |c| c.deregister(region).index(),
+            |c, i| match &c.outcomes()[i as usize] {
+                ferry_schedules::Outcome::Failed(e) => Err(e.clone()),
+                ferry_schedules::Outcome::Withdrawing => Ok(DeregStatus::Pending),
+                _ => Ok(DeregStatus::Done),
+            },
+        )
     }
 
     /// Prepare a descriptor list once (local, or a peer's).

@@ -56,8 +56,8 @@ pub use ferry_backend_api::{
     QueryResult,
 };
 pub use ferry_schedules::{
-    Bounds, Command, CommandBuffer, Created, ExchangeCmd, FlushSummary, MakeBuilder, MdRoute,
-    Outcome, Ref, Side, Telemetry, Ticket, XferStatus,
+    Bounds, Command, CommandBuffer, Created, DeregStatus, ExchangeCmd, FlushSummary, MakeBuilder,
+    MdRoute, Outcome, Ref, Side, Telemetry, Ticket, XferStatus,
 };
 pub use ferry_storage::{
     BackendId, BackendMask, Desc, Endpoint, Error, MemKind, Op, PeerId, PrepId, RegionId, Result,

@@ -301,6 +301,10 @@ pub enum Outcome {
     Drained(u32),
     /// Whether the asked-for agent's metadata is loaded.
     MdReady(bool),
+    /// A deregistration withdrew the region (it is out of the tables and the published
+    /// metadata) but a peer may still reach it: keep the memory and deregister the same
+    /// handle again later (see `DeregStatus::Pending`).
+    Withdrawing,
     /// Failed, alone.
     Failed(Error),
 }

@@ -52,7 +52,7 @@ use crate::command::{
 };
 use crate::logging::{BackendNames, DescText, FlushTrace, PathText};
 use crate::merge::dispatch_key;
-use crate::world::{World, XferState};
+use crate::world::{DeregStatus, World, XferState};
 
 macro_rules! phase_span {
     ($name:literal) => {
@@ -765,10 +765,14 @@ fn phase_retire(world: &mut World, cmds: &mut CommandBuffer, bucket: &[u32]) {
         let result = match cmds.commands[i as usize] {
             Command::Release {
                 what: Releasable::Xfer(x),
-            } => resolve(&cmds.outcomes, i, x).and_then(|x| world.release_xfer(x)),
+            } => resolve(&cmds.outcomes, i, x)
+                .and_then(|x| world.release_xfer(x))
+                .map(|()| Outcome::Done),
             Command::Release {
                 what: Releasable::Prep(p),
-            } => resolve(&cmds.outcomes, i, p).and_then(|p| world.release_prep(p)),
+            } => resolve(&cmds.outcomes, i, p)
+                .and_then(|p| world.release_prep(p))
+                .map(|()| Outcome::Done),
             Command::Deregister { region } => resolve(&cmds.outcomes, i, region).and_then(|r| {
                 // Looked up for the log line only.
                 let region = log::log_enabled!(log::Level::Debug)
@@ -777,7 +781,7 @@ fn phase_retire(world: &mut World, cmds: &mut CommandBuffer, bucket: &[u32]) {
                     .map(|row| (world.regions.kinds[row], world.regions.descs[row]));
                 let result = world.deregister_region(r);
                 match (&result, region) {
-                    (Ok(()), Some((kind, desc))) => log::debug!(
+                    (Ok(DeregStatus::Done), Some((kind, desc))) => log::debug!(
                         "agent '{}': deregistered {kind} region {r:?}: {}",
                         world.name,
                         DescText(kind, desc),
@@ -786,13 +790,16 @@ fn phase_retire(world: &mut World, cmds: &mut CommandBuffer, bucket: &[u32]) {
                         "agent '{}': deregistering region {r:?} failed: {e}",
                         world.name
                     ),
-                    (Ok(()), None) => {}
+                    _ => {}
                 }
-                result
+                result.map(|status| match status {
+                    DeregStatus::Done => Outcome::Done,
+                    DeregStatus::Pending => Outcome::Withdrawing,
+                })
             }),
             _ => unreachable!("classified as retire"),
         };
-        set(cmds, i, result.map(|()| Outcome::Done));
+        set(cmds, i, result);
     }
 }
 

@@ -16,4 +16,4 @@ pub use command::{
 };
 pub use executor::{flush, FlushSummary, MetadataLoader, Phase};
 pub use metrics::{BackendMetrics, ExchangeEvent, Metrics, MetricsSnapshot};
-pub use world::{Bounds, LoadKind, PeerView, Telemetry, World, XferState};
+pub use world::{Bounds, DeregStatus, LoadKind, PeerView, Telemetry, World, XferState};

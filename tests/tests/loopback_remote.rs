@@ -92,3 +92,35 @@ fn target_deregistration_fails_the_post_and_moves_no_byte() {
         .unwrap();
     assert_eq!(a.post(again).unwrap(), XferStatus::Done);
 }
+
+/// Issue 21, item 4 in the engine: a deregistration a backend cannot confirm yet (a
+/// peer may still be moving bytes: here the loopback fault `withdraw_pending`) goes in
+/// two steps. The first call withdraws the region — out of the tables and the published
+/// metadata, so nothing new names it — and answers `Pending`; calling again with the same
+/// handle answers `Pending` until the backend confirms, then `Done`; after that the
+/// handle is unknown.
+#[test]
+fn a_deregistration_a_backend_cannot_confirm_yet_is_pending_until_it_can() {
+    use ferry::{DeregStatus, Side};
+    let dst = Buffer::zeroed(4096);
+    let a = loopback_agent("pending-a");
+    let b = loopback_agent("pending-b");
+    let region = register(&b, &dst);
+    a.load_remote_md(&b.local_md().unwrap()).unwrap();
+    ferry::loopback::faults(b.name())
+        .unwrap()
+        .withdraw_pending(2);
+    assert_eq!(b.deregister(region), Ok(DeregStatus::Pending));
+    // Withdrawn: not in B's tables, its lists or its metadata any more.
+    assert_eq!(b.counts().2, 0);
+    assert!(b.prep(Side::Local, MemKind::Dram, &[dst.whole()]).is_err());
+    let peer = a.load_remote_md(&b.local_md().unwrap()).unwrap();
+    assert!(a.prep(peer, MemKind::Dram, &[dst.whole()]).is_err());
+    // Polled: pending until the backend confirms.
+    assert_eq!(b.deregister(region), Ok(DeregStatus::Pending));
+    assert_eq!(b.deregister(region), Ok(DeregStatus::Done));
+    assert!(matches!(b.deregister(region), Err(Error::NotFound { .. })));
+    // The memory can be registered again.
+    let again = register(&b, &dst);
+    assert_eq!(b.deregister(again), Ok(DeregStatus::Done));
+}

@@ -971,3 +971,80 @@ fn forged_shm_region_metadata_is_refused_at_load() {
     assert_eq!(a.post(x).unwrap(), XferStatus::Done);
     a.release(x).unwrap();
 }
+
+/// Issue 21, item 4 on SHM: once the target's deregistration completes, a peer that
+/// still holds its metadata cannot change a byte of that memory — shareable (mapped by
+/// the peer) or ordinary (CMA). The deregistration withdraws the range in the target's
+/// inbox; the peer checks it before every batch and fails the request (`EFAULT`).
+#[test]
+fn a_peer_with_stale_metadata_cannot_write_into_memory_the_target_deregistered() {
+    let a = shm_agent("shm-dereg-a", &[]);
+    let b = shm_agent("shm-dereg-b", &[]);
+    let mut src = Buffer::random(1 << 16, &mut Rng::new(31));
+    register(&a, &src);
+    let from = src.whole();
+    let shared = SharedMemory::alloc(1 << 16, &ShmOptions::default()).unwrap();
+    let ordinary = Buffer::zeroed(1 << 16);
+    let shared_region = try_register(&b, MemKind::Dram, shared.desc()).unwrap();
+    let ordinary_region = register(&b, &ordinary);
+    let at = a.load_remote_md(&b.local_md().unwrap()).unwrap();
+    let write = |to: Desc| {
+        let x = a
+            .create(
+                Op::Write,
+                MemKind::Dram,
+                &[from],
+                at,
+                MemKind::Dram,
+                &[to],
+                None,
+            )
+            .unwrap();
+        let r = a.post(x);
+        a.release(x).unwrap();
+        r
+    };
+    assert_eq!(write(shared.desc()), Ok(XferStatus::Done));
+    assert_eq!(write(ordinary.whole()), Ok(XferStatus::Done));
+    // The peer is idle: both deregistrations complete at once.
+    assert_eq!(b.deregister(shared_region), Ok(ferry::DeregStatus::Done));
+    assert_eq!(b.deregister(ordinary_region), Ok(ferry::DeregStatus::Done));
+    // The memory is B's again; A still holds the old metadata.
+    let view = |m: &SharedMemory| {
+        let mut out = vec![0u8; m.len()];
+        m.read(0, &mut out).unwrap();
+        out
+    };
+    let before = (view(&shared), ordinary.bytes().to_vec());
+    src.bytes_mut().fill(0xee);
+    for to in [shared.desc(), ordinary.whole()] {
+        match write(to) {
+            Err(Error::Backend { errno, .. }) => assert_eq!(errno, libc_efault(), "{to:?}"),
+            other => panic!("a write into deregistered memory at {to:?}: {other:?}"),
+        }
+    }
+    assert_eq!(view(&shared), before.0, "shareable memory changed");
+    assert_eq!(ordinary.bytes(), &before.1[..], "ordinary memory changed");
+    // Registered again, it is reachable again (after the peer reloads).
+    let again = register(&b, &ordinary);
+    let at = a.load_remote_md(&b.local_md().unwrap()).unwrap();
+    let x = a
+        .create(
+            Op::Write,
+            MemKind::Dram,
+            &[from],
+            at,
+            MemKind::Dram,
+            &[ordinary.whole()],
+            None,
+        )
+        .unwrap();
+    assert_eq!(a.post(x), Ok(XferStatus::Done));
+    assert!(ordinary.bytes().iter().all(|&v| v == 0xee));
+    a.release(x).unwrap();
+    b.deregister(again).unwrap();
+}
+
+fn libc_efault() -> i32 {
+    14
+}

@@ -482,3 +482,55 @@ fn a_full_inbox_refuses_a_self_write_with_notification_before_its_data_moves() {
         vec![(a.name().to_string(), b"n".to_vec())]
     );
 }
+
+/// Issue 21, item 4 on UCX: after the target's deregistration, a peer holding its stale
+/// metadata cannot change a byte of that memory. Over tcp (`am_tcp`, on by default where
+/// puts go over tcp, as everywhere with UCX 1.13) every range travels in Ferry's
+/// messages and the target's handler checks it against its registrations: the WRITE
+/// fails (`EFAULT`) and the memory keeps what the target left there.
+#[test]
+fn a_peer_with_stale_metadata_cannot_write_into_memory_the_target_deregistered() {
+    if !ucx_ready() {
+        return;
+    }
+    let src = Buffer::random(1 << 20, &mut Rng::new(21));
+    let dst = Buffer::zeroed(1 << 20);
+    let a = ucx_agent("ucx-dereg-a", "");
+    let b = ucx_agent("ucx-dereg-b", "");
+    register(&a, &src);
+    let region = register(&b, &dst);
+    let b_at_a = a.load_remote_md(&b.local_md().unwrap()).unwrap();
+    let p = Pair {
+        a,
+        b,
+        b_at_a,
+        a_at_b: Default::default(),
+    };
+    // Small and large ranges: one of 4 KiB, one of the rest.
+    let local = [src.desc(0, 4096), src.desc(4096, (1 << 20) - 4096)];
+    let remote = [dst.desc(0, 4096), dst.desc(4096, (1 << 20) - 4096)];
+    let x = transfer(&p, Op::Write, &local, &remote, None);
+    p.a.release(x).unwrap();
+    assert_eq!(dst.bytes(), src.bytes());
+    p.b.deregister(region).unwrap();
+    let left = dst.bytes().to_vec();
+    // A has not heard of it: its metadata still names the region.
+    let x = p.create(Op::Write, &local, &remote, None);
+    let deadline = Instant::now() + TIMEOUT;
+    let mut status = p.a.post(x);
+    while status == Ok(XferStatus::InProgress) {
+        assert!(Instant::now() < deadline, "not ended within {TIMEOUT:?}");
+        p.b.progress();
+        status = p.a.check(x);
+    }
+    match status {
+        Err(Error::Backend { errno, .. }) => assert_eq!(errno, 14, "EFAULT"),
+        other => panic!("a write into deregistered memory: {other:?}"),
+    }
+    p.a.release(x).unwrap();
+    assert_eq!(
+        dst.bytes(),
+        &left[..],
+        "a byte changed after the deregistration"
+    );
+}

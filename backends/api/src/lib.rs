@@ -526,6 +526,23 @@ pub trait Backend: Send {
     /// promised about a path (the backend opens and owns the file itself).
     unsafe fn register(&mut self, region: &RegionSpec<'_>) -> Result<Registered>;
 
+    /// Withdraw a region from peers: the first step of a fenced deregistration (issue
+    /// 21). `Ok(true)` once no peer can reach the region any more — a peer that still
+    /// names it (stale metadata) has its transfers refused, and none is running — so
+    /// [`Backend::deregister`] may follow; `Ok(false)` while a peer may still be moving
+    /// bytes into or out of it: the engine asks again later (the caller polls; nothing
+    /// waits). Asking again for a region being withdrawn only checks.
+    ///
+    /// The default answers `Ok(true)`: right for a backend whose peers cannot reach a
+    /// region without the target checking it at that moment (LOOPBACK checks at post;
+    /// UCX where ranges travel in Ferry's messages; local-only backends). A backend whose
+    /// transport writes into a peer region unchecked (UCX puts over shared memory, CMA or
+    /// RDMA) cannot withdraw and says so in its docs.
+    fn withdraw(&mut self, kind: MemKind, token: u64) -> Result<bool> {
+        let _ = (kind, token);
+        Ok(true)
+    }
+
     /// Release a region registered with `token`. An unknown or already released token
     /// is a `NotFound` error.
     ///

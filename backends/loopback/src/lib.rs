@@ -271,6 +271,7 @@ pub struct Faults {
     dropped: Mutex<Vec<String>>,
     panic_next_post: AtomicBool,
     refuse_cancel: AtomicBool,
+    withdraw_pending: AtomicU32,
 }
 
 impl Faults {
@@ -307,8 +308,14 @@ impl Faults {
     pub fn refuse_cancel(&self, refuse: bool) {
         self.refuse_cancel.store(refuse, Ordering::SeqCst);
     }
+    /// Answer the next `count` withdrawals "a peer may still reach it" (`Ok(false)`), as
+    /// a backend whose peer is mid-copy does: deregistrations then go pending.
+    pub fn withdraw_pending(&self, count: u32) {
+        self.withdraw_pending.store(count, Ordering::SeqCst);
+    }
     /// Clear every fault.
     pub fn clear(&self) {
+        self.withdraw_pending.store(0, Ordering::SeqCst);
         self.panic_next_post.store(false, Ordering::SeqCst);
         self.refuse_cancel.store(false, Ordering::SeqCst);
         self.fail_next.store(0, Ordering::SeqCst);
@@ -809,6 +816,21 @@ impl Backend for Loopback {
             // Peers check the region's liveness through this token at post.
             public_md: token.to_le_bytes().to_vec(),
         })
+    }
+
+    fn withdraw(&mut self, kind: MemKind, token: u64) -> Result<bool> {
+        if kind != MemKind::Dram || !self.shared.regions.is_live(token) {
+            return Err(Error::not_found(Subject::Named(
+                format!("loopback {kind} region token {token:#x}").into(),
+            )));
+        }
+        // Peers check the target's registrations at every post, so a region is
+        // unreachable as soon as it is deregistered; only the fault says otherwise.
+        Ok(self
+            .faults
+            .withdraw_pending
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_err())
     }
 
     unsafe fn deregister(&mut self, kind: MemKind, token: u64) -> Result<()> {

@@ -49,7 +49,7 @@ use slotmap::SparseSecondaryMap;
 pub use segment::{HugePages, SharedMemory, ShmOptions, HUGE_PAGE_BYTES};
 
 use host::Liveness;
-use ring::{Inbox, Lane};
+use ring::{Inbox, Lane, Withdrawn, WITHDRAWN_MAX};
 use segment::PeerMapping;
 use wire::{fnv1a, ConnInfo, RegionMd};
 
@@ -170,6 +170,8 @@ struct Peer {
     last: Option<(u64, Target)>,
     /// Mapped segments of the peer, by nonce.
     segments: Vec<([u8; 16], PeerMapping)>,
+    /// Our copy of the peer's withdrawn ranges (`ring.rs`): checked before each copy.
+    withdrawn: Withdrawn,
     _inbox_map: PeerMapping,
 }
 
@@ -211,6 +213,10 @@ pub struct Shm {
     remote_iov: Vec<Iov>,
     /// Corrupt records seen in our inbox (a peer wrote garbage into its lane).
     corrupt_lanes: u64,
+    /// Our withdrawn ranges, oldest first (published in our inbox's header).
+    withdrawn: Vec<(u64, u64)>,
+    /// Regions being withdrawn: token → the table sequence peers must have reached.
+    withdrawing: HashMap<u64, u64>,
 }
 
 fn positive(params: &Params, key: &'static str) -> Result<usize> {
@@ -320,6 +326,8 @@ impl Shm {
             local_iov: Vec::with_capacity(CMA_IOVECS_MAX),
             remote_iov: Vec::with_capacity(CMA_IOVECS_MAX),
             corrupt_lanes: 0,
+            withdrawn: Vec::new(),
+            withdrawing: HashMap::new(),
         })
     }
 
@@ -679,6 +687,56 @@ impl Shm {
         }
     }
 
+    /// Run a batch to `peer` between `Lane::begin_copies` and `end_copies`: a request
+    /// naming a range the peer withdrew fails (`EFAULT`) and moves nothing.
+    ///
+    /// # Safety
+    ///
+    /// As for [`Backend::post`].
+    unsafe fn post_to_peer(
+        &mut self,
+        peer: PeerId,
+        batch: &[Post<'_>],
+        done: &mut Completions,
+    ) -> Result<()> {
+        for post in batch {
+            let p = self.peers.get_mut(peer).expect("checked by the caller");
+            let withdrawn = (!p.withdrawn.is_empty())
+                .then(|| {
+                    post.ranges
+                        .iter()
+                        .position(|r| p.withdrawn.hits(r.remote_addr, r.len))
+                })
+                .flatten();
+            // An attached notification's room is checked first (see `post`).
+            let room = post.notif.is_none_or(|payload| p.lane.fits(payload.len()));
+            let mut result = if let Some(i) = withdrawn {
+                Err(fail(FailureKind::Backend, libc::EFAULT, Some(i as u32)))
+            } else if room {
+                // SAFETY: forwarded from the caller of `post`. The peer was alive when
+                // the batch started (a pidfd poll at most LIVENESS_TTL old); a peer that
+                // dies during the copies leaves our mapping of its segment valid, and a
+                // CMA call to it fails ESRCH.
+                unsafe { self.run_peer(peer, post) }
+            } else {
+                Err(fail(FailureKind::Backend, libc::ENOBUFS, None))
+            };
+            let p = self.peers.get_mut(peer).expect("checked by the caller");
+            if let (Ok(()), Some(payload)) = (result, post.notif) {
+                let pushed = p.lane.push(payload);
+                debug_assert!(pushed, "room was checked before the data moved");
+                if !pushed {
+                    result = Err(fail(FailureKind::Backend, libc::ENOBUFS, None));
+                }
+            }
+            done.push(ferry_backend_api::Completion {
+                tag: post.tag,
+                result,
+            });
+        }
+        Ok(())
+    }
+
     /// Run one request within this agent.
     ///
     /// # Safety
@@ -797,6 +855,13 @@ impl Backend for Shm {
                 })
             }
         };
+        // Memory registered again is reachable again: forget withdrawn ranges in it.
+        let before = self.withdrawn.len();
+        self.withdrawn
+            .retain(|&(lo, hi)| !(lo < d.addr + d.len && d.addr < hi));
+        if self.withdrawn.len() != before {
+            self.inbox.set_withdrawn(&self.withdrawn);
+        }
         let slot = &mut self.regions[index];
         slot.generation = slot.generation.wrapping_add(1) | 1;
         slot.addr = d.addr;
@@ -819,12 +884,43 @@ impl Backend for Shm {
         })
     }
 
+    fn withdraw(&mut self, kind: MemKind, token: u64) -> Result<bool> {
+        let Some(bounds) = (kind == MemKind::Dram)
+            .then(|| self.local_bounds(token))
+            .flatten()
+        else {
+            return Err(Error::not_found(Subject::Named(
+                format!("SHM {kind} region token {token:#x}").into(),
+            )));
+        };
+        let own = self.self_lane.index();
+        if let Some(&seq) = self.withdrawing.get(&token) {
+            return Ok(self.inbox.senders_past(seq, own));
+        }
+        if !self.inbox.has_senders(own) {
+            // No peer holds a lane, so none can copy (the common case: nothing to do).
+            return Ok(true);
+        }
+        let range = (bounds.addr, bounds.addr + bounds.len);
+        self.withdrawn.push(range);
+        if self.withdrawn.len() > WITHDRAWN_MAX {
+            let (lo, hi) = self.withdrawn.remove(0);
+            log::warn!(
+                "SHM: more than {WITHDRAWN_MAX} withdrawn regions: the oldest                  ({lo:#x}..{hi:#x}) is no longer refused to peers with stale metadata"
+            );
+        }
+        let seq = self.inbox.set_withdrawn(&self.withdrawn);
+        self.withdrawing.insert(token, seq);
+        Ok(self.inbox.senders_past(seq, own))
+    }
+
     unsafe fn deregister(&mut self, kind: MemKind, token: u64) -> Result<()> {
         if kind != MemKind::Dram || self.local_bounds(token).is_none() {
             return Err(Error::not_found(Subject::Named(
                 format!("SHM {kind} region token {token:#x}").into(),
             )));
         }
+        self.withdrawing.remove(&token);
         let index = (token & u64::from(u32::MAX)) as usize;
         let slot = &mut self.regions[index];
         slot.generation = slot.generation.wrapping_add(1);
@@ -960,6 +1056,7 @@ impl Backend for Shm {
             resolved: HashMap::new(),
             last: None,
             segments: Vec::new(),
+            withdrawn: Withdrawn::default(),
             _inbox_map: inbox_map,
         };
         validate_regions(&mut new)?;
@@ -1064,41 +1161,23 @@ impl Backend for Shm {
             }
             Endpoint::Peer(peer) => {
                 self.check_peer(peer)?;
-                for post in batch {
-                    // SAFETY: forwarded from the caller of `post`.
-                    // The peer was alive when the batch started (a pidfd poll at most
-                    // LIVENESS_TTL old, above); a peer that dies during the copies
-                    // leaves our mapping of its segment valid, and a CMA call to it
-                    // fails ESRCH.
-                    // An attached notification's room is checked first (see above).
-                    let room = match post.notif {
-                        Some(payload) => self
-                            .peers
-                            .get_mut(peer)
-                            .expect("checked above")
-                            .lane
-                            .fits(payload.len()),
-                        None => true,
-                    };
-                    let mut result = if room {
-                        // SAFETY: forwarded from the caller of `post`.
-                        unsafe { self.run_peer(peer, post) }
-                    } else {
-                        Err(fail(FailureKind::Backend, libc::ENOBUFS, None))
-                    };
-                    let p = self.peers.get_mut(peer).expect("checked above");
-                    if let (Ok(()), Some(payload)) = (result, post.notif) {
-                        let pushed = p.lane.push(payload);
-                        debug_assert!(pushed, "room was checked before the data moved");
-                        if !pushed {
-                            result = Err(fail(FailureKind::Backend, libc::ENOBUFS, None));
-                        }
-                    }
-                    done.push(ferry_backend_api::Completion {
-                        tag: post.tag,
-                        result,
-                    });
+                // The fence of the target's deregistrations (`ring.rs`): announce the
+                // withdrawn table this batch is checked against; ranges it names fail.
+                let p = self.peers.get_mut(peer).expect("checked above");
+                if !p.lane.begin_copies(&mut p.withdrawn) {
+                    return Err(Error::backend(
+                        NAME,
+                        format!("peer '{}' kept rewriting its withdrawn ranges", p.name),
+                    ));
                 }
+                // SAFETY: forwarded from the caller of `post`.
+                let result = unsafe { self.post_to_peer(peer, batch, done) };
+                self.peers
+                    .get(peer)
+                    .expect("checked above")
+                    .lane
+                    .end_copies();
+                result?;
             }
         }
         Ok(())

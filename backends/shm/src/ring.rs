@@ -4,8 +4,13 @@
 //! ```text
 //! page 0     header: magic u64 | nonce [16] | lanes u32 | lane bytes u32
 //!            | closed u32 (at 64) | claimed-lanes bitmap u64 (at 128)
+//!            | withdrawn-table sequence u64 (at 256: odd while the owner writes it)
+//!            | withdrawn count u64 (at 264) | withdrawn ranges (at 512: start u64,
+//!            end u64 each, WITHDRAWN_MAX of them)
 //! lane i     control page at 4096 + i × (4096 + lane bytes):
 //!              owner u64 (0 free, BUSY while claiming, else pid << 32 | backend id)
+//!              | copying u64 (at 64: 0 idle, else 1 + the withdrawn-table sequence the
+//!              sender checked its ranges against)
 //!              head u64 (at 128: consumer position, bytes) | tail u64 (at 256:
 //!              producer position) | name len u32 (at 384) | name (at 512, ≤ 3,584 B)
 //!            ring of `lane bytes` right after it
@@ -19,6 +24,15 @@
 //! of `tail`: no system call. The target, in its progress phase, walks the set bits and
 //! reads each lane from `head` to `tail`. A sender frees its lane when it unloads the
 //! target; a lane whose owner process is gone may be taken over once it is drained.
+//!
+//! **Withdrawn ranges** fence deregistration (issue 21): before the owner deregisters a
+//! region that peers may still name, it adds the region's range to the table and bumps
+//! the sequence; a sender, before each batch of copies, announces in its lane's
+//! `copying` word which sequence it checked its ranges against (announce, then re-read
+//! the sequence: a seqlock handshake) and refuses ranges that overlap a withdrawn one.
+//! The owner's deregistration completes once every live sender is idle or has checked
+//! against the new sequence — from then on no copy into the range can start or be
+//! running. Nothing is checked while the table is empty.
 //!
 //! The consumer never trusts the producer's bytes: a record that is too long or a tail
 //! that moved impossibly far is counted as corruption and the lane is skipped to its
@@ -40,6 +54,11 @@ const BUSY: u64 = u64::MAX;
 const WRAP: u32 = u32::MAX;
 /// Most lanes an inbox has (one bit each in the bitmap).
 pub const LANES_MAX: usize = 64;
+/// Withdrawn ranges the header holds (the oldest is forgotten beyond).
+pub const WITHDRAWN_MAX: usize = (HEADER - 512) / 16;
+/// How many times a sender re-reads a table the owner is writing before giving up on
+/// the batch (the owner's writes take nanoseconds).
+const SEQ_TRIES: usize = 1 << 16;
 
 /// Bytes an inbox of `lanes` lanes of `lane_bytes` takes.
 pub fn inbox_len(lanes: usize, lane_bytes: usize) -> usize {
@@ -146,6 +165,72 @@ impl Inbox {
         self.atomic_u64(128)
     }
 
+    fn withdrawn_seq(&self) -> &AtomicU64 {
+        self.atomic_u64(256)
+    }
+
+    fn withdrawn_count(&self) -> &AtomicU64 {
+        self.atomic_u64(264)
+    }
+
+    fn withdrawn_at(&self, i: usize) -> (&AtomicU64, &AtomicU64) {
+        (self.atomic_u64(512 + i * 16), self.atomic_u64(520 + i * 16))
+    }
+
+    fn copying(&self, lane: usize) -> &AtomicU64 {
+        self.atomic_u64(self.lane_offset(lane) + 64)
+    }
+
+    /// Owner: rewrite the withdrawn table as `ranges` (at most [`WITHDRAWN_MAX`]: the
+    /// oldest are dropped beyond). Returns the new sequence.
+    pub fn set_withdrawn(&self, ranges: &[(u64, u64)]) -> u64 {
+        let keep = &ranges[ranges.len().saturating_sub(WITHDRAWN_MAX)..];
+        let seq = self.withdrawn_seq();
+        let start = seq.load(Ordering::Relaxed);
+        seq.store(start | 1, Ordering::Relaxed);
+        std::sync::atomic::fence(Ordering::Release);
+        for (i, &(lo, hi)) in keep.iter().enumerate() {
+            let (a, b) = self.withdrawn_at(i);
+            a.store(lo, Ordering::Relaxed);
+            b.store(hi, Ordering::Relaxed);
+        }
+        self.withdrawn_count()
+            .store(keep.len() as u64, Ordering::Relaxed);
+        let next = (start | 1) + 1;
+        seq.store(next, Ordering::SeqCst);
+        next
+    }
+
+    /// Owner: whether every live sender (other than `own`, this backend's lane to
+    /// itself) is idle or checked its ranges against sequence `seq` or later.
+    pub fn senders_past(&self, seq: u64, own: usize) -> bool {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let mut bits = self.claimed().load(Ordering::Acquire);
+        while bits != 0 {
+            let lane = bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            if lane == own || lane >= self.lanes {
+                continue;
+            }
+            let copying = self.copying(lane).load(Ordering::SeqCst);
+            if copying == 0 || copying > seq {
+                continue;
+            }
+            let owner = self.owner(lane).load(Ordering::Acquire);
+            if owner == 0 || owner == BUSY || !crate::host::pid_exists((owner >> 32) as i32) {
+                // Gone (a dead process copies nothing) or not a sender yet.
+                continue;
+            }
+            return false;
+        }
+        true
+    }
+
+    /// Whether any sender other than lane `own` holds a lane.
+    pub fn has_senders(&self, own: usize) -> bool {
+        self.claimed().load(Ordering::Acquire) & !(1u64 << own) != 0
+    }
+
     fn lane_offset(&self, lane: usize) -> usize {
         HEADER + lane * (LANE_CONTROL + self.lane_bytes)
     }
@@ -219,6 +304,8 @@ impl Inbox {
                     );
                 }
                 let tail = self.tail(lane).load(Ordering::Acquire);
+                // An earlier sender that died mid-copy may have left its word set.
+                self.copying(lane).store(0, Ordering::SeqCst);
                 self.owner(lane).store(owner, Ordering::Release);
                 self.claimed().fetch_or(1 << lane, Ordering::AcqRel);
                 return Ok(Lane {
@@ -329,7 +416,80 @@ pub struct Lane {
     head_seen: u64,
 }
 
+/// A sender's copy of a target's withdrawn table (`Lane::begin_copies`).
+#[derive(Debug, Default)]
+pub struct Withdrawn {
+    /// The sequence `ranges` was read at (0: never read; the table starts empty).
+    seq: u64,
+    /// (start, end) of each withdrawn range.
+    ranges: Vec<(u64, u64)>,
+}
+
+impl Withdrawn {
+    /// Whether `[addr, addr + len)` overlaps a withdrawn range.
+    pub fn hits(&self, addr: u64, len: u64) -> bool {
+        let end = addr.saturating_add(len);
+        self.ranges.iter().any(|&(lo, hi)| addr < hi && lo < end)
+    }
+
+    /// Whether the table is empty (nothing to check).
+    pub fn is_empty(&self) -> bool {
+        self.ranges.is_empty()
+    }
+}
+
 impl Lane {
+    /// Before a batch of copies to the lane's target: bring `table` up to date with the
+    /// target's withdrawn table and announce (in the lane's `copying` word) the sequence
+    /// it was checked against. Every range of the batch must then be checked against
+    /// `table`, and [`Lane::end_copies`] called after the last copy. `false` if the
+    /// target kept writing its table (the batch must not run).
+    pub fn begin_copies(&self, table: &mut Withdrawn) -> bool {
+        let seq = self.inbox.withdrawn_seq();
+        for _ in 0..SEQ_TRIES {
+            let now = seq.load(Ordering::Acquire);
+            if now & 1 == 1 {
+                std::hint::spin_loop();
+                continue;
+            }
+            if now != table.seq {
+                table.ranges.clear();
+                let count = (self.inbox.withdrawn_count().load(Ordering::Relaxed) as usize)
+                    .min(WITHDRAWN_MAX);
+                for i in 0..count {
+                    let (a, b) = self.inbox.withdrawn_at(i);
+                    table
+                        .ranges
+                        .push((a.load(Ordering::Relaxed), b.load(Ordering::Relaxed)));
+                }
+                std::sync::atomic::fence(Ordering::Acquire);
+                if seq.load(Ordering::Relaxed) != now {
+                    continue;
+                }
+                table.seq = now;
+            }
+            self.inbox
+                .copying(self.lane)
+                .store(now + 1, Ordering::SeqCst);
+            std::sync::atomic::fence(Ordering::SeqCst);
+            if seq.load(Ordering::SeqCst) == now {
+                return true;
+            }
+        }
+        self.end_copies();
+        false
+    }
+
+    /// After the last copy of a batch (see [`Lane::begin_copies`]).
+    pub fn end_copies(&self) {
+        self.inbox.copying(self.lane).store(0, Ordering::Release);
+    }
+
+    /// The lane's index in its inbox.
+    pub fn index(&self) -> usize {
+        self.lane
+    }
+
     /// Whether a record of `len` payload bytes fits now. This lane's producer is the
     /// only one that uses up room, so a record that fits still fits at the next
     /// `push` of it (an attached notification is checked before its data moves).

@@ -173,3 +173,38 @@ fn a_hostile_head_reads_as_full_not_as_a_panic() {
     let mut names = vec![(0, String::new()); 1];
     let _ = ib.drain(&mut names, |_, _| {});
 }
+
+#[test]
+fn a_withdrawal_waits_for_a_sender_mid_copy_and_the_sender_then_refuses_the_range() {
+    use super::ring::Withdrawn;
+    let (_mem, ib) = inbox(4, 256);
+    let own = ib
+        .claim((u64::from(std::process::id()) << 32) | 1, "owner")
+        .unwrap();
+    assert!(!ib.has_senders(own.index()), "only the owner's own lane");
+    let sender = ib
+        .claim((u64::from(std::process::id()) << 32) | 2, "sender")
+        .unwrap();
+    assert!(ib.has_senders(own.index()));
+    let mut table = Withdrawn::default();
+    // The sender is copying, checked against the empty table.
+    assert!(sender.begin_copies(&mut table));
+    assert!(table.is_empty());
+    // The owner withdraws a range: not complete while that copy runs.
+    let seq = ib.set_withdrawn(&[(0x1000, 0x2000)]);
+    assert!(!ib.senders_past(seq, own.index()));
+    sender.end_copies();
+    assert!(ib.senders_past(seq, own.index()));
+    // The next batch sees the range and refuses what overlaps it.
+    assert!(sender.begin_copies(&mut table));
+    assert!(table.hits(0x1fff, 1) && table.hits(0x0800, 0x1000));
+    assert!(!table.hits(0x2000, 0x100) && !table.hits(0x0, 0x1000));
+    // While it copies (checked against the new table) the withdrawal stays complete.
+    assert!(ib.senders_past(seq, own.index()));
+    sender.end_copies();
+    // Re-registered: the table empties and the sender's copy follows.
+    let seq = ib.set_withdrawn(&[]);
+    assert!(sender.begin_copies(&mut table));
+    assert!(table.is_empty() && ib.senders_past(seq, own.index()));
+    sender.end_copies();
+}

@@ -21,6 +21,7 @@ pub mod xfers;
 
 pub use peers::{LoadKind, PeerTable};
 pub use preps::{PrepEntry, PrepSide, PrepTable};
+pub use regions::DeregStatus;
 pub use xfers::{Telemetry, XferState, XferTable};
 
 use std::collections::HashMap;
@@ -178,6 +179,8 @@ pub struct World {
     pub(crate) limits: crate::logging::LimitLog,
     /// This agent's identity inside its handles (returned to the pool on drop).
     pub(crate) tag: TagLease,
+    /// Regions out of the tables whose deregistration waits for peers (`regions.rs`).
+    pub(crate) withdrawing: Vec<regions::Withdrawing>,
 }
 
 /// Tags of live worlds: bit `n` set = tag `n` in use (tag 0 is never handed out).
@@ -263,6 +266,7 @@ impl World {
             size_costs: Default::default(),
             limits: Default::default(),
             tag,
+            withdrawing: Vec::new(),
             bounds,
         })
     }

@@ -115,11 +115,19 @@ impl World {
         Ok(id)
     }
 
-    /// Deregister a region from every backend that holds it. Refused while a live
-    /// request (made, posted, done or draining, until released) names it.
-    // Reason: calls the backends' `unsafe fn deregister` (backend safety contract).
-    #[allow(unsafe_code)]
-    pub(crate) fn deregister_region(&mut self, id: RegionId) -> Result<(), Error> {
+    /// Deregister a region from every backend that holds it, in two steps where a
+    /// backend's peers may still reach it (issue 21): each backend first withdraws it
+    /// ([`Backend::withdraw`](ferry_backend_api::Backend::withdraw)); if one answers that
+    /// a peer may still be moving bytes, the region leaves the tables, the section index
+    /// and the published metadata at once (nothing new can name it) but stays registered
+    /// with the backends, and the call answers [`DeregStatus::Pending`]; calling again
+    /// with the same handle asks the waiting backends again and completes the
+    /// deregistration once they all answer yes. Refused while a live request (made,
+    /// posted, done or draining, until released) names it.
+    pub(crate) fn deregister_region(&mut self, id: RegionId) -> Result<DeregStatus, Error> {
+        if let Some(i) = self.withdrawing.iter().position(|w| w.id == id) {
+            return self.poll_withdrawal(i);
+        }
         let row = self
             .regions
             .row(id)
@@ -138,32 +146,97 @@ impl World {
                 .into(),
             });
         }
+        let mut waiting = BackendMask::EMPTY;
+        let mut first_error = None;
+        for slot in backends.iter() {
+            if let Some(backend) = self.backends.backends[slot].as_mut() {
+                match backend.withdraw(kind, tokens[slot]) {
+                    Ok(true) => {}
+                    Ok(false) => waiting.insert(slot),
+                    // It cannot fence: deregistered like the others, the error reported.
+                    Err(e) => {
+                        first_error.get_or_insert(e);
+                    }
+                }
+            }
+        }
         let indexed = if kind == MemKind::File && desc.len == 0 {
             Desc::new(desc.addr, u64::MAX - desc.addr, desc.dev)
         } else {
             desc
         };
-        let mut first_error = None;
         for slot in backends.iter() {
-            if let Some(backend) = self.backends.backends[slot].as_mut() {
-                // SAFETY: the pin count is zero, so no live request (made and not
-                // released, draining ones included) names the region: no post using
-                // its token is outstanding in this backend.
-                if let Err(e) = unsafe { backend.deregister(kind, tokens[slot]) } {
-                    first_error.get_or_insert(e);
-                }
-            }
             self.sections[slot][kind as usize].remove(indexed, id);
         }
         self.regions.remove(id);
         self.deregistrations += 1;
-        if let Some(at) = self.allocations.iter().position(|a| a.0 == id) {
+        let gone = Withdrawing {
+            id,
+            kind,
+            tokens,
+            backends,
+            waiting,
+        };
+        if !waiting.is_empty() {
+            log::debug!(
+                "agent '{}': region {id:?} withdrawn; its deregistration waits for peers that \
+                 may still reach it",
+                self.name
+            );
+            self.withdrawing.push(gone);
+            return first_error.map_or(Ok(DeregStatus::Pending), Err);
+        }
+        let result = self.finish_deregistration(gone);
+        match first_error {
+            Some(e) => Err(e),
+            None => result.map(|()| DeregStatus::Done),
+        }
+    }
+
+    /// Ask the backends a withdrawn region waits for again; deregister it once none is
+    /// left.
+    fn poll_withdrawal(&mut self, i: usize) -> Result<DeregStatus, Error> {
+        let w = &mut self.withdrawing[i];
+        let mut still = BackendMask::EMPTY;
+        for slot in w.waiting.iter() {
+            if let Some(backend) = self.backends.backends[slot].as_mut() {
+                if let Ok(false) = backend.withdraw(w.kind, w.tokens[slot]) {
+                    still.insert(slot);
+                }
+            }
+        }
+        w.waiting = still;
+        if !still.is_empty() {
+            return Ok(DeregStatus::Pending);
+        }
+        let gone = self.withdrawing.swap_remove(i);
+        self.finish_deregistration(gone).map(|()| DeregStatus::Done)
+    }
+
+    /// Deregister a region (already out of the tables) from its backends; free its
+    /// memory if a backend allocated it.
+    // Reason: calls the backends' `unsafe fn deregister` and `free` (backend safety
+    // contract).
+    #[allow(unsafe_code)]
+    fn finish_deregistration(&mut self, gone: Withdrawing) -> Result<(), Error> {
+        let mut first_error = None;
+        for slot in gone.backends.iter() {
+            if let Some(backend) = self.backends.backends[slot].as_mut() {
+                // SAFETY: the pin count was zero when the region left the tables, and
+                // with its handle gone no request can name it since: no post using its
+                // token is outstanding in this backend.
+                if let Err(e) = unsafe { backend.deregister(gone.kind, gone.tokens[slot]) } {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(at) = self.allocations.iter().position(|a| a.0 == gone.id) {
             let (_, slot, addr) = self.allocations.swap_remove(at);
             if let Some(backend) = self.backends.backends[slot].as_mut() {
                 // SAFETY: the region was just deregistered from every backend that held
                 // it (it is the whole allocation), and its handle is gone, so nothing
                 // this world does reaches the bytes again.
-                if let Err(e) = unsafe { backend.free(kind, addr) } {
+                if let Err(e) = unsafe { backend.free(gone.kind, addr) } {
                     first_error.get_or_insert(e);
                 }
             }
@@ -212,4 +285,27 @@ impl World {
             }
         }
     }
+}
+
+/// What a deregistration call found (see [`World::deregister_region`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeregStatus {
+    /// Deregistered: no backend touches the memory again.
+    Done,
+    /// Withdrawn (out of the tables and the published metadata), but a backend's peer
+    /// may still be moving bytes into or out of it: keep the memory, call `deregister`
+    /// again later.
+    Pending,
+}
+
+/// A region that left the tables and waits for backends to confirm that no peer can
+/// reach it any more.
+#[derive(Debug)]
+pub(crate) struct Withdrawing {
+    pub(crate) id: RegionId,
+    kind: MemKind,
+    tokens: [u64; ferry_storage::MAX_BACKENDS],
+    backends: BackendMask,
+    /// Backends that have not confirmed yet.
+    waiting: BackendMask,
 }

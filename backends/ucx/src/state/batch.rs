@@ -757,8 +757,14 @@ impl Core {
                 return false;
             };
             let msg = &mut self.am.msgs[m as usize];
-            if msg.buf.capacity() < msg_bytes {
-                msg.buf = Vec::with_capacity(msg_bytes);
+            // A READ's message holds only its entries (its data comes in the reply).
+            let want = if write {
+                msg_bytes
+            } else {
+                msg_bytes.min(crate::AM_BATCH_BYTES_TCP)
+            };
+            if msg.buf.capacity() < want {
+                msg.buf = Vec::with_capacity(want);
             }
             msg.buf.clear();
             msg.buf
