@@ -178,7 +178,11 @@ impl Allocation {
             return Err(e);
         }
         drop(region);
-        py.import("builtins")?.getattr("memoryview")?.call1((array,))
+        // ctypes says '<B'; a cast gives plain unsigned bytes ('B').
+        py.import("builtins")?
+            .getattr("memoryview")?
+            .call1((array,))?
+            .call_method1("cast", ("B",))
     }
 
     /// Called once per `view()` when the last object reaching its bytes is gone.

@@ -294,6 +294,8 @@ class nixl_agent:
             raise _bindings.nixlNotSupportedError(
                 "Nx5 strided descriptor arrays (expand them to (N, 3) rows)"
             )
+        if isinstance(agent_name, (bytes, bytearray)):
+            agent_name = agent_name.decode()
         if agent_name in ("NIXL_INIT_AGENT", ""):
             agent_name = _bindings.NIXL_INIT_AGENT
         handles = self._backend_handles(backends)

@@ -379,6 +379,12 @@ def _telemetry_enabled(capture: bool) -> bool:
     return env.strip().lower() in ("y", "yes", "1", "true", "on")
 
 
+def _name(agent: Union[str, bytes]) -> str:
+    """An agent name given as str or bytes (``loadRemoteMD`` returns bytes, as NIXL's
+    does, and callers pass that back)."""
+    return agent.decode() if isinstance(agent, (bytes, bytearray)) else agent
+
+
 def _bytes(msg: Union[str, bytes, None]) -> bytes:
     if msg is None:
         return b""
@@ -532,6 +538,7 @@ class nixlAgent:
             raise TypeError("prepXferDlist needs a nixlXferDList")
         for b in backends:
             self._backend_name(b)
+        agent_name = _name(agent_name)
         side = "NIXL_INIT_AGENT" if agent_name == NIXL_INIT_AGENT else agent_name
         prep = self.ferry.prep_xfer_dlist(side, descs._rows, MEM_NAMES[descs.getType()])
         h = self._handle()
@@ -589,6 +596,7 @@ class nixlAgent:
         if not isinstance(local_descs, nixlXferDList) or not isinstance(remote_descs, nixlXferDList):
             raise TypeError("createXferReq needs two nixlXferDList")
         operation = "READ" if op == NIXL_READ else "WRITE"
+        remote_agent = _name(remote_agent)
         local = (local_descs._rows, MEM_NAMES[local_descs.getType()])
         remote = (remote_descs._rows, MEM_NAMES[remote_descs.getType()])
 
@@ -677,7 +685,7 @@ class nixlAgent:
     def genNotif(self, remote_agent: str, msg: Union[str, bytes], backend: Optional[int] = None) -> None:
         if backend is not None:
             self._backend_name(backend)
-        self.ferry.send_notif(remote_agent, _bytes(msg))
+        self.ferry.send_notif(_name(remote_agent), _bytes(msg))
 
     # -- metadata
     def getLocalMD(self) -> bytes:
@@ -702,12 +710,12 @@ class nixlAgent:
         return self.ferry.add_remote_agent(bytes(metadata)).encode()
 
     def invalidateRemoteMD(self, agent: str) -> None:
-        self.ferry.remove_remote_agent(agent)
+        self.ferry.remove_remote_agent(_name(agent))
 
     def makeConnection(self, agent: str, backends: Sequence[int] = ()) -> None:
         for b in backends:
             self._backend_name(b)
-        self.ferry.make_connection(agent)
+        self.ferry.make_connection(_name(agent))
 
     def sendLocalMD(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT) -> None:
         self.ferry.send_local_metadata(ip_addr or None, int(port))
@@ -733,9 +741,10 @@ class nixlAgent:
         )
 
     def fetchRemoteMD(self, agent: str, ip_addr: str = "", port: int = DEFAULT_COMM_PORT, label: str = "") -> None:
-        self.ferry.fetch_remote_metadata(agent, ip_addr or None, int(port), label or None)
+        self.ferry.fetch_remote_metadata(_name(agent), ip_addr or None, int(port), label or None)
 
     def checkRemoteMD(self, agent: str, descs: Optional[nixlXferDList] = None) -> nixl_status_t:
+        agent = _name(agent)
         if descs is not None and not descs.isEmpty():
             ready = self.ferry.check_remote_metadata(agent, descs._rows)
         else:
