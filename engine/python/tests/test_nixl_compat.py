@@ -416,3 +416,22 @@ def test_utils_fill_and_compare():
         nu.verify_transfer(p, q, 64)
     nu.free_passthru(p)
     nu.free_passthru(q)
+
+
+def test_the_shim_gives_the_nixl_names_as_the_same_modules():
+    import subprocess
+    import sys
+
+    shim = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nixl-shim")
+    code = (
+        "import nixl, nixl._api, nixl._bindings as b, nixl._utils, nixl.logging\n"
+        "from nixl._api import nixl_agent, nixl_agent_config\n"
+        "from nixl import nixl_agent as top\n"
+        "import ferry.nixl._bindings as fb, ferry.nixl._api as fa\n"
+        "assert nixl.__ferry__ and b is fb and nixl._api is fa and top is fa.nixl_agent\n"
+        "assert b.nixlNotFoundError is __import__('ferry').NotFoundError\n"
+        "print('shim-ok')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=shim + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and "shim-ok" in out.stdout, out.stderr
