@@ -368,7 +368,7 @@ class nixl_agent:
         Ferry's addition)."""
         duration, margin, method = self.agent.estimateXferCost(req_handle._handle)
         if method == _bindings.NIXL_COST_ANALYTICAL_BACKEND:
-            method = "ANALYTICAL_BACKEND"
+            return duration, margin, "ANALYTICAL_BACKEND"
         return duration, margin, str(method)
 
     def query_xfer_backend(self, handle: nixl_xfer_handle) -> str:

@@ -72,12 +72,6 @@ class nixl_cost_t(enum.IntEnum):
     NIXL_COST_ANALYTICAL_BACKEND = 0
 
 
-globals().update(nixl_mem_t.__members__)
-globals().update(nixl_xfer_op_t.__members__)
-globals().update(nixl_status_t.__members__)
-globals().update(nixl_thread_sync_t.__members__)
-globals().update(nixl_cost_t.__members__)
-
 DRAM_SEG = nixl_mem_t.DRAM_SEG
 VRAM_SEG = nixl_mem_t.VRAM_SEG
 BLK_SEG = nixl_mem_t.BLK_SEG
@@ -85,8 +79,22 @@ OBJ_SEG = nixl_mem_t.OBJ_SEG
 FILE_SEG = nixl_mem_t.FILE_SEG
 NIXL_READ = nixl_xfer_op_t.NIXL_READ
 NIXL_WRITE = nixl_xfer_op_t.NIXL_WRITE
-NIXL_SUCCESS = nixl_status_t.NIXL_SUCCESS
 NIXL_IN_PROG = nixl_status_t.NIXL_IN_PROG
+NIXL_SUCCESS = nixl_status_t.NIXL_SUCCESS
+NIXL_ERR_NOT_POSTED = nixl_status_t.NIXL_ERR_NOT_POSTED
+NIXL_ERR_INVALID_PARAM = nixl_status_t.NIXL_ERR_INVALID_PARAM
+NIXL_ERR_BACKEND = nixl_status_t.NIXL_ERR_BACKEND
+NIXL_ERR_NOT_FOUND = nixl_status_t.NIXL_ERR_NOT_FOUND
+NIXL_ERR_MISMATCH = nixl_status_t.NIXL_ERR_MISMATCH
+NIXL_ERR_NOT_ALLOWED = nixl_status_t.NIXL_ERR_NOT_ALLOWED
+NIXL_ERR_REPOST_ACTIVE = nixl_status_t.NIXL_ERR_REPOST_ACTIVE
+NIXL_ERR_UNKNOWN = nixl_status_t.NIXL_ERR_UNKNOWN
+NIXL_ERR_NOT_SUPPORTED = nixl_status_t.NIXL_ERR_NOT_SUPPORTED
+NIXL_THREAD_SYNC_NONE = nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE
+NIXL_THREAD_SYNC_STRICT = nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+NIXL_THREAD_SYNC_RW = nixl_thread_sync_t.NIXL_THREAD_SYNC_RW
+NIXL_THREAD_SYNC_DEFAULT = nixl_thread_sync_t.NIXL_THREAD_SYNC_DEFAULT
+NIXL_COST_ANALYTICAL_BACKEND = nixl_cost_t.NIXL_COST_ANALYTICAL_BACKEND
 
 #: Port of the metadata listener when none is given.
 DEFAULT_COMM_PORT = 8888
@@ -661,7 +669,7 @@ class nixlAgent:
             )
         return nixlXferTelemetry(self.ferry.get_xfer_telemetry(x.handle))
 
-    def estimateXferCost(self, handle: int) -> Tuple[int, int, nixl_cost_t]:
+    def estimateXferCost(self, handle: int) -> Tuple[int, int, Union[nixl_cost_t, str]]:
         duration, margin, method = self.ferry.estimate_xfer_cost(self._xfer(handle).handle)
         return duration, margin, (
             nixl_cost_t.NIXL_COST_ANALYTICAL_BACKEND if method == "ANALYTICAL_BACKEND" else method
