@@ -158,8 +158,8 @@ impl Agent {
             let live = names.entry(config.name.clone()).or_insert(0);
             if *live > 0 && config.name_policy == NamePolicy::Unique {
                 return Err(Error::NotAllowed {
-                subject: Subject::PeerName(config.name),
-                reason: "an agent with this name already exists in this process".into(),
+                    subject: Subject::PeerName(config.name),
+                    reason: "an agent with this name already exists in this process".into(),
                 });
             }
             *live += 1;

@@ -57,8 +57,11 @@ extern "C" {
     /// Whether `obj` supports the buffer protocol.
     pub(crate) fn PyObject_CheckBuffer(obj: *mut PyObject) -> c_int;
     /// Export `obj`'s buffer into `view`; 0 on success, -1 with an exception set.
-    pub(crate) fn PyObject_GetBuffer(obj: *mut PyObject, view: *mut PyBuffer, flags: c_int)
-        -> c_int;
+    pub(crate) fn PyObject_GetBuffer(
+        obj: *mut PyObject,
+        view: *mut PyBuffer,
+        flags: c_int,
+    ) -> c_int;
     /// Release a view filled by a successful `PyObject_GetBuffer`.
     pub(crate) fn PyBuffer_Release(view: *mut PyBuffer);
 }

@@ -11,8 +11,8 @@
 
 use std::sync::Arc;
 
-use ferry::{Desc, MemKind};
 use crate::buffer::{self, PyBuffer};
+use ferry::{Desc, MemKind};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
