@@ -11,6 +11,7 @@ What differs from NIXL is listed in ``engine/python/README.md`` ("ferry.nixl").
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -441,11 +442,13 @@ class nixlAgent:
                 name_policy="shared",
             ),
         )
+        # Handles come from counters whose next() is atomic under the GIL, so threads
+        # sharing the agent (vLLM's handshake thread) never get the same one.
         self._backends: Dict[int, str] = {}
-        self._next_backend = 1
+        self._backend_ids = itertools.count(1)
         self._preps: Dict[int, Any] = {}
         self._xfers: Dict[int, _Xfer] = {}
-        self._next_handle = 1
+        self._handle_ids = itertools.count(1)
         # Registered lists by content (kind + rows), for deregistration and partial
         # metadata from a list equal to the one registered.
         self._registered: Dict[bytes, List[Any]] = {}
@@ -470,8 +473,7 @@ class nixlAgent:
             if "progress_thread" in known:
                 params["progress_thread"] = "true" if self.config.useProgThread else "false"
         self.ferry.create_backend(backend, params)
-        handle = self._next_backend
-        self._next_backend += 1
+        handle = next(self._backend_ids)
         self._backends[handle] = backend
         return handle
 
@@ -537,9 +539,7 @@ class nixlAgent:
 
     # -- prepared lists and requests
     def _handle(self) -> int:
-        h = self._next_handle
-        self._next_handle += 1
-        return h
+        return next(self._handle_ids)
 
     def prepXferDlist(self, agent_name: str, descs: nixlXferDList, backends: Sequence[int] = ()) -> int:
         if not isinstance(descs, nixlXferDList):
