@@ -435,3 +435,58 @@ def test_the_shim_gives_the_nixl_names_as_the_same_modules():
     env = dict(os.environ, PYTHONPATH=shim + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and "shim-ok" in out.stdout, out.stderr
+
+
+def _listening(prefix):
+    a = ucx_agent(prefix, enable_listen_thread=True, listen_port=0)
+    host, port = a.agent.ferry.listen_addr
+    return a, port
+
+
+def _until(predicate, what, limit_s=20.0):
+    import time
+
+    deadline = time.monotonic() + limit_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out: {what}"
+        time.sleep(0.002)
+
+
+def test_listener_exchange_partial_push_fetch_and_invalidate():
+    # partial_md_example's and basic_two_peers' metadata flows, over the P2P listener.
+    target, target_port = _listening("nx-p2p-t")
+    init, init_port = _listening("nx-p2p-i")
+    bufs = [np.full(256, i, dtype=np.uint8) for i in range(2)]
+    r1 = target.register_memory([(bufs[0].ctypes.data, 256, 0, "")], "DRAM")
+    r2 = target.register_memory([(bufs[1].ctypes.data, 256, 0, "")], "DRAM")
+    mine = np.zeros(256, dtype=np.uint8)
+    ri = init.register_memory([(mine.ctypes.data, 256, 0, "")], "DRAM")
+    # Partial push of the first list only (backend names as hints, as the example does).
+    target.send_partial_agent_metadata(r1, True, ["UCX"], "127.0.0.1", init_port)
+    _until(lambda: init.check_remote_metadata(target.name, r1.trim()), "partial push")
+    assert not init.check_remote_metadata(target.name, r2.trim())
+    h = init.initialize_xfer("READ", ri.trim(), r1.trim(), target.name, b"p2p")
+    assert init.transfer(h) in ("DONE", "PROC")
+    wait_state(init, h)
+    assert (mine == 0).all()
+    _until(lambda: target.check_remote_xfer_done(init.name, b"p2p"), "notification")
+    init.release_xfer_handle(h)
+    # Full metadata both ways: the initiator fetches, and pushes its own.
+    init.fetch_remote_metadata(target.name, "127.0.0.1", target_port)
+    init.send_local_metadata("127.0.0.1", target_port)
+    _until(lambda: init.check_remote_metadata(target.name, r2.trim()), "fetch")
+    _until(lambda: target.check_remote_metadata(init.name), "push")
+    # A pickled descriptor list sent as a notification, read back as a list.
+    target.send_notif(init.name, target.get_serialized_descs(r2.trim()))
+    got = {}
+    _until(lambda: got.update(init.get_new_notifs()) or target.name in got, "descs")
+    descs = init.deserialize_descs(got[target.name][0])
+    h2 = init.initialize_xfer("READ", ri.trim(), descs, target.name, "str-notif")
+    init.transfer(h2)
+    wait_state(init, h2)
+    assert (mine == 1).all()
+    _until(lambda: target.check_remote_xfer_done(init.name, "str-notif"), "str notification")
+    init.release_xfer_handle(h2)
+    init.invalidate_local_metadata("127.0.0.1", target_port)
+    _until(lambda: not target.check_remote_metadata(init.name), "invalidation")
+    init.remove_remote_agent(target.name)
