@@ -172,16 +172,25 @@ def _rows(descs: Any, width: int, what: str) -> Tuple[np.ndarray, list]:
             raise ValueError(f"{what}: an (N, 3) array of (addr, len, dev) rows is needed")
         rows = np.ascontiguousarray(descs, dtype=np.uint64)
         return rows, [b"" if width == 4 else ""] * rows.shape[0]
-    items = list(descs)
+    items = descs if isinstance(descs, list) else list(descs)
     extra: list = []
     if not items:
         return np.zeros((0, 3), dtype=np.uint64), extra
+    if width == 3:
+        # One conversion for the whole list (NIXL's desc_perf builds 1.5 M of them);
+        # anything not N rows of 3 integers fails here or in the shape check.
+        try:
+            rows = np.array(items, dtype=np.uint64)
+        except (TypeError, ValueError, OverflowError):
+            rows = None
+        if rows is None or rows.ndim != 2 or rows.shape[1] != 3:
+            raise ValueError(f"{what}: every descriptor must be an (addr, len, dev) 3-tuple")
+        return rows, extra
     for t in items:
         if not isinstance(t, tuple) or len(t) != width:
             raise ValueError(f"{what}: every descriptor must be a {width}-tuple, got {t!r}")
     rows = np.array([t[:3] for t in items], dtype=np.uint64)
-    if width == 4:
-        extra = [t[3] for t in items]
+    extra = [t[3] for t in items]
     return rows, extra
 
 
