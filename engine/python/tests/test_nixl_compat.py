@@ -373,6 +373,8 @@ def test_partial_metadata_covers_only_the_lists_sent():
         ri = b.register_memory([(p, 256, 0, "") for p in mine], "DRAM")
         b.add_remote_agent(a.get_partial_agent_metadata(r1, True))
         assert b.check_remote_metadata(a.name, r1.trim())
+        # The list's memory type counts: the same rows as VRAM are not what a registered.
+        assert not b.check_remote_metadata(a.name, nb.nixlXferDList(nb.VRAM_SEG, r1.trim()._rows))
         h1 = b.initialize_xfer("READ", ri.trim(), r1.trim(), a.name, b"p1")
         b.transfer(h1)
         wait_state(b, h1)

@@ -763,7 +763,9 @@ class nixlAgent:
     def checkRemoteMD(self, agent: str, descs: Optional[nixlXferDList] = None) -> nixl_status_t:
         agent = _name(agent)
         if descs is not None and not descs.isEmpty():
-            ready = self.ferry.check_remote_metadata(agent, descs._rows)
+            # A Ferry list carries the memory kind (raw rows would be read as DRAM).
+            rows = self.ferry.get_xfer_descs(descs._rows, MEM_NAMES[descs.getType()])
+            ready = self.ferry.check_remote_metadata(agent, rows)
         else:
             ready = self.ferry.check_remote_metadata(agent)
         return NIXL_SUCCESS if ready else nixl_status_t.NIXL_ERR_NOT_FOUND
