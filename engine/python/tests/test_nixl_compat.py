@@ -432,6 +432,9 @@ def test_the_shim_gives_the_nixl_names_as_the_same_modules():
         "import ferry.nixl._bindings as fb, ferry.nixl._api as fa\n"
         "assert nixl.__ferry__ and b is fb and nixl._api is fa and top is fa.nixl_agent\n"
         "assert b.nixlNotFoundError is __import__('ferry').NotFoundError\n"
+        "from nixl._api import nixlBind\n"
+        "from nixl._bindings import nixlXferTelemetry\n"
+        "assert nixlBind is b\n"
         "print('shim-ok')\n"
     )
     env = dict(os.environ, PYTHONPATH=shim + os.pathsep + os.environ.get("PYTHONPATH", ""))

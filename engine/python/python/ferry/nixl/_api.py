@@ -24,6 +24,9 @@ logger = get_logger(__name__)
 
 DEFAULT_COMM_PORT = _bindings.DEFAULT_COMM_PORT
 
+#: NIXL's `_api` module names its bindings `nixlBind`; some callers import that name.
+nixlBind = _bindings
+
 #: Backend handles are plain ints.
 nixl_backend_handle = int
 
