@@ -131,14 +131,20 @@ log "python bindings: fmt, clippy, maturin develop, pytest"
 # torch (the CUDA build from PyPI, ~2.8 GB; it runs on CPU) is in the venv made above:
 # the tests import it before and beside ferry, which also loads its libcufile.
 torch_started=$SECONDS
-"$scratch/pyvenv/bin/pip" install -q maturin numpy pytest torch
-echo "pip install maturin numpy pytest torch: $((SECONDS - torch_started)) s"
+"$scratch/pyvenv/bin/pip" install -q maturin numpy pytest torch ziglang
+echo "pip install maturin numpy pytest torch ziglang: $((SECONDS - torch_started)) s"
 (cd engine/python && VIRTUAL_ENV="$scratch/pyvenv" PATH="$scratch/pyvenv/bin:$PATH" \
   CARGO_TARGET_DIR="$PWD/../../target" maturin develop -q)
 py_rc=0
 (cd engine/python/tests && "$scratch/pyvenv/bin/python" -m pytest -q -p no:cacheprovider) || py_rc=$?
 if ((py_rc == 5)); then echo "pytest collected no tests" >&2; fi
 ((py_rc == 0)) || exit 1
+# The wheel as it ships (release, abi3, manylinux_2_28 through zig), installed into
+# fresh venvs of CPython 3.9 and 3.13 (pyenv's; missing ones fail under CI=true).
+wheel_started=$SECONDS
+(cd engine/python && PATH="$scratch/pyvenv/bin:$PATH" CARGO_TARGET_DIR="$PWD/../../target" \
+  FERRY_WHEEL_DIR="$scratch/wheels" tools/wheel_check.sh)
+echo "python wheel check: $((SECONDS - wheel_started)) s"
 echo "python bindings step: $((SECONDS - py_started)) s"
 
 log "tracy feature builds"

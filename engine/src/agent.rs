@@ -19,7 +19,7 @@
 //! fail (`progress`, `drain_notifications`, `counts`, …) report nothing. Drop the agent
 //! and make a new one. [`Agent::is_poisoned`] tells.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
@@ -40,10 +40,25 @@ use crate::registry;
 /// How to build an agent.
 #[derive(Clone, Debug)]
 pub struct AgentConfig {
-    /// Unique name (unique within the process, and what peers know it by).
+    /// Name (what peers know it by; unique within the process unless `name_policy`
+    /// says otherwise).
     pub name: String,
     /// Capacities and bounds of every table and queue.
     pub bounds: Bounds,
+    /// Whether another live agent of this process may have the same name.
+    pub name_policy: NamePolicy,
+}
+
+/// Whether an agent's name must be unique among the live agents of its process.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum NamePolicy {
+    /// Refuse a name another live agent of this process has (the default).
+    #[default]
+    Unique,
+    /// Allow it, as NIXL does (its Python tests and examples make two agents with one
+    /// name). Peers still tell agents apart by name only, so two such agents must not
+    /// both be loaded by one peer.
+    Shared,
 }
 
 impl AgentConfig {
@@ -52,7 +67,14 @@ impl AgentConfig {
         AgentConfig {
             name: name.into(),
             bounds: Bounds::default(),
+            name_policy: NamePolicy::Unique,
         }
+    }
+
+    /// Replace the name policy.
+    pub fn with_name_policy(mut self, policy: NamePolicy) -> AgentConfig {
+        self.name_policy = policy;
+        self
     }
 
     /// Replace the bounds.
@@ -92,9 +114,10 @@ pub struct Agent {
     pub(crate) metrics: std::sync::Arc<ferry_schedules::Metrics>,
 }
 
-fn names_in_use() -> &'static Mutex<HashSet<String>> {
-    static NAMES: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
-    NAMES.get_or_init(|| Mutex::new(HashSet::new()))
+/// Live agents of this process, by name.
+fn names_in_use() -> &'static Mutex<HashMap<String, usize>> {
+    static NAMES: OnceLock<Mutex<HashMap<String, usize>>> = OnceLock::new();
+    NAMES.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
 impl Drop for Agent {
@@ -103,10 +126,13 @@ impl Drop for Agent {
         if let Ok(mut state) = self.state.lock() {
             state.md.peers.clear();
         }
-        names_in_use()
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&self.name);
+        let mut names = names_in_use().lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(live) = names.get_mut(&self.name) {
+            *live -= 1;
+            if *live == 0 {
+                names.remove(&self.name);
+            }
+        }
     }
 }
 
@@ -119,7 +145,8 @@ impl std::fmt::Debug for Agent {
 }
 
 impl Agent {
-    /// Make an agent. Fails if another live agent of this process has the same name.
+    /// Make an agent. Fails if another live agent of this process has the same name,
+    /// unless `config.name_policy` is [`NamePolicy::Shared`].
     pub fn new(config: AgentConfig) -> Result<Agent> {
         if config.name.is_empty() {
             return Err(Error::invalid(
@@ -127,15 +154,16 @@ impl Agent {
                 "must not be empty",
             ));
         }
-        if !names_in_use()
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(config.name.clone())
         {
-            return Err(Error::NotAllowed {
-                subject: Subject::PeerName(config.name),
-                reason: "an agent with this name already exists in this process".into(),
-            });
+            let mut names = names_in_use().lock().unwrap_or_else(|e| e.into_inner());
+            let live = names.entry(config.name.clone()).or_insert(0);
+            if *live > 0 && config.name_policy == NamePolicy::Unique {
+                return Err(Error::NotAllowed {
+                    subject: Subject::PeerName(config.name),
+                    reason: "an agent with this name already exists in this process".into(),
+                });
+            }
+            *live += 1;
         }
         #[cfg(feature = "tracy")]
         let _ = tracy_client::Client::start();

@@ -381,7 +381,11 @@ impl Agent {
         agent: &str,
         regions: Option<(MemKind, &[Desc])>,
     ) -> Result<bool> {
-        self.poll_exchange()?;
+        // Without an exchange (metadata loaded from a side channel) there is nothing to
+        // poll; the answer is whether the peer is loaded.
+        if self.exchange_slot().manager.get().is_some() {
+            self.poll_exchange()?;
+        }
         if let Some(error) = self.exchange_slot().inner().failures.remove(agent) {
             return Err(error);
         }

@@ -50,7 +50,7 @@ pub mod metrics;
 pub mod prometheus;
 mod registry;
 
-pub use agent::{Agent, AgentConfig, BackendInfo};
+pub use agent::{Agent, AgentConfig, BackendInfo, NamePolicy};
 pub use ferry_backend_api::{
     Backend, BackendFactory, Capabilities, CostEstimate, CostMethod, FileMode, ParamSpec, Params,
     QueryResult,

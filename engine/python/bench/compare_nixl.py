@@ -9,8 +9,12 @@ of each child's median. Both children get the same environment (UCX_* variables
 included) and Ferry's UCX backend loads the libucp bundled in the nixl wheel, so both
 sides run the same UCX build.
 
-  python compare_nixl.py                 # both (needs the nixl wheel importable)
+  python compare_nixl.py                 # NIXL, ferry.Agent, ferry.nixl (needs the nixl wheel)
   python compare_nixl.py --systems ferry # Ferry alone
+
+Systems: nixl (NIXL's wheel), ferry (Ferry's own API, ferry.Agent) and ferry-nixl
+(NIXL's API on Ferry, ferry.nixl: NIXL's calls, unchanged, through the compatibility
+layer — what code switched over with the ferry-nixl shim runs).
 
 Cases:
   control  one request of 1,024 prepared descriptors (64 B each, scattered: no merging):
@@ -57,6 +61,17 @@ def ucx_lib_of_nixl():
 
 # --------------------------------------------------------------------- the two sides
 
+#: Extra UCX backend parameters for Ferry's sides (--ferry-ucx-param KEY=VALUE).
+FERRY_UCX_EXTRA = {}
+
+
+def ferry_ucx_params(ucx_lib):
+    params = dict(FERRY_UCX_EXTRA)
+    if ucx_lib:
+        params["ucx_library"] = ucx_lib
+    return params
+
+
 class Nixl:
     name = "nixl"
 
@@ -84,7 +99,7 @@ class Ferry:
 
     def __init__(self, tag, init_thread, ucx_lib):
         import ferry
-        params = {"UCX": {"ucx_library": ucx_lib}} if ucx_lib else {}
+        params = {"UCX": ferry_ucx_params(ucx_lib)}
         self.ferry = ferry
         self.init_thread = init_thread
         self.init = ferry.Agent(f"ferry-init-{tag}", ferry.AgentConfig(
@@ -96,6 +111,35 @@ class Ferry:
         return {"module": self.ferry.__version__, "backend": "UCX",
                 "initiator enable_prog_thread": self.init_thread, "target enable_prog_thread": True,
                 "params": self.init.get_backend_params("UCX")}
+
+
+class FerryNixl:
+    """NIXL's Python API on Ferry (ferry.nixl, what the ferry-nixl shim gives code that
+    imports nixl): the same calls as the NIXL side, through the compatibility layer."""
+
+    name = "ferry-nixl"
+
+    def __init__(self, tag, init_thread, ucx_lib):
+        import ferry
+        from ferry.nixl._api import nixl_agent, nixl_agent_config
+        self.ferry = ferry
+        self.init_thread = init_thread
+
+        def make(name, thread):
+            agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=thread, backends=[]))
+            agent.create_backend("UCX", ferry_ucx_params(ucx_lib))
+            return agent
+
+        self.init = make(f"fnixl-init-{tag}", init_thread)
+        self.target = make(f"fnixl-target-{tag}", True)
+
+    def config(self):
+        return {"module": f"ferry.nixl {self.ferry.__version__}", "backend": "UCX",
+                "initiator enable_prog_thread": self.init_thread, "target enable_prog_thread": True,
+                "params": self.init.get_backend_params("UCX")}
+
+
+SYSTEMS = {"nixl": Nixl, "ferry": Ferry, "ferry-nixl": FerryNixl}
 
 
 def setup(side, size):
@@ -117,7 +161,13 @@ def setup(side, size):
     rng = np.random.default_rng(7)
     li = np.arange(N, dtype=np.int32)
     ri = rng.permutation(N).astype(np.int32)
+    # Kept for the child's life: the regions stay registered, so their addresses must
+    # not be reused by the next case's arrays (Ferry refuses overlapping registrations).
+    _KEEP.append((src, dst, keep))
     return (src, dst, keep), local, remote, li, ri
+
+
+_KEEP = []
 
 
 def wait(a, h):
@@ -232,7 +282,7 @@ def loop(side, size, iters):
 
 def child(system, iters, init_thread, ucx_lib):
     tag = f"{os.getpid()}"
-    side = Nixl(tag, init_thread) if system == "nixl" else Ferry(tag, init_thread, ucx_lib)
+    side = Nixl(tag, init_thread) if system == "nixl" else SYSTEMS[system](tag, init_thread, ucx_lib)
     res = {"config": side.config(), "control": control(side, iters)}
     for size in (64, 4096):
         res[f"loop {size} B"] = loop(side, size, iters)
@@ -244,14 +294,22 @@ def child(system, iters, init_thread, ucx_lib):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--systems", default="nixl,ferry")
+    ap.add_argument("--systems", default="nixl,ferry,ferry-nixl",
+                    help="comma-separated: nixl (NIXL's wheel), ferry (ferry.Agent), "
+                         "ferry-nixl (NIXL's API on Ferry, ferry.nixl)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--ucx-lib", default=None, help="libucp for Ferry (default: the nixl wheel's)")
     ap.add_argument("--initiator-prog-thread", action="store_true",
                     help="give the initiator a progress thread too (the target always has one)")
+    ap.add_argument("--ferry-ucx-param", action="append", default=[], metavar="KEY=VALUE",
+                    help="a UCX backend parameter for Ferry's sides (repeatable), e.g. "
+                         "tcp_seg_bytes=ucx")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    for kv in args.ferry_ucx_param:
+        key, _, value = kv.partition("=")
+        FERRY_UCX_EXTRA[key] = value
     if args.child:
         child(args.child, args.iters, args.initiator_prog_thread, args.ucx_lib)
         return
@@ -265,6 +323,8 @@ def main():
                 cmd.append("--initiator-prog-thread")
             if ucx_lib:
                 cmd += ["--ucx-lib", ucx_lib]
+            for kv in args.ferry_ucx_param:
+                cmd += ["--ferry-ucx-param", kv]
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             if out.returncode != 0:
                 sys.exit(f"{s} child failed (exit {out.returncode}):\n{out.stderr[-4000:]}")
@@ -291,14 +351,19 @@ def main():
             rows.append((f"loop 1024 × {size} B: {k}", {s: statistics.median(r[case][k] for r in results[s])
                                                         for s in systems}))
     w = max(len(r[0]) for r in rows)
-    print(f"{'case':<{w}}  " + "  ".join(f"{s:>10}" for s in systems) + ("   nixl/ferry" if len(systems) == 2 else ""))
+    others = [s for s in systems if s != "nixl"] if "nixl" in systems else []
+    print(f"{'case':<{w}}  " + "  ".join(f"{s:>10}" for s in systems)
+          + "".join(f"  {'nixl/' + s:>16}" for s in others))
     for name, vals in rows:
         cells = "  ".join(f"{vals[s]:>10.2f}" if s in vals else f"{'—':>10}" for s in systems)
-        ratio = ""
-        if len(systems) == 2 and all(s in vals for s in systems):
-            n, f = vals["nixl"], vals["ferry"]
-            ratio = f"   {(f / n if 'GB/s' in name else n / f):>6.2f}×"
-        print(f"{name:<{w}}  {cells}{ratio}")
+        ratios = ""
+        for s in others:
+            if "nixl" in vals and s in vals:
+                n, f = vals["nixl"], vals[s]
+                ratios += f"  {(f / n if 'GB/s' in name else n / f):>15.2f}×"
+            else:
+                ratios += f"  {'—':>16}"
+        print(f"{name:<{w}}  {cells}{ratios}")
 
 
 if __name__ == "__main__":

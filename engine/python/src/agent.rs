@@ -57,6 +57,9 @@ pub(crate) struct AgentConfig {
     /// Accepted for NIXL compatibility; Ferry always keeps telemetry
     /// (`get_xfer_telemetry`).
     capture_telemetry: bool,
+    /// `"unique"` (default: refuse a name another live agent of this process has) or
+    /// `"shared"` (allow it, as NIXL does; `ferry.nixl_agent` uses it).
+    name_policy: String,
 }
 
 #[pymethods]
@@ -65,7 +68,7 @@ impl AgentConfig {
     #[pyo3(signature = (enable_prog_thread=true, enable_listen_thread=false, listen_port=0,
         capture_telemetry=true, num_threads=0, backends=None, *, backend_params=None,
         listen_host="127.0.0.1".to_string(), store=None, serve_store=None, secret=None,
-        env_overrides=true))]
+        env_overrides=true, name_policy="unique".to_string()))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         enable_prog_thread: bool,
@@ -80,7 +83,9 @@ impl AgentConfig {
         serve_store: Option<String>,
         secret: Option<Vec<u8>>,
         env_overrides: bool,
+        name_policy: String,
     ) -> PyResult<AgentConfig> {
+        parse_name_policy(&name_policy)?;
         if num_threads != 0 {
             // Reason: NIXL's worker-thread count; Ferry's backends size their own pools.
             return Err(crate::errors::to_py(&ferry::Error::NotSupported {
@@ -100,7 +105,18 @@ impl AgentConfig {
             env_overrides,
             enable_prog_thread,
             capture_telemetry,
+            name_policy,
         })
+    }
+}
+
+fn parse_name_policy(text: &str) -> PyResult<ferry::NamePolicy> {
+    match text {
+        "unique" => Ok(ferry::NamePolicy::Unique),
+        "shared" => Ok(ferry::NamePolicy::Shared),
+        _ => Err(invalid(format!(
+            "name_policy must be \"unique\" or \"shared\", not {text:?}"
+        ))),
     }
 }
 
@@ -272,9 +288,14 @@ impl Agent {
                 None,
                 None,
                 true,
+                "unique".into(),
             )?,
         };
-        let inner = ferry::Agent::new(ferry::AgentConfig::named(agent_name)).py()?;
+        let inner = ferry::Agent::new(
+            ferry::AgentConfig::named(agent_name)
+                .with_name_policy(parse_name_policy(&config.name_policy)?),
+        )
+        .py()?;
         let mut names: Vec<String> = if instantiate_all {
             ferry::Agent::available_backends()
                 .into_iter()
@@ -557,8 +578,8 @@ impl Agent {
     /// Allocate `size` bytes of `mem_type` memory (default DRAM) through `backend`
     /// (default "UCX"; a shared-memory segment that same-host peers reach with one copy,
     /// as `ucx_perftest` allocates) and register it with every backend. Returns an
-    /// `Allocation`: its bytes through the buffer protocol (`memoryview(a)`,
-    /// `numpy.frombuffer(a, dtype=numpy.uint8)`), `a.desc(offset, size)` for descriptor
+    /// `Allocation`: its bytes as a memoryview (`a.view()`,
+    /// `numpy.frombuffer(a.view(), dtype=numpy.uint8)`), `a.desc(offset, size)` for descriptor
     /// lists. `free_memory(a)` frees it (refused while a view or a request uses it).
     /// Errors: NotSupportedError where the backend allocates nothing (or not this kind),
     /// InvalidParamError for a zero or oversized size, NotFoundError for an unknown
@@ -801,7 +822,123 @@ impl Agent {
         d.set_item("totalBytes", t.total_bytes)?;
         d.set_item("descCount", t.desc_count)?;
         d.set_item("descCountUnmerged", t.desc_count_unmerged)?;
+        // Nanosecond figures and the post's wall-clock time, for callers that round
+        // themselves (`ferry.nixl` gives NIXL's µs fields from these).
+        d.set_item("postDurationNs", t.post_duration.as_nanos() as u64)?;
+        d.set_item("xferDurationNs", t.xfer_duration.as_nanos() as u64)?;
+        let start_unix_ns = t.start.map(|s| {
+            let ago = s.elapsed();
+            std::time::SystemTime::now()
+                .checked_sub(ago)
+                .and_then(|at| at.duration_since(std::time::UNIX_EPOCH).ok())
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0)
+        });
+        d.set_item("startUnixNs", start_unix_ns)?;
         Ok(d)
+    }
+
+    /// How long a request is expected to take (NIXL's `estimate_xfer_cost`):
+    /// `(duration_us, margin_us, method)`, method `"ANALYTICAL_BACKEND"` (the
+    /// transport's own model, UCX) or `"MEASURED"` (a fit of this agent's completed
+    /// requests on that backend). NoTelemetryError until there is something to go by.
+    fn estimate_xfer_cost(&self, handle: &Bound<'_, PyAny>) -> PyResult<(u64, u64, &'static str)> {
+        let e = self.inner.estimate(xfer_id(handle)?).py()?;
+        let method = match e.method {
+            ferry::CostMethod::Analytical => "ANALYTICAL_BACKEND",
+            ferry::CostMethod::Measured => "MEASURED",
+        };
+        Ok((
+            e.duration.as_micros() as u64,
+            e.margin.as_micros() as u64,
+            method,
+        ))
+    }
+
+    /// A snapshot of the agent's metrics (the figures the `prometheus` endpoint of
+    /// `FERRY_METRICS_LISTEN` exports): a dict with `flushes`, `peers`, exchange
+    /// counters, `errors` (`{status: count}`) and `backends` (`{name: {posted, bytes,
+    /// descriptors, completed, failed, refused, latency_sum_us, latency_buckets}}`,
+    /// bucket `i` counting completions under `2**i` µs).
+    fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let m = self.inner.metrics();
+        let d = PyDict::new(py);
+        d.set_item("flushes", m.flushes)?;
+        d.set_item("peers", m.peers)?;
+        d.set_item("fetches", m.fetches)?;
+        d.set_item("fetch_failures", m.fetch_failures)?;
+        d.set_item("loads", m.loads)?;
+        d.set_item("load_failures", m.load_failures)?;
+        d.set_item("invalidations", m.invalidations)?;
+        d.set_item("send_failures", m.send_failures)?;
+        let errors = PyDict::new(py);
+        for (kind, n) in &m.errors {
+            errors.set_item(*kind, *n)?;
+        }
+        d.set_item("errors", errors)?;
+        let backends = PyDict::new(py);
+        for b in &m.backends {
+            let e = PyDict::new(py);
+            e.set_item("posted", b.posted)?;
+            e.set_item("bytes", b.bytes)?;
+            e.set_item("descriptors", b.descriptors)?;
+            e.set_item("completed", b.completed)?;
+            e.set_item("failed", b.failed)?;
+            e.set_item("refused", b.refused)?;
+            e.set_item("latency_sum_us", b.latency_sum.as_micros() as u64)?;
+            e.set_item("latency_buckets", b.latency.to_vec())?;
+            backends.set_item(b.name, e)?;
+        }
+        d.set_item("backends", backends)?;
+        Ok(d)
+    }
+
+    /// Ask a created backend about memory or files, one answer per descriptor (NIXL's
+    /// `query_memory`): `None` where the thing does not exist, else a dict with
+    /// `size`, `mode` and `mtime_ns`. FILE descriptors are `(offset, len, dev, path)`.
+    #[pyo3(signature = (descs, backend, mem_type=None))]
+    fn query_memory<'py>(
+        &self,
+        py: Python<'py>,
+        descs: &Bound<'py, PyAny>,
+        backend: &str,
+        mem_type: Option<&str>,
+    ) -> PyResult<Vec<Option<Bound<'py, PyDict>>>> {
+        let id = self
+            .inner
+            .backends()
+            .into_iter()
+            .find(|b| b.name.eq_ignore_ascii_case(backend))
+            .map(|b| b.id)
+            .ok_or_else(|| {
+                crate::errors::to_py(&ferry::Error::not_found(ferry::Subject::BackendName(
+                    backend.into(),
+                )))
+            })?;
+        let kind = mem_type.map(parse_kind).transpose()?;
+        let described = describe(descs, kind, Purpose::Xfer)?;
+        let kind = described.kind.or(kind).unwrap_or(MemKind::Dram);
+        let paths: Vec<Option<&Path>> = described
+            .paths
+            .iter()
+            .map(|p| p.as_deref().map(Path::new))
+            .collect();
+        let results = py
+            .detach(|| self.inner.query(id, kind, &described.descs, &paths))
+            .py()?;
+        results
+            .into_iter()
+            .map(|r| {
+                if !r.exists {
+                    return Ok(None);
+                }
+                let d = PyDict::new(py);
+                d.set_item("size", r.size)?;
+                d.set_item("mode", r.mode)?;
+                d.set_item("mtime_ns", r.mtime_ns)?;
+                Ok(Some(d))
+            })
+            .collect()
     }
 
     // ------------------------------------------------------------------ notifications
@@ -885,12 +1022,13 @@ impl Agent {
     fn get_partial_agent_metadata<'py>(
         &self,
         py: Python<'py>,
-        descs: &Bound<'py, DList>,
+        descs: Option<&Bound<'py, DList>>,
         inc_conn_info: bool,
         backends: Option<Vec<String>>,
     ) -> PyResult<Bound<'py, PyBytes>> {
         self.check_hints(&backends)?;
-        let ids = self.region_ids(descs.get());
+        // `None`: no regions (connection info alone, with `inc_conn_info`).
+        let ids = descs.map(|d| self.region_ids(d.get())).unwrap_or_default();
         Ok(PyBytes::new(
             py,
             &self.inner.local_partial_md(&ids, inc_conn_info).py()?,
@@ -934,7 +1072,7 @@ impl Agent {
     #[pyo3(signature = (descs, inc_conn_info=true, backends=None, ip_addr=None, port=0, label="partial"))]
     fn send_partial_agent_metadata(
         &self,
-        descs: &Bound<'_, DList>,
+        descs: Option<&Bound<'_, DList>>,
         inc_conn_info: bool,
         backends: Option<Vec<String>>,
         ip_addr: Option<&str>,
@@ -948,7 +1086,7 @@ impl Agent {
                 what: "sending partial metadata without connection info".into(),
             }));
         }
-        let ids = self.region_ids(descs.get());
+        let ids = descs.map(|d| self.region_ids(d.get())).unwrap_or_default();
         self.inner
             .send_local_partial_md(&ids, label, Self::via(ip_addr, port)?)
             .py()

@@ -1,22 +1,20 @@
 //! `Agent.alloc_memory` / `Agent.free_memory`: memory a backend allocates in the form it
 //! moves best (UCX: a shared-memory segment that same-host peers reach with one copy,
 //! the way `ucx_perftest` allocates), registered with every backend, and handed to
-//! Python as an `Allocation` that exports its bytes through the buffer protocol
-//! (`memoryview(a)`, `numpy.frombuffer(a, dtype=...)`).
+//! Python as an `Allocation` whose bytes `a.view()` gives as a writable memoryview
+//! (`numpy.frombuffer(a.view(), dtype=...)`).
 //!
-//! Lifetime: an `Allocation` holds its agent, and every buffer export holds the
+//! Lifetime: an `Allocation` holds its agent, and every view holds the
 //! `Allocation`, so neither the memory nor the agent that owns it can go while Python
 //! can still reach the bytes. `free_memory` refuses (NotAllowedError) while an export
 //! is alive or a request uses the region; after it, exporting again is refused. An
 //! `Allocation` dropped without `free_memory` frees its region then, when no request
 //! uses it (else the agent frees it when it goes).
 
-use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use ferry::{Error, RegionId, Subject};
-use pyo3::ffi;
 use pyo3::prelude::*;
 
 use crate::agent::Agent;
@@ -65,7 +63,7 @@ impl Allocation {
             return Err(crate::errors::to_py(&Error::NotAllowed {
                 subject: Subject::Named("allocation".into()),
                 reason: format!(
-                    "{exports} buffer export(s) (memoryview, numpy array …) still reach its \
+                    "{exports} export(s) of view() (memoryview, numpy array …) still reach its \
                      bytes; release them first"
                 )
                 .into(),
@@ -147,47 +145,48 @@ impl Allocation {
         Ok((self.addr + offset, size, 0))
     }
 
-    /// The buffer protocol: the bytes, writable, one dimension of unsigned bytes.
+    /// The bytes as a writable `memoryview` (one dimension of unsigned bytes), for
+    /// `numpy.frombuffer(a.view(), dtype=...)` and the like.
     ///
-    /// # Safety
-    ///
-    /// Called by Python with a `Py_buffer` to fill.
-    unsafe fn __getbuffer__(
-        slf: Bound<'_, Self>,
-        view: *mut ffi::Py_buffer,
-        flags: c_int,
-    ) -> PyResult<()> {
+    /// The view reaches the memory through a ctypes array that holds this
+    /// `Allocation` and counts as an export until the last object built on it (the
+    /// memoryview, NumPy arrays made from it) is gone: `free_memory` refuses until then.
+    /// (A `__getbuffer__` slot would need the stable ABI of CPython 3.11; the wheel is
+    /// built for 3.9's.)
+    fn view<'py>(slf: Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
         let this = slf.get();
-        // Held while the view is filled, so a concurrent free_memory sees the export.
+        // Held while the view is made, so a concurrent free_memory sees the export.
         let region = this.region.lock().unwrap_or_else(|e| e.into_inner());
         if region.is_none() {
             return Err(crate::errors::to_py(&freed()));
         }
+        let ctypes = py.import("ctypes")?;
+        let array_type = ctypes
+            .getattr("c_ubyte")?
+            .call_method1("__mul__", (this.len as usize,))?;
+        let array = array_type.call_method1("from_address", (this.addr as usize,))?;
+        array.setattr("allocation", &slf)?;
         this.exports.fetch_add(1, Ordering::AcqRel);
-        // SAFETY: `view` is the caller's to fill; the bytes are `len` bytes of a live
-        // allocation that stays mapped while this export holds `slf` (FillInfo takes a
-        // reference to it) and `free_memory` refuses while `exports` counts it.
-        let status = unsafe {
-            ffi::PyBuffer_FillInfo(
-                view,
-                slf.as_ptr(),
-                this.addr as *mut c_void,
-                this.len as ffi::Py_ssize_t,
-                0,
-                flags,
-            )
-        };
-        if status != 0 {
+        let release = slf.getattr("_release_export")?;
+        if let Err(e) = py
+            .import("weakref")?
+            .getattr("finalize")?
+            .call1((&array, release))
+        {
             this.exports.fetch_sub(1, Ordering::AcqRel);
-            return Err(PyErr::fetch(slf.py()));
+            return Err(e);
         }
-        Ok(())
+        drop(region);
+        // ctypes says '<B'; a cast gives plain unsigned bytes ('B').
+        py.import("builtins")?
+            .getattr("memoryview")?
+            .call1((array,))?
+            .call_method1("cast", ("B",))
     }
 
-    /// # Safety
-    ///
-    /// Called by Python once per successful `__getbuffer__`.
-    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {
+    /// Called once per `view()` when the last object reaching its bytes is gone.
+    fn _release_export(&self) {
         self.exports.fetch_sub(1, Ordering::AcqRel);
     }
 }

@@ -18,14 +18,18 @@
 mod agent;
 mod alloc;
 mod batch;
+mod buffer;
 mod dlist;
 mod errors;
 mod memory;
 
 use pyo3::prelude::*;
 
+/// The native module, `ferry._ferry`; the `ferry` package (python/ferry) re-exports it
+/// and adds `ferry.nixl`, the NIXL-compatible layer.
 #[pymodule]
-fn ferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
+#[pyo3(name = "_ferry")]
+fn ferry_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<agent::Agent>()?;
     m.add_class::<agent::AgentConfig>()?;
@@ -34,9 +38,6 @@ fn ferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<dlist::DList>()?;
     m.add_class::<dlist::XferHandle>()?;
     m.add_class::<dlist::PrepHandle>()?;
-    // NIXL's names, for code ported line by line.
-    m.add("nixl_agent", py.get_type::<agent::Agent>())?;
-    m.add("nixl_agent_config", py.get_type::<agent::AgentConfig>())?;
     m.add("DEFAULT_BACKENDS", ::ferry::DEFAULT_BACKENDS.to_vec())?;
     for (name, status, ty) in errors::classes(py) {
         ty.setattr("status", status)?;
@@ -48,5 +49,6 @@ fn ferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PENDING", batch::PENDING)?;
     m.add("FAILED", batch::FAILED)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("PROMETHEUS", cfg!(feature = "prometheus"))?;
     Ok(())
 }

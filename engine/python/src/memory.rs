@@ -11,8 +11,8 @@
 
 use std::sync::Arc;
 
+use crate::buffer::{self, PyBuffer};
 use ferry::{Desc, MemKind};
-use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
@@ -29,7 +29,7 @@ pub(crate) enum Purpose {
 
 /// A buffer-protocol export held until dropped (the exporter cannot resize or free the
 /// memory while it is held).
-pub(crate) struct Exported(Box<ffi::Py_buffer>);
+pub(crate) struct Exported(Box<PyBuffer>);
 
 // SAFETY: the Py_buffer is only created and released with the GIL held (`Drop`
 // attaches); in between it is plain data that no one reads through.
@@ -42,7 +42,7 @@ impl Drop for Exported {
         Python::attach(|_| {
             // SAFETY: the buffer was filled by a successful PyObject_GetBuffer and is
             // released exactly once, here, with the GIL held.
-            unsafe { ffi::PyBuffer_Release(&mut *self.0) }
+            unsafe { buffer::PyBuffer_Release(&mut *self.0) }
         });
     }
 }
@@ -425,17 +425,17 @@ impl DtypeExt for Bound<'_, numpy::PyArrayDescr> {
 fn export(obj: &Bound<'_, PyAny>, purpose: Purpose) -> PyResult<Option<Exported>> {
     // SAFETY: `PyObject_CheckBuffer` only reads the type slots of a live object (the
     // GIL is held: we have a `Bound`).
-    if unsafe { ffi::PyObject_CheckBuffer(obj.as_ptr()) } == 0 {
+    if unsafe { buffer::PyObject_CheckBuffer(obj.as_ptr()) } == 0 {
         return Ok(None);
     }
-    let mut flags = ffi::PyBUF_ANY_CONTIGUOUS;
+    let mut flags = buffer::PYBUF_ANY_CONTIGUOUS;
     if purpose == Purpose::Register {
-        flags |= ffi::PyBUF_WRITABLE;
+        flags |= buffer::PYBUF_WRITABLE;
     }
-    let mut view: Box<ffi::Py_buffer> = Box::new(ffi::Py_buffer::new());
+    let mut view: Box<PyBuffer> = Box::new(PyBuffer::empty());
     // SAFETY: `view` is a valid, writable Py_buffer; on success the exporter filled it
     // and `Exported` releases it exactly once.
-    let rc = unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *view, flags) };
+    let rc = unsafe { buffer::PyObject_GetBuffer(obj.as_ptr(), &mut *view, flags) };
     if rc != 0 {
         let cause = PyErr::fetch(obj.py());
         return Err(invalid(format!(

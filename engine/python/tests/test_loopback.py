@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import ferry
-from conftest import loopback_agent, wait_done
+from conftest import unique, loopback_agent, wait_done
 
 
 def test_nixl_flow_write_and_read_with_notification():
@@ -133,11 +133,14 @@ def test_plugins_and_backends():
         a.create_backend("POSIX", {"no_such_param": "1"})
 
 
-def test_nixl_names_are_aliases():
-    assert ferry.nixl_agent is ferry.Agent
-    assert ferry.nixl_agent_config is ferry.AgentConfig
-    agent = ferry.nixl_agent(f"alias-{id(object())}", ferry.nixl_agent_config(backends=["LOOPBACK"]))
-    assert agent.get_backends() == ["LOOPBACK"]
+def test_nixl_names_are_the_nixl_layer():
+    import ferry.nixl._api as api
+
+    assert ferry.nixl_agent is api.nixl_agent
+    assert ferry.nixl_agent_config is api.nixl_agent_config
+    agent = ferry.nixl_agent(unique("alias"), ferry.nixl_agent_config(backends=["LOOPBACK"]))
+    assert isinstance(agent.agent.ferry, ferry.Agent)
+    assert agent.agent.ferry.get_backends() == ["LOOPBACK"]
 
 
 def test_array_sizes_come_from_numpy():
