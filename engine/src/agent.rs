@@ -170,10 +170,13 @@ impl Agent {
         let world = match World::new(&config.name, config.bounds) {
             Ok(world) => world,
             Err(e) => {
-                names_in_use()
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .remove(&config.name);
+                let mut names = names_in_use().lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(live) = names.get_mut(&config.name) {
+                    *live -= 1;
+                    if *live == 0 {
+                        names.remove(&config.name);
+                    }
+                }
                 return Err(e);
             }
         };

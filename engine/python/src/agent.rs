@@ -502,7 +502,7 @@ impl Agent {
                 Err(e) => {
                     reg_py.detach(|| {
                         for &id in &ids {
-                            let _ = self.inner.deregister(id);
+                            let _ = deregister_waiting(&self.inner, id);
                         }
                     });
                     return Err(crate::errors::to_py(&e));
@@ -551,7 +551,7 @@ impl Agent {
         let mut failure = None;
         for id in &ids {
             let id_now = *id;
-            match dereg_py.detach(|| self.inner.deregister(id_now)) {
+            match dereg_py.detach(|| deregister_waiting(&self.inner, id_now)) {
                 Ok(()) => {
                     done += 1;
                     self.regions
@@ -1175,4 +1175,35 @@ fn plugin(name: &str) -> PyResult<ferry::FactoryInfo> {
                 name.into(),
             )))
         })
+}
+
+/// How long a Python deregistration waits for peers that may still be copying into the
+/// region (SHM senders mid-batch finish in microseconds; a frozen one does not).
+const DEREGISTER_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Deregister `id`, polling while the engine reports it pending (a peer may still be
+/// moving bytes: `ferry::DeregStatus::Pending`): Python callers free the memory when
+/// this returns, so it returns only once no backend touches it. Past
+/// [`DEREGISTER_WAIT`] it fails with `NotAllowed` and a later call finishes the job.
+/// Called with the GIL released.
+pub(crate) fn deregister_waiting(agent: &ferry::Agent, id: ferry::RegionId) -> ferry::Result<()> {
+    let deadline = std::time::Instant::now() + DEREGISTER_WAIT;
+    loop {
+        match agent.deregister(id)? {
+            ferry::DeregStatus::Done => return Ok(()),
+            ferry::DeregStatus::Pending if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_micros(100));
+            }
+            ferry::DeregStatus::Pending => {
+                return Err(ferry::Error::NotAllowed {
+                    subject: ferry::Subject::Region(id),
+                    reason: format!(
+                        "withdrawn, but a peer may still reach it after {DEREGISTER_WAIT:?}; \
+                         keep the memory and deregister again"
+                    )
+                    .into(),
+                })
+            }
+        }
+    }
 }

@@ -70,7 +70,7 @@ impl Allocation {
             }));
         }
         // Deregistering an allocated region frees it (refused while a request uses it).
-        py.detach(|| agent.inner.deregister(id))
+        py.detach(|| crate::agent::deregister_waiting(&agent.inner, id))
             .map_err(|e| crate::errors::to_py(&e))?;
         *region = None;
         Ok(())
@@ -87,7 +87,7 @@ impl Drop for Allocation {
         if let Some(id) = region {
             // No export is alive (each holds this object). A request still using the
             // region makes this refuse; the agent then frees it when it goes.
-            let _ = self.agent.get().inner.deregister(id);
+            let _ = crate::agent::deregister_waiting(&self.agent.get().inner, id);
         }
     }
 }

@@ -73,10 +73,17 @@ pyo3::create_exception!(
     "NO_TELEM: the request has no telemetry."
 );
 
+pyo3::create_exception!(
+    ferry,
+    PoisonedError,
+    FerryError,
+    "POISONED: a panic inside an earlier flush stopped this agent; it refuses all work (make a new one)."
+);
+
 /// The exception classes with their status names, for registration in the module.
 pub(crate) fn classes(
     py: Python<'_>,
-) -> [(&'static str, &'static str, Bound<'_, pyo3::types::PyType>); 11] {
+) -> [(&'static str, &'static str, Bound<'_, pyo3::types::PyType>); 12] {
     [
         ("FerryError", "", py.get_type::<FerryError>()),
         (
@@ -113,6 +120,7 @@ pub(crate) fn classes(
             "NO_TELEM",
             py.get_type::<NoTelemetryError>(),
         ),
+        ("PoisonedError", "POISONED", py.get_type::<PoisonedError>()),
     ]
 }
 
@@ -152,6 +160,7 @@ pub(crate) fn to_py(error: &Error) -> PyErr {
         "REMOTE_DISCONNECT" => RemoteDisconnectError::new_err(message),
         "CANCELED" => CanceledError::new_err(message),
         "NO_TELEM" => NoTelemetryError::new_err(message),
+        "POISONED" => PoisonedError::new_err(message),
         _ => FerryError::new_err(message),
     };
     let kind = kind(error);

@@ -11,7 +11,8 @@ def test_hierarchy_and_status_names():
                         (ferry.MismatchError, "MISMATCH"), (ferry.NotAllowedError, "NOT_ALLOWED"),
                         (ferry.RepostActiveError, "REPOST_ACTIVE"), (ferry.NotSupportedError, "NOT_SUPPORTED"),
                         (ferry.BackendError, "BACKEND"), (ferry.RemoteDisconnectError, "REMOTE_DISCONNECT"),
-                        (ferry.CanceledError, "CANCELED"), (ferry.NoTelemetryError, "NO_TELEM")]:
+                        (ferry.CanceledError, "CANCELED"), (ferry.NoTelemetryError, "NO_TELEM"),
+                        (ferry.PoisonedError, "POISONED")]:
         assert issubclass(cls, ferry.FerryError) and issubclass(cls, Exception)
         assert cls.status == status
 
