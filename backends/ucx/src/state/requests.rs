@@ -37,9 +37,13 @@ pub(super) struct Slot {
 }
 
 /// Bytes a batch message needs besides one range's data (header and entry).
-/// Message size a READ piece of `am_tcp` is cut for: its reply carries 256 KiB (measured
-/// on UCX 1.13 over tcp/lo against 64 KiB replies; see the README).
-const READ_PIECE_MSG_BYTES: u32 = (256 << 10) + AM_RANGE_OVERHEAD_BYTES as u32;
+/// Message size an `am_tcp` piece is cut for: 256 KiB of data (a WRITE's in the message,
+/// a READ's in its reply; measured on UCX 1.13 over tcp/lo against 64 KiB, see the
+/// README).
+const PIECE_MSG_BYTES: u32 = (252 << 10) + AM_RANGE_OVERHEAD_BYTES as u32;
+/// Batch messages in flight before an `am_tcp` piece waits for acks: bounds the buffers
+/// large pieces take (32 × 256 KiB) whatever `am_batch_messages` allows.
+const PIECES_IN_FLIGHT_MAX: usize = 32;
 const AM_RANGE_OVERHEAD_BYTES: usize =
     crate::wire::BATCH_HEADER_LEN_BYTES + crate::wire::BATCH_ENTRY_LEN_BYTES;
 
@@ -308,10 +312,9 @@ impl Core {
                     },
                     am_only: batch_post && !mapped && am_all,
                 };
-                if piece.am_only && post.op == ferry_backend_api::Op::Read {
-                    // A READ piece's data travels in the reply: larger pieces than a
-                    // WRITE message carries (the request message stays small).
-                    piece.am_bytes = READ_PIECE_MSG_BYTES;
+                if piece.am_only {
+                    // Pieces of 256 KiB (a READ's travel in the reply).
+                    piece.am_bytes = PIECE_MSG_BYTES;
                 }
                 if piece.am_bytes > 0 {
                     self.am_pack_piece(&mut piece, &mut budget);
@@ -449,6 +452,9 @@ impl Core {
     fn am_pack_piece(&mut self, piece: &mut Deferred, budget: &mut IssueBudget) {
         let cap = (piece.am_bytes as usize - AM_RANGE_OVERHEAD_BYTES) as u64;
         while piece.len > 0 && budget.left() {
+            if piece.am_only && self.am.in_flight() >= PIECES_IN_FLIGHT_MAX {
+                return;
+            }
             let now = if piece.am_only {
                 piece.len.min(cap)
             } else {
