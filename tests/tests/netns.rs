@@ -220,6 +220,26 @@ impl Net {
         Ok(())
     }
 
+    /// The data link fails at both ends (as a cable or switch failure looks to both
+    /// hosts: each NIC loses carrier and drops what it still queued), or comes back.
+    fn cut(&self, down: bool) {
+        for ns in [&self.b, &self.a] {
+            ip(&[
+                "-n",
+                ns,
+                "link",
+                "set",
+                "fd0",
+                if down { "down" } else { "up" },
+            ])
+            .unwrap_or_else(|e| panic!("{e}"));
+        }
+        if !down {
+            wait_link_up(&self.a, "fd0").unwrap_or_else(|e| panic!("{e}"));
+            wait_link_up(&self.b, "fd0").unwrap_or_else(|e| panic!("{e}"));
+        }
+    }
+
     fn link(&self, ns: &str, up: bool) {
         ip(&[
             "-n",
@@ -828,19 +848,20 @@ fn good_pattern(round: usize) -> Vec<u8> {
     v
 }
 
-/// Issue 21's reproduction, 20 times: WRITEs in flight when the data link goes down
-/// fail (remote-disconnect within the peer deadline); the target then zeroes the area
-/// they wrote; the link comes back, the initiator reconnects and writes (and reads back)
-/// a fresh pattern elsewhere; the target checks, for a while, that the doomed area stays
+/// Issue 21's reproduction, 20 times: WRITEs in flight when the data link fails (both
+/// ends lose carrier, as a cable or switch failure looks to both hosts) fail with
+/// remote-disconnect within the peer deadline; the target then zeroes the area they
+/// wrote; the link comes back, the initiator reconnects and writes (and reads back) a
+/// fresh pattern elsewhere; the target checks, for a while, that the doomed area stays
 /// zero — no byte of a request reported failed arrives later — and that the fresh
-/// pattern is intact.
+/// pattern is intact. The target must survive every round: with UCX's own emulated puts,
+/// UCX 1.13 aborted it in some rounds (its put handler meets the reset connection);
+/// Ferry's messages over tcp (`am_tcp`) avoid that handler.
 ///
-/// UCX 1.13's software RMA over tcp aborts the *target* process (`ucs_fatal` in its put
-/// handler, "unexpected error: Endpoint timeout") when a put arrives on a connection that
-/// was reset, which the initiator's reset of a failed connection can cause once the link
-/// is back (about one round in ten here). Such a round is counted and the target
-/// restarted; the rounds the target lived through must all be clean, and most rounds
-/// must be such rounds.
+/// Only the target's end going down is not what this models: a veth end whose peer went
+/// down keeps what it queued and delivers it when the peer comes back, which the
+/// initiator cannot purge (measured: one message completed late in 10 of 14 runs of 20
+/// rounds; `backends/ucx/README.md`).
 fn no_late_bytes(net: &Net, store: &Store) {
     let started = Instant::now();
     let start_target = |n: usize| {
@@ -870,11 +891,11 @@ fn no_late_bytes(net: &Net, store: &Store) {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(FENCE_ROUNDS);
-    let (mut failed_rounds, mut target_deaths) = (0, 0);
+    let mut failed_rounds = 0;
     for round in 0..rounds {
         assert_eq!(initiator.ask("burst"), "posted", "round {round}");
         std::thread::sleep(Duration::from_millis(20));
-        net.link(&net.b, false);
+        net.cut(true);
         let line = initiator.answer();
         // "failed N" (N of the WRITEs failed) or "done" (all finished before the link).
         let failed: usize = line
@@ -883,7 +904,7 @@ fn no_late_bytes(net: &Net, store: &Store) {
             .unwrap_or(0);
         // Only now (the failure is reported) does the target forget what landed.
         let cleared = target.ask_or_exit("clear");
-        net.link(&net.b, true);
+        net.cut(false);
         let verified = initiator.ask(&format!("verify {round}"));
         let checked = if cleared.is_some() && verified == "ok" {
             target.ask_or_exit(&format!("check {round}"))
@@ -903,30 +924,23 @@ fn no_late_bytes(net: &Net, store: &Store) {
                 }
             }
             None => {
-                // The target is gone (UCX's abort, above) or the verified write failed
-                // because it was: nothing else is acceptable.
                 let exited = target.wait_exit(Duration::from_secs(10));
-                assert!(
-                    exited,
-                    "round {round}: the write after the reconnect failed ({verified}) but \
-                     the target is alive"
+                panic!(
+                    "round {round}: the write after the reconnect gave '{verified}'; the \
+                     target process {}",
+                    if exited { "died" } else { "is alive" }
                 );
-                target_deaths += 1;
-                eprintln!("netns fence: round {round}: the target process died; restarted");
-                let (t, name, addr) = start_target(round + 1);
-                target = t;
-                assert_eq!(initiator.ask(&format!("attach {name} {addr}")), "attached");
             }
         }
     }
     eprintln!(
         "netns fence: {rounds} rounds: {failed_rounds} with WRITEs failed by the link and \
-         checked (0 late bytes), {target_deaths} in which UCX aborted the target; {:.1?}",
+         checked, 0 late bytes, the target alive throughout; {:.1?}",
         started.elapsed()
     );
     assert!(
         failed_rounds * 2 > rounds,
-        "only {failed_rounds} of {rounds} rounds had failed WRITEs and a live target to check"
+        "only {failed_rounds} of {rounds} rounds had WRITEs in flight when the link failed"
     );
     assert_eq!(initiator.ask("quit"), "bye");
 }

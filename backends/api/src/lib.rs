@@ -79,11 +79,22 @@
 //!   for a TCP connection is dropped too (its connections to the peer are reset with
 //!   `connect(AF_UNSPEC)` before the close, `backends/ucx/src/state/sockets.rs`), so
 //!   nothing of a failed request is retransmitted once a link that went down comes
-//!   back (tested across network namespaces, `tests/tests/netns.rs`). Not covered:
-//!   data the peer sends us on connections the peer opened (UCX drops READ replies
-//!   of canceled requests), RDMA transports (not run here), and UCX 1.13 targets,
-//!   whose software RMA over tcp may abort the target process when a put arrives on a
-//!   connection that was reset (a UCX defect, see `backends/ucx/README.md`).
+//!   back (tested across network namespaces, `tests/tests/netns.rs`). Over tcp every
+//!   range travels in Ferry's own messages (`am_tcp`), so UCX 1.13's put handler, which
+//!   aborts the target when its connection was reset, is not used. Not covered: packets
+//!   the initiator's NIC still held when it lost carrier and sends when it regains it
+//!   (seen with a veth end whose peer went down; a purge needs `CAP_NET_ADMIN`), data
+//!   the peer sends on connections it opened (READ replies: Ferry drops replies whose
+//!   message is no longer awaited), and RDMA transports (not run here).
+//!
+//! # Deregistration fences peers where the target checks
+//!
+//! [`Backend::withdraw`] is the first step of every deregistration: a backend answers
+//! whether a peer can still reach the region. LOOPBACK (checks the target's
+//! registrations at post) and UCX over tcp (the target's message handler checks every
+//! range) say yes at once; SHM says yes once every live sender is idle or has seen the
+//! withdrawal (`backends/shm/src/ring.rs`). UCX puts over shared memory, CMA or RDMA
+//! are not fenced (the default answer is yes; documented in `backends/ucx/README.md`).
 //!
 //! # Every post yields exactly one completion
 //!
