@@ -219,18 +219,21 @@ impl Core {
         );
         let zcopy_thresh = zcopy_thresh_override(ucp.version());
         let rndv_thresh = rndv_thresh_override();
+        // (name, value, whether it is Ferry's own tuning: a libucp that refuses one of
+        // those gets a warning and UCX's own value, never a failed backend — e.g. UCX
+        // 1.23 refuses `TX_SEG_SIZE` through `ucp_config_modify`).
         let overrides = [
-            (c"NET_DEVICES", &config.devices),
-            (c"TLS", &config.transports),
+            (c"NET_DEVICES", &config.devices, false),
+            (c"TLS", &config.transports, false),
             // A transport setting: UCX keeps it and applies it to the mm transports.
-            (c"MM_FIFO_SIZE", &fifo_size),
-            (c"MM_SEG_SIZE", &seg_size),
-            (c"TX_SEG_SIZE", &tcp_tx_seg),
-            (c"RX_SEG_SIZE", &tcp_rx_seg),
-            (c"ZCOPY_THRESH", &zcopy_thresh),
-            (c"RNDV_THRESH", &rndv_thresh),
+            (c"MM_FIFO_SIZE", &fifo_size, true),
+            (c"MM_SEG_SIZE", &seg_size, true),
+            (c"TX_SEG_SIZE", &tcp_tx_seg, true),
+            (c"RX_SEG_SIZE", &tcp_rx_seg, true),
+            (c"ZCOPY_THRESH", &zcopy_thresh, true),
+            (c"RNDV_THRESH", &rndv_thresh, true),
         ];
-        for (name, value) in overrides {
+        for (name, value, tuning) in overrides {
             let Some(value) = value else { continue };
             let value = std::ffi::CString::new(value.as_str()).map_err(|_| {
                 Error::invalid(
@@ -244,6 +247,16 @@ impl Core {
             });
             match status {
                 Ok(status) if status.is_ok() => {}
+                Ok(status) if tuning => log::warn!(
+                    "UCX {}: ucp_config_modify({}={}) refused ({}); UCX's own value stays",
+                    ucp.version(),
+                    name.to_string_lossy(),
+                    value
+                        .as_ref()
+                        .map(|v| v.to_string_lossy())
+                        .unwrap_or_default(),
+                    ucp.status_string(status)
+                ),
                 other => {
                     // SAFETY: releasing the config we read; not used afterwards.
                     unsafe { api.ucp_config_release(ucp_config) };
