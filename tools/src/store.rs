@@ -18,8 +18,9 @@ pub enum StoreCmd {
     Serve(ServeArgs),
     /// Print the value of a key (raw bytes to stdout, or to a file).
     Get(GetArgs),
-    /// List the keys the server holds (LIST_KEYS: Ferry's server, torch >= 2.10).
-    List(ClientArgs),
+    /// List the keys the server holds (LIST_KEYS: Ferry's server, torch >= 2.10), as
+    /// `get` and `delete` take them.
+    List(ListArgs),
     /// Delete a key.
     Delete(KeyArgs),
 }
@@ -47,6 +48,17 @@ pub struct ClientArgs {
     timeout: Duration,
 }
 
+/// `ferry store list` arguments.
+#[derive(Args, Debug)]
+pub struct ListArgs {
+    #[command(flatten)]
+    client: ClientArgs,
+    /// Print the keys as they are on the wire (torch's `/` prefix included), as
+    /// `get --raw` and `delete --raw` take them.
+    #[arg(long)]
+    raw: bool,
+}
+
 /// A key on a TCPStore server.
 #[derive(Args, Debug)]
 pub struct KeyArgs {
@@ -55,7 +67,7 @@ pub struct KeyArgs {
     /// The key as torch's Python API names it (`/` is prepended on the wire, as torch
     /// does), e.g. `ferry/agents/prefill-0/metadata`.
     key: String,
-    /// Send the key exactly as given (as `ferry store list` prints keys).
+    /// Send the key exactly as given (as `ferry store list --raw` prints keys).
     #[arg(long)]
     raw: bool,
 }
@@ -184,14 +196,29 @@ fn get(args: &GetArgs) -> Result<(), String> {
     Ok(())
 }
 
-fn list(args: &ClientArgs) -> Result<(), String> {
-    let mut client = connect(args)?;
+fn list(args: &ListArgs) -> Result<(), String> {
+    let mut client = connect(&args.client)?;
     let mut keys = client
         .list_keys(1 << 22)
         .map_err(|e| format!("{e} (LIST_KEYS needs Ferry's server or torch >= 2.10)"))?;
     keys.sort();
+    let mut raw_only = 0;
     for key in keys {
-        println!("{}", String::from_utf8_lossy(&key));
+        let key = String::from_utf8_lossy(&key);
+        match key.strip_prefix('/') {
+            // What `get`/`delete` take: they put the `/` back, as torch's API does.
+            Some(user) if !args.raw => println!("{user}"),
+            _ => {
+                raw_only += usize::from(!args.raw);
+                println!("{key}");
+            }
+        }
+    }
+    if raw_only > 0 {
+        eprintln!(
+            "{raw_only} key(s) have no '/' prefix (not written through torch's API): \
+             get and delete them with --raw"
+        );
     }
     Ok(())
 }

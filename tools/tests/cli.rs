@@ -268,11 +268,20 @@ fn store_get_list_delete_and_md_fetch_against_ferrys_server() {
     client.set(b"/cli/a", b"alpha").unwrap();
     client.set(b"raw-key", b"beta").unwrap();
 
+    // Listed as `get` and `delete` take the keys; a key without torch's `/` needs --raw.
     let o = ferry(&["store", "list", "--endpoint", &endpoint]);
     let (out, err) = text(&o);
     assert!(o.status.success(), "{err}");
-    assert_eq!(out.lines().collect::<Vec<_>>(), ["/cli/a", "raw-key"]);
-    let o = ferry(&["store", "get", "cli/a", "--endpoint", &endpoint]);
+    assert_eq!(out.lines().collect::<Vec<_>>(), ["cli/a", "raw-key"]);
+    assert!(err.contains("1 key(s) have no '/' prefix"), "{err}");
+    let o = ferry(&["store", "list", "--raw", "--endpoint", &endpoint]);
+    assert_eq!(
+        text(&o).0.lines().collect::<Vec<_>>(),
+        ["/cli/a", "raw-key"]
+    );
+    // Every listed key round-trips into `get` (the key `list` printed, unchanged).
+    let listed = out.lines().next().unwrap().to_string();
+    let o = ferry(&["store", "get", &listed, "--endpoint", &endpoint]);
     assert_eq!(o.stdout, b"alpha", "{}", text(&o).1);
     let o = ferry(&[
         "store",
