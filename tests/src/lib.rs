@@ -170,3 +170,27 @@ impl Pair {
             .expect("create request")
     }
 }
+
+/// One DRAM WRITE from `agent`'s `local` into `remote` of `side`, created, posted once
+/// and released: the status `post` gave (a backend that copies inside `post` is done
+/// then), or why create or post refused it.
+pub fn write_once(
+    agent: &Agent,
+    local: Desc,
+    side: impl Into<ferry::Side>,
+    remote: Desc,
+    notif: Option<&[u8]>,
+) -> ferry::Result<ferry::XferStatus> {
+    let x = agent.create(
+        ferry::Op::Write,
+        MemKind::Dram,
+        &[local],
+        side,
+        MemKind::Dram,
+        &[remote],
+        notif,
+    )?;
+    let status = agent.post(x);
+    agent.release(x).expect("release a request after its post");
+    status
+}

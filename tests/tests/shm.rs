@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use ferry::shm::{SharedMemory, ShmOptions};
 use ferry::{Agent, AgentConfig, Desc, Error, MemKind, Op, Params, PeerId, Side, XferStatus};
-use ferry_tests::{register, try_register, unique, Buffer, Rng};
+use ferry_tests::{register, try_register, unique, write_once, Buffer, Rng};
 
 fn fnv(bytes: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -848,22 +848,7 @@ fn a_full_notification_ring_refuses_the_write_before_its_data_moves() {
         src.bytes_mut().fill(round);
         // Refused at create (the backend is chosen then) or at post: either way before
         // anything moved.
-        let result = a
-            .create(
-                Op::Write,
-                MemKind::Dram,
-                &[src.whole()],
-                b_at_a,
-                MemKind::Dram,
-                &[dst.whole()],
-                Some(&payload),
-            )
-            .and_then(|x| {
-                let r = a.post(x);
-                a.release(x).unwrap();
-                r
-            });
-        match result {
+        match write_once(&a, src.whole(), b_at_a, dst.whole(), Some(&payload)) {
             Ok(XferStatus::Done) => sent += 1,
             Ok(other) => panic!("round {round}: {other:?}"),
             Err(e) => {
@@ -882,21 +867,12 @@ fn a_full_notification_ring_refuses_the_write_before_its_data_moves() {
     // The target drains: every accepted notification is there, then the post works.
     let got = b.drain_notifications();
     assert_eq!(got.len(), sent);
-    let x = a
-        .create(
-            Op::Write,
-            MemKind::Dram,
-            &[src.whole()],
-            b_at_a,
-            MemKind::Dram,
-            &[dst.whole()],
-            Some(&payload),
-        )
-        .unwrap();
-    assert_eq!(a.post(x).unwrap(), XferStatus::Done);
+    assert_eq!(
+        write_once(&a, src.whole(), b_at_a, dst.whole(), Some(&payload)),
+        Ok(XferStatus::Done)
+    );
     assert!(dst.bytes().iter().all(|&x| x == refused));
     assert_eq!(b.drain_notifications().len(), 1);
-    a.release(x).unwrap();
 }
 
 /// Issue 21, item 5: forged SHM region metadata (the segment's nonce, fd, length, base,
@@ -957,19 +933,10 @@ fn forged_shm_region_metadata_is_refused_at_load() {
     let at = a.load_remote_md(genuine.as_bytes()).unwrap();
     let src = Buffer::random(1 << 16, &mut Rng::new(3));
     register(&a, &src);
-    let x = a
-        .create(
-            Op::Write,
-            MemKind::Dram,
-            &[src.whole()],
-            at,
-            MemKind::Dram,
-            &[shared.desc()],
-            None,
-        )
-        .unwrap();
-    assert_eq!(a.post(x).unwrap(), XferStatus::Done);
-    a.release(x).unwrap();
+    assert_eq!(
+        write_once(&a, src.whole(), at, shared.desc(), None),
+        Ok(XferStatus::Done)
+    );
 }
 
 /// Issue 21, item 4 on SHM: once the target's deregistration completes, a peer that
@@ -988,22 +955,7 @@ fn a_peer_with_stale_metadata_cannot_write_into_memory_the_target_deregistered()
     let shared_region = try_register(&b, MemKind::Dram, shared.desc()).unwrap();
     let ordinary_region = register(&b, &ordinary);
     let at = a.load_remote_md(&b.local_md().unwrap()).unwrap();
-    let write = |to: Desc| {
-        let x = a
-            .create(
-                Op::Write,
-                MemKind::Dram,
-                &[from],
-                at,
-                MemKind::Dram,
-                &[to],
-                None,
-            )
-            .unwrap();
-        let r = a.post(x);
-        a.release(x).unwrap();
-        r
-    };
+    let write = |to: Desc| write_once(&a, from, at, to, None);
     assert_eq!(write(shared.desc()), Ok(XferStatus::Done));
     assert_eq!(write(ordinary.whole()), Ok(XferStatus::Done));
     // The peer is idle: both deregistrations complete at once.
@@ -1028,20 +980,11 @@ fn a_peer_with_stale_metadata_cannot_write_into_memory_the_target_deregistered()
     // Registered again, it is reachable again (after the peer reloads).
     let again = register(&b, &ordinary);
     let at = a.load_remote_md(&b.local_md().unwrap()).unwrap();
-    let x = a
-        .create(
-            Op::Write,
-            MemKind::Dram,
-            &[from],
-            at,
-            MemKind::Dram,
-            &[ordinary.whole()],
-            None,
-        )
-        .unwrap();
-    assert_eq!(a.post(x), Ok(XferStatus::Done));
+    assert_eq!(
+        write_once(&a, from, at, ordinary.whole(), None),
+        Ok(XferStatus::Done)
+    );
     assert!(ordinary.bytes().iter().all(|&v| v == 0xee));
-    a.release(x).unwrap();
     b.deregister(again).unwrap();
 }
 

@@ -393,6 +393,32 @@ fn region_md(peer: &Peer, token: u64) -> Result<RegionMd> {
     Ok(md)
 }
 
+/// Whether `post`'s attached notification (if any) fits in `lane` now. Checked before
+/// the data moves: a post that could not notify moves nothing. This backend is the
+/// lane's only producer, so the room stays until [`notify_after`] uses it.
+fn notif_fits(lane: &Lane, post: &Post<'_>) -> bool {
+    post.notif.is_none_or(|payload| lane.fits(payload.len()))
+}
+
+/// Deliver `post`'s attached notification once its data moved (`result` Ok), into the
+/// room [`notif_fits`] found.
+fn notify_after(
+    lane: &mut Lane,
+    post: &Post<'_>,
+    result: std::result::Result<(), Failure>,
+) -> std::result::Result<(), Failure> {
+    let (Ok(()), Some(payload)) = (result, post.notif) else {
+        return result;
+    };
+    let pushed = lane.push(payload);
+    debug_assert!(pushed, "room was checked before the data moved");
+    if pushed {
+        Ok(())
+    } else {
+        Err(fail(FailureKind::Backend, libc::ENOBUFS, None))
+    }
+}
+
 /// Check every region a peer published for this backend before any is used: its
 /// metadata parses, names the peer's process and host, and a shareable region lies
 /// inside its segment, which is mapped now (the mapping checks the fd, the memfd's name
@@ -708,9 +734,8 @@ impl Shm {
                         .position(|r| p.withdrawn.hits(r.remote_addr, r.len))
                 })
                 .flatten();
-            // An attached notification's room is checked first (see `post`).
-            let room = post.notif.is_none_or(|payload| p.lane.fits(payload.len()));
-            let mut result = if let Some(i) = withdrawn {
+            let room = notif_fits(&p.lane, post);
+            let result = if let Some(i) = withdrawn {
                 Err(fail(FailureKind::Backend, libc::EFAULT, Some(i as u32)))
             } else if room {
                 // SAFETY: forwarded from the caller of `post`. The peer was alive when
@@ -722,13 +747,7 @@ impl Shm {
                 Err(fail(FailureKind::Backend, libc::ENOBUFS, None))
             };
             let p = self.peers.get_mut(peer).expect("checked by the caller");
-            if let (Ok(()), Some(payload)) = (result, post.notif) {
-                let pushed = p.lane.push(payload);
-                debug_assert!(pushed, "room was checked before the data moved");
-                if !pushed {
-                    result = Err(fail(FailureKind::Backend, libc::ENOBUFS, None));
-                }
-            }
+            let result = notify_after(&mut p.lane, post, result);
             done.push(ferry_backend_api::Completion {
                 tag: post.tag,
                 result,
@@ -1136,23 +1155,13 @@ impl Backend for Shm {
         match endpoint {
             Endpoint::Local => {
                 for post in batch {
-                    // An attached notification's room is checked before the data moves:
-                    // no room, nothing moved (the producer is us alone, so the room
-                    // stays until the push).
-                    let mut result = match post.notif {
-                        Some(payload) if !self.self_lane.fits(payload.len()) => {
-                            Err(fail(FailureKind::Backend, libc::ENOBUFS, None))
-                        }
+                    let result = if notif_fits(&self.self_lane, post) {
                         // SAFETY: forwarded from the caller of `post`.
-                        _ => unsafe { self.run_local(post) },
+                        unsafe { self.run_local(post) }
+                    } else {
+                        Err(fail(FailureKind::Backend, libc::ENOBUFS, None))
                     };
-                    if let (Ok(()), Some(payload)) = (result, post.notif) {
-                        let pushed = self.self_lane.push(payload);
-                        debug_assert!(pushed, "room was checked before the data moved");
-                        if !pushed {
-                            result = Err(fail(FailureKind::Backend, libc::ENOBUFS, None));
-                        }
-                    }
+                    let result = notify_after(&mut self.self_lane, post, result);
                     done.push(ferry_backend_api::Completion {
                         tag: post.tag,
                         result,

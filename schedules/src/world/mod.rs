@@ -266,7 +266,8 @@ impl World {
             size_costs: Default::default(),
             limits: Default::default(),
             tag,
-            withdrawing: Vec::new(),
+            // Room for a few pending deregistrations, so one in a flush does not allocate.
+            withdrawing: Vec::with_capacity(16),
             bounds,
         })
     }
