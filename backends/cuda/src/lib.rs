@@ -300,26 +300,174 @@ pub fn pointer_device(addr: u64) -> Result<Option<u64>, CudaError> {
     Ok(Some(ordinal.max(0) as u64))
 }
 
-/// Check that `addr..addr+len` is device memory of device `dev`.
-pub fn check_device_range(addr: u64, len: u64, dev: u64) -> Result<(), CudaError> {
-    for probe in [addr, addr + len.saturating_sub(1)] {
-        match pointer_device(probe)? {
-            Some(owner) if owner == dev => {}
-            Some(owner) => {
+/// One allocation of device memory as the driver reports it (`cuMemGetAddressRange`):
+/// a whole `cuMemAlloc` allocation, or one physical allocation (`cuMemCreate`) mapped
+/// into a virtual range (VMM, what PyTorch's expandable segments use).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Extent {
+    /// First address of the allocation.
+    pub base: u64,
+    /// Its bytes.
+    pub len: u64,
+    /// The device that owns it.
+    pub device: u64,
+    /// Whether it is VMM memory (`cuMemCreate` + `cuMemMap`), where neighbouring
+    /// allocations may be mapped back to back into one virtual range.
+    pub vmm: bool,
+}
+
+impl Extent {
+    /// One past its last byte.
+    pub fn end(&self) -> u64 {
+        self.base.saturating_add(self.len)
+    }
+}
+
+/// What the range check asks about one address: the driver ([`Driver`]) or, in tests,
+/// a stand-in table of allocations.
+pub trait AddressInfo {
+    /// The allocation holding `addr`, `None` if `addr` is not device memory.
+    fn extent(&self, addr: u64) -> Result<Option<Extent>, CudaError>;
+}
+
+/// The CUDA driver as [`AddressInfo`]: `cuPointerGetAttribute` (memory type, device) and
+/// `cuMemGetAddressRange` (the allocation's bounds), `cuMemRetainAllocationHandle`
+/// (whether it is VMM memory).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Driver;
+
+impl AddressInfo for Driver {
+    fn extent(&self, addr: u64) -> Result<Option<Extent>, CudaError> {
+        let Some(device) = pointer_device(addr)? else {
+            return Ok(None);
+        };
+        let mut base: sys::CUdeviceptr = 0;
+        let mut size: usize = 0;
+        // SAFETY: two out-pointers to live locals; any address is accepted (an unknown
+        // one is an error code).
+        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) }
+            .result()
+            .map_err(|e| driver_error("cuMemGetAddressRange", e))?;
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: out-pointer to a live local; the address is device memory (above). A
+        // legacy allocation answers with an error code, not a fault.
+        let vmm = unsafe { sys::cuMemRetainAllocationHandle(&mut handle, addr as *mut _) }
+            == sys::CUresult::CUDA_SUCCESS;
+        if vmm {
+            // SAFETY: the retain above succeeded; this drops the reference it took.
+            let _ = unsafe { sys::cuMemRelease(handle) };
+        }
+        Ok(Some(Extent {
+            base,
+            len: size as u64,
+            device,
+            vmm,
+        }))
+    }
+}
+
+/// The most allocations one checked range may span (a 128 GiB range of PyTorch's 2 MiB
+/// expandable-segment pages is 65,536 of them).
+pub const MAX_EXTENTS: usize = 1 << 16;
+
+/// The allocations that hold `addr..addr+len`, in address order, each of device `dev`,
+/// asked of `info`. Every byte must be device memory of `dev`; a `cuMemAlloc`
+/// allocation must hold the whole range (a range that runs from one into the next —
+/// they may be adjacent — is refused: a CUDA IPC handle, and so UCX's `cuda_ipc`, covers
+/// one allocation); VMM allocations mapped back to back may hold it together (then more
+/// than one [`Extent`] comes back and the caller decides whether its transport can move
+/// such a range).
+pub fn range_extents(
+    info: &impl AddressInfo,
+    addr: u64,
+    len: u64,
+    dev: u64,
+) -> Result<Vec<Extent>, CudaError> {
+    let end = addr.checked_add(len).ok_or(CudaError::NotDeviceMemory {
+        addr,
+        reason: format!("a range of {len} bytes wraps around the address space"),
+    })?;
+    let mut extents: Vec<Extent> = Vec::new();
+    let mut at = addr;
+    while at < end || extents.is_empty() {
+        let extent = info.extent(at)?.ok_or_else(|| CudaError::NotDeviceMemory {
+            addr: at,
+            reason: match extents.last() {
+                None => format!("not device memory (expected device {dev})"),
+                Some(prev) => format!(
+                    "the range {addr:#x}+{len:#x} runs {} bytes past the device allocation \
+                     {:#x}..{:#x} into memory that is not device memory",
+                    end - at,
+                    prev.base,
+                    prev.end()
+                ),
+            },
+        })?;
+        if extent.device != dev {
+            return Err(CudaError::NotDeviceMemory {
+                addr: at,
+                reason: format!(
+                    "device memory of device {}, not of device {dev}",
+                    extent.device
+                ),
+            });
+        }
+        if extent.base > at || extent.end() <= at {
+            return Err(CudaError::NotDeviceMemory {
+                addr: at,
+                reason: format!(
+                    "the driver reports the allocation {:#x}..{:#x}, which does not hold it",
+                    extent.base,
+                    extent.end()
+                ),
+            });
+        }
+        if let Some(prev) = extents.last() {
+            if !(prev.vmm && extent.vmm) {
                 return Err(CudaError::NotDeviceMemory {
-                    addr: probe,
-                    reason: format!("device memory of device {owner}, not of device {dev}"),
-                })
+                    addr,
+                    reason: format!(
+                        "the range {addr:#x}+{len:#x} spans two CUDA allocations \
+                         ({:#x}..{:#x} and {:#x}..{:#x}); a cuMemAlloc region must lie in one \
+                         allocation: register each allocation on its own",
+                        prev.base,
+                        prev.end(),
+                        extent.base,
+                        extent.end()
+                    ),
+                });
             }
-            None => {
+            if extents.len() >= MAX_EXTENTS {
                 return Err(CudaError::NotDeviceMemory {
-                    addr: probe,
-                    reason: format!("not device memory (expected device {dev})"),
-                })
+                    addr,
+                    reason: format!(
+                        "the range {addr:#x}+{len:#x} spans more than {MAX_EXTENTS} VMM allocations"
+                    ),
+                });
             }
         }
+        at = extent.end();
+        extents.push(extent);
     }
-    Ok(())
+    Ok(extents)
+}
+
+/// Check that `addr..addr+len` is device memory of device `dev` ([`range_extents`]
+/// through the driver); the allocations that hold it.
+pub fn check_device_range(addr: u64, len: u64, dev: u64) -> Result<Vec<Extent>, CudaError> {
+    range_extents(&Driver, addr, len, dev)
+}
+
+/// The CUDA version the driver supports, as `cuDriverGetVersion` gives it
+/// (1000 × major + 10 × minor: 13000 is CUDA 13.0).
+pub fn driver_version() -> Result<i32, CudaError> {
+    driver()?;
+    let mut version: i32 = 0;
+    // SAFETY: out-pointer to a live local.
+    unsafe { sys::cuDriverGetVersion(&mut version) }
+        .result()
+        .map_err(|e| driver_error("cuDriverGetVersion", e))?;
+    Ok(version)
 }
 
 /// Device memory allocated with `cuMemAlloc`, freed on drop.
@@ -414,6 +562,153 @@ impl Drop for DeviceBuffer {
             // SAFETY: our allocation; nothing uses it after drop.
             let _ = unsafe { result::free_sync(self.ptr) };
         }
+    }
+}
+
+/// Device memory the way PyTorch's expandable segments make it (CUDA's virtual memory
+/// management): one reserved virtual range with `chunks` physical allocations
+/// (`cuMemCreate`, shareable as POSIX file descriptors) mapped back to back and made
+/// readable and writable on the device. Unmapped and freed on drop.
+#[derive(Debug)]
+pub struct VmmBuffer {
+    dev: Device,
+    ptr: u64,
+    len: usize,
+    handles: Vec<sys::CUmemGenericAllocationHandle>,
+    mapped: usize,
+}
+
+impl VmmBuffer {
+    /// Reserve `chunks × chunk_bytes` (each rounded up to the allocation granularity)
+    /// on `dev` and map `chunks` separate physical allocations into it.
+    pub fn alloc(dev: &Device, chunk_bytes: usize, chunks: usize) -> Result<VmmBuffer, CudaError> {
+        dev.bind()?;
+        // SAFETY: plain C data; zero is valid for every field.
+        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.requestedHandleTypes =
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        prop.location.id = dev.ordinal() as i32;
+        let mut granularity: usize = 0;
+        // SAFETY: out-pointer to a live local; `prop` is initialized.
+        unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut granularity,
+                &prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+        }
+        .result()
+        .map_err(|e| driver_error("cuMemGetAllocationGranularity", e))?;
+        let granularity = granularity.max(1);
+        let chunk = chunk_bytes.max(1).div_ceil(granularity) * granularity;
+        let len = chunk * chunks.max(1);
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: out-pointer to a live local; size is a multiple of the granularity.
+        unsafe { sys::cuMemAddressReserve(&mut ptr, len, granularity, 0, 0) }
+            .result()
+            .map_err(|e| driver_error("cuMemAddressReserve", e))?;
+        let mut buf = VmmBuffer {
+            dev: dev.clone(),
+            ptr,
+            len,
+            handles: Vec::with_capacity(chunks.max(1)),
+            mapped: 0,
+        };
+        for i in 0..chunks.max(1) {
+            let mut handle: sys::CUmemGenericAllocationHandle = 0;
+            // SAFETY: out-pointer to a live local; `prop` is initialized.
+            unsafe { sys::cuMemCreate(&mut handle, chunk, &prop, 0) }
+                .result()
+                .map_err(|e| driver_error("cuMemCreate", e))?;
+            buf.handles.push(handle);
+            // SAFETY: the chunk lies inside our reservation and is not mapped yet.
+            unsafe { sys::cuMemMap(ptr + (i * chunk) as u64, chunk, 0, handle, 0) }
+                .result()
+                .map_err(|e| driver_error("cuMemMap", e))?;
+            buf.mapped += 1;
+        }
+        // SAFETY: plain C data; zero is valid for every field.
+        let mut access: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+        access.location = prop.location;
+        access.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        // SAFETY: the whole range is mapped (above); one access descriptor.
+        unsafe { sys::cuMemSetAccess(ptr, len, &access, 1) }
+            .result()
+            .map_err(|e| driver_error("cuMemSetAccess", e))?;
+        Ok(buf)
+    }
+
+    /// The device address.
+    pub fn addr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Bytes (all chunks).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes of each physical allocation.
+    pub fn chunk_bytes(&self) -> usize {
+        self.len / self.handles.len().max(1)
+    }
+
+    /// Copy `src` to the start of the buffer (synchronous).
+    pub fn write(&self, src: &[u8]) -> Result<(), CudaError> {
+        if src.len() > self.len {
+            return Err(CudaError::NotDeviceMemory {
+                addr: self.ptr + self.len as u64,
+                reason: format!(
+                    "a copy of {} bytes runs past the {}-byte buffer",
+                    src.len(),
+                    self.len
+                ),
+            });
+        }
+        // SAFETY: the destination is mapped for at least src.len() bytes (checked above).
+        unsafe { copy_htod(&self.dev, self.ptr, src) }
+    }
+
+    /// Copy the start of the buffer into `dst` (synchronous).
+    pub fn read(&self, dst: &mut [u8]) -> Result<(), CudaError> {
+        if dst.len() > self.len {
+            return Err(CudaError::NotDeviceMemory {
+                addr: self.ptr + self.len as u64,
+                reason: format!(
+                    "a copy of {} bytes runs past the {}-byte buffer",
+                    dst.len(),
+                    self.len
+                ),
+            });
+        }
+        // SAFETY: the source is mapped for at least dst.len() bytes (checked above).
+        unsafe { copy_dtoh(&self.dev, dst, self.ptr) }
+    }
+}
+
+impl Drop for VmmBuffer {
+    fn drop(&mut self) {
+        if self.dev.bind().is_err() {
+            return;
+        }
+        let chunk = self.chunk_bytes();
+        for i in 0..self.mapped {
+            // SAFETY: chunk i was mapped by alloc; nothing uses it after drop.
+            let _ = unsafe { sys::cuMemUnmap(self.ptr + (i * chunk) as u64, chunk) };
+        }
+        for handle in self.handles.drain(..) {
+            // SAFETY: our handle, unmapped above.
+            let _ = unsafe { sys::cuMemRelease(handle) };
+        }
+        // SAFETY: our reservation, nothing mapped in it any more.
+        let _ = unsafe { sys::cuMemAddressFree(self.ptr, self.len) };
     }
 }
 
@@ -644,6 +939,82 @@ mod tests {
         assert!(matches!(call.into_error("UCX"), Error::Backend { .. }));
     }
 
+    /// A stand-in driver: a table of allocations.
+    struct Table(Vec<Extent>);
+
+    impl AddressInfo for Table {
+        fn extent(&self, addr: u64) -> Result<Option<Extent>, CudaError> {
+            Ok(self
+                .0
+                .iter()
+                .find(|e| e.base <= addr && addr < e.end())
+                .copied())
+        }
+    }
+
+    fn legacy(base: u64, len: u64, device: u64) -> Extent {
+        Extent {
+            base,
+            len,
+            device,
+            vmm: false,
+        }
+    }
+
+    fn vmm(base: u64, len: u64) -> Extent {
+        Extent {
+            base,
+            len,
+            device: 0,
+            vmm: true,
+        }
+    }
+
+    #[test]
+    fn a_range_across_two_adjacent_allocations_is_refused() {
+        // Two cuMemAlloc allocations back to back: both ends are device memory of
+        // device 0, which a first/last-byte probe would have accepted.
+        let table = Table(vec![legacy(0x10000, 0x1000, 0), legacy(0x11000, 0x1000, 0)]);
+        let err = range_extents(&table, 0x10800, 0x1000, 0).unwrap_err();
+        assert!(
+            err.to_string().contains("spans two CUDA allocations"),
+            "{err}"
+        );
+        assert!(err.to_string().contains("0x10000..0x11000"), "{err}");
+        // Inside one: one extent; exactly one whole allocation too.
+        assert_eq!(range_extents(&table, 0x10800, 0x800, 0).unwrap().len(), 1);
+        assert_eq!(range_extents(&table, 0x11000, 0x1000, 0).unwrap().len(), 1);
+        // Running past the last allocation into nothing.
+        let err = range_extents(&table, 0x11800, 0x1000, 0).unwrap_err();
+        assert!(err.to_string().contains("not device memory"), "{err}");
+        // Not device memory at all, the wrong device, wrapping.
+        assert!(range_extents(&table, 0x100, 0x10, 0).is_err());
+        let err = range_extents(&table, 0x10000, 0x10, 1).unwrap_err();
+        assert!(err.to_string().contains("not of device 1"), "{err}");
+        assert!(range_extents(&table, u64::MAX - 4, 0x10, 0).is_err());
+    }
+
+    #[test]
+    fn vmm_allocations_mapped_back_to_back_hold_a_range_together() {
+        // Three 2 MiB physical allocations in one virtual range (expandable segments).
+        let m = 2u64 << 20;
+        let table = Table(vec![
+            vmm(0x4000_0000, m),
+            vmm(0x4000_0000 + m, m),
+            vmm(0x4000_0000 + 2 * m, m),
+        ]);
+        let got = range_extents(&table, 0x4000_0000 + 100, 2 * m, 0).unwrap();
+        assert_eq!(got.len(), 3);
+        assert_eq!(got[0].base, 0x4000_0000);
+        // A hole in the mapping ends the range's device memory.
+        let holed = Table(vec![vmm(0x4000_0000, m), vmm(0x4000_0000 + 2 * m, m)]);
+        let err = range_extents(&holed, 0x4000_0000, 3 * m, 0).unwrap_err();
+        assert!(err.to_string().contains("runs"), "{err}");
+        // A VMM allocation next to a cuMemAlloc one does not join it.
+        let mixed = Table(vec![vmm(0x4000_0000, m), legacy(0x4000_0000 + m, m, 0)]);
+        assert!(range_extents(&mixed, 0x4000_0000, 2 * m, 0).is_err());
+    }
+
     #[test]
     fn gpu_present_when_requested() {
         if !gpu_tests_requested() {
@@ -661,7 +1032,23 @@ mod tests {
         copy.read(&mut back).unwrap();
         assert_eq!(back, pattern);
         assert_eq!(pointer_device(buf.addr()).unwrap(), Some(0));
-        check_device_range(buf.addr(), 1 << 20, 0).unwrap();
+        assert_eq!(check_device_range(buf.addr(), 1 << 20, 0).unwrap().len(), 1);
+        // Two cuMemAlloc allocations are never one range, even where they are adjacent.
+        if copy.addr() == buf.addr() + (1 << 20) || buf.addr() == copy.addr() + (1 << 20) {
+            let low = buf.addr().min(copy.addr());
+            assert!(check_device_range(low, 2 << 20, 0).is_err());
+        }
+        // VMM memory: three physical allocations mapped back to back.
+        let vmm = VmmBuffer::alloc(&dev, 2 << 20, 3).unwrap();
+        let extents = check_device_range(vmm.addr(), vmm.len() as u64, 0).unwrap();
+        assert_eq!(extents.len(), 3, "{extents:?}");
+        assert!(extents.iter().all(|e| e.vmm));
+        let bytes: Vec<u8> = (0..vmm.len()).map(|i| (i * 11 + 1) as u8).collect();
+        vmm.write(&bytes).unwrap();
+        let mut back = vec![0u8; vmm.len()];
+        vmm.read(&mut back).unwrap();
+        assert_eq!(back, bytes);
+        assert!(driver_version().unwrap() >= 12000);
         let host = [0u8; 64];
         assert_eq!(pointer_device(host.as_ptr() as u64).unwrap(), None);
     }

@@ -214,6 +214,14 @@ pub const PARAMS: &[ParamSpec] = &[
               checks every range against its registrations; 'on'; 'off')",
     },
     ParamSpec {
+        name: "vmm_spanning",
+        default: "refuse",
+        doc: "a VRAM region of VMM memory spanning several physical allocations mapped back \
+              to back (PyTorch expandable segments): 'refuse' (UCX's cuda_ipc exports only \
+              the first allocation, openucx/ucx#11283) or 'allow' (where no cuda_ipc runs \
+              between the agents, or the UCX in use has that fix)",
+    },
+    ParamSpec {
         name: "am_batch_range_bytes",
         default: "4096",
         doc: "largest range that is batched into active messages (0 = batching off; \
@@ -336,6 +344,8 @@ pub struct Config {
     pub am_tcp: AmBatchMode,
     /// Largest batched range (0 = off).
     pub am_batch_range_bytes: u64,
+    /// Whether a VMM region spanning several physical allocations is accepted.
+    pub vmm_spanning: bool,
     /// Largest batch message (`None` = per endpoint: [`AM_BATCH_BYTES_SHM`] or
     /// [`AM_BATCH_BYTES_TCP`]).
     pub am_batch_bytes: Option<usize>,
@@ -528,6 +538,11 @@ impl Config {
             "off" | "false" => AmBatchMode::Off,
             _ => return Err(bad("am_tcp", "expected 'auto', 'on' or 'off'")),
         };
+        let vmm_spanning = match get("vmm_spanning") {
+            "refuse" => false,
+            "allow" => true,
+            _ => return Err(bad("vmm_spanning", "expected 'refuse' or 'allow'")),
+        };
         let am_batch_bytes: Option<usize> = match get("am_batch_bytes") {
             "auto" => None,
             text => Some(
@@ -558,6 +573,7 @@ impl Config {
         Ok(Config {
             am_batch,
             am_tcp,
+            vmm_spanning,
             am_batch_range_bytes,
             am_batch_bytes,
             am_batch_messages,

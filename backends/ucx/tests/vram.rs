@@ -188,6 +188,137 @@ mod gpu {
         go(Op::Read, MemKind::Dram, &ranges(a_dram.addr(), a_d), 3);
         assert!(a_dram.0 == src, "VRAM→DRAM read");
     }
+
+    /// An initiator with host memory only (no VRAM of its own, so no device opened by a
+    /// registration) writes to and reads from a peer's VRAM: a context must be current
+    /// for UCX's CUDA transports all the same.
+    #[test]
+    fn a_host_only_initiator_moves_to_and_from_a_peers_vram() {
+        if !requested() {
+            return;
+        }
+        setup_env();
+        let dev = Device::open(0).expect("device 0");
+        let len = 4usize << 20;
+        let mut a = backend("host-only-a", "", &[]);
+        let mut b = backend("host-only-b", "", &[]);
+        let b_vram = DeviceBuffer::alloc(&dev, len).unwrap();
+        let mut a_dram = Buffer::new(len);
+        let a_d = register(&mut a, &a_dram).0;
+        let b_reg = b.register_t(&vram_region(&b_vram)).unwrap();
+        let peer = peer_id(0);
+        load(
+            &mut a,
+            peer,
+            "host-only-b",
+            &b.conn_info(),
+            &[(b_reg.token, b_reg.public_md.clone())],
+        );
+        let mut src = vec![0u8; len];
+        Rng::new(21).fill(&mut src);
+        a_dram.0.copy_from_slice(&src);
+        for (tag, op) in [(1, Op::Write), (2, Op::Read)] {
+            if op == Op::Read {
+                a_dram.0.fill(0);
+            }
+            let range = [Range {
+                local_addr: a_dram.addr(),
+                remote_addr: b_vram.addr(),
+                len: len as u64,
+                local_dev: 0,
+                remote_dev: 0,
+                local_token: a_d,
+                remote_token: b_reg.token,
+            }];
+            let post = Post {
+                tag,
+                op,
+                local_kind: MemKind::Dram,
+                remote_kind: MemKind::Vram,
+                ranges: &range,
+                notif: None,
+            };
+            let mut done = ferry_backend_api::Completions::with_capacity(4);
+            a.post_t(Endpoint::Peer(peer), &[post], &mut done).unwrap();
+            let got = wait_for(&mut [&mut a, &mut b], &[tag], Duration::from_secs(30));
+            assert_eq!(got[0].result, Ok(()), "{op:?}");
+        }
+        let mut landed = vec![0u8; len];
+        b_vram.read(&mut landed).unwrap();
+        assert!(landed == src, "DRAM→VRAM write");
+        assert!(a_dram.0 == src, "VRAM→DRAM read");
+    }
+
+    /// VMM memory (what PyTorch's expandable segments allocate): one physical
+    /// allocation registers and moves; three mapped back to back are refused by
+    /// default (UCX's cuda_ipc exports only the first) and, with vmm_spanning=allow,
+    /// move between two backends of one process, every byte checked.
+    #[test]
+    fn vmm_memory_registers_and_moves() {
+        if !requested() {
+            return;
+        }
+        setup_env();
+        let dev = Device::open(0).expect("device 0");
+        let one = ferry_cuda::VmmBuffer::alloc(&dev, 4 << 20, 1).unwrap();
+        let three = ferry_cuda::VmmBuffer::alloc(&dev, 2 << 20, 3).unwrap();
+        let region = |addr: u64, len: usize| RegionSpec {
+            kind: MemKind::Vram,
+            desc: Desc::new(addr, len as u64, 0),
+            path: None,
+        };
+        let mut strict = backend("vmm-strict", "", &[]);
+        strict.register_t(&region(one.addr(), one.len())).unwrap();
+        let refused = strict
+            .register_t(&region(three.addr(), three.len()))
+            .unwrap_err();
+        assert!(refused.to_string().contains("VMM allocations"), "{refused}");
+        let mut a = backend("vmm-a", "", &[("vmm_spanning", "allow")]);
+        let mut b = backend("vmm-b", "", &[("vmm_spanning", "allow")]);
+        let a_reg = a.register_t(&region(one.addr(), one.len())).unwrap().token;
+        let b_reg = b.register_t(&region(three.addr(), three.len())).unwrap();
+        let peer = peer_id(0);
+        load(
+            &mut a,
+            peer,
+            "vmm-b",
+            &b.conn_info(),
+            &[(b_reg.token, b_reg.public_md.clone())],
+        );
+        let mut src = vec![0u8; one.len()];
+        Rng::new(31).fill(&mut src);
+        one.write(&src).unwrap();
+        // 4 MiB from the middle of the first allocation into the third: crosses both
+        // boundaries of the second.
+        let at = three.addr() + (1 << 20);
+        let range = [Range {
+            local_addr: one.addr(),
+            remote_addr: at,
+            len: one.len() as u64,
+            local_dev: 0,
+            remote_dev: 0,
+            local_token: a_reg,
+            remote_token: b_reg.token,
+        }];
+        let post = Post {
+            tag: 7,
+            op: Op::Write,
+            local_kind: MemKind::Vram,
+            remote_kind: MemKind::Vram,
+            ranges: &range,
+            notif: None,
+        };
+        let mut done = ferry_backend_api::Completions::with_capacity(4);
+        a.post_t(Endpoint::Peer(peer), &[post], &mut done).unwrap();
+        let got = wait_for(&mut [&mut a, &mut b], &[7], Duration::from_secs(30));
+        assert_eq!(got[0].result, Ok(()));
+        let mut landed = vec![0u8; three.len()];
+        three.read(&mut landed).unwrap();
+        assert!(
+            landed[1 << 20..][..one.len()] == src[..],
+            "VMM write across allocations"
+        );
+    }
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -348,7 +348,7 @@ impl Core {
             close_rounds: config.close_rounds,
             close_force: config.close_force,
             deadline: Deadline::new(config.peer_timeout),
-            vram: VramState::new(&ucp, context),
+            vram: VramState::new(&ucp, context, config.vmm_spanning),
         };
         for index in 0..config.workers {
             core.add_worker(index, config.progress_thread)?;

@@ -70,7 +70,13 @@ pub(super) struct Deferred {
     pub(super) am_bytes: u32,
     /// Only in messages (`am_tcp`): with no message free it waits, never a put/get.
     pub(super) am_only: bool,
+    /// The CUDA device whose context is current while it is issued ([`NO_DEVICE`]: host
+    /// memory on both sides, none needed).
+    pub(super) dev: u16,
 }
+
+/// [`Deferred::dev`] of a piece between host memories.
+pub(super) const NO_DEVICE: u16 = u16::MAX;
 
 /// What one post or one pump may still hand to UCX: at most a window of bytes
 /// (`post_window_bytes`), and in a post to an endpoint whose puts go over tcp also about
@@ -234,6 +240,7 @@ impl Core {
             });
         }
         self.validate(endpoint, ep, batch)?;
+        self.vram.prepare(batch)?;
         if peer.is_none() {
             self.reserve_own_notifs(batch)?;
         }
@@ -311,6 +318,7 @@ impl Core {
                         0
                     },
                     am_only: batch_post && !mapped && am_all,
+                    dev: self.vram.piece_device(post, range),
                 };
                 if piece.am_only {
                     // Pieces of 256 KiB (a READ's travel in the reply).
@@ -382,6 +390,7 @@ impl Core {
     /// `chunk_bytes`.
     fn issue(&self, piece: &Deferred, len: u64) -> std::result::Result<(), ucs_status_t> {
         let api = self.ucp.api();
+        self.vram.bind_for(piece.dev);
         let mut param = request_param();
         if !piece.memh.is_null() {
             param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
