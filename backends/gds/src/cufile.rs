@@ -293,6 +293,13 @@ pub fn error_name(code: c_uint) -> &'static str {
     }
 }
 
+/// Whether `code` says this cuFile cannot run batches here (compatibility mode without
+/// nvidia-fs, I/O or platform unsupported) rather than that one batch was wrong: the
+/// GDS backend then moves the batch's operations with its thread engine instead.
+pub fn batch_unsupported(code: c_uint) -> bool {
+    matches!(code, 5007 | 5008 | 5034 | 5049)
+}
+
 /// `err` as text, with the CUDA code when cuFile blames the driver.
 pub fn describe(err: CUfileError) -> String {
     if err.err == CU_FILE_CUDA_DRIVER_ERROR {

@@ -225,6 +225,9 @@ pub(crate) struct BatchEngine {
     api: BatchApi,
     entries: usize,
     slots: Vec<BatchSlot>,
+    /// A status poll that failed because cuFile cannot run batches here (its entries
+    /// failed; the backend moves later operations with threads).
+    unsupported: Option<CUfileError>,
 }
 
 // SAFETY: the batch handles are used only through `&mut self`; cuFile allows batch
@@ -251,6 +254,7 @@ impl BatchEngine {
             api,
             entries,
             slots: Vec::with_capacity(batches),
+            unsupported: None,
         };
         for _ in 0..batches {
             let mut handle: CUfileBatchHandle = std::ptr::null_mut();
@@ -312,32 +316,63 @@ impl BatchEngine {
         s.reported.push(false);
     }
 
-    /// Submit what `slot` holds; on refusal every entry goes to `refused`.
-    pub(crate) fn launch(&mut self, slot: usize, refused: &mut Vec<(u64, IoOutcome)>) {
+    /// Submit what `slot` holds. On refusal every entry goes to `refused`, except
+    /// where cuFile says it cannot run batches here ([`cufile::batch_unsupported`]):
+    /// then nothing moved, the entries go back to the front of `requeue` in order and
+    /// the refusal is returned.
+    pub(crate) fn launch(
+        &mut self,
+        slot: usize,
+        refused: &mut Vec<(u64, IoOutcome)>,
+        requeue: &mut VecDeque<u64>,
+    ) -> Option<CUfileError> {
         let s = &mut self.slots[slot];
         let n = s.params.len();
         if n == 0 {
-            return;
+            return None;
         }
         // SAFETY: `params` holds `n` initialized entries naming registered handles and
         // buffers that stay registered until each entry is reported; the array itself
         // is left untouched until the whole batch has been reported.
         let status = unsafe { (self.api.submit)(s.handle, n as u32, s.params.as_mut_ptr(), 0) };
         if status.err != cufile::CU_FILE_SUCCESS {
+            let unsupported = cufile::batch_unsupported(status.err);
             log::warn!(
-                "GDS: cuFileBatchIOSubmit refused {n} operation(s): {}",
-                cufile::describe(status)
+                "GDS: cuFileBatchIOSubmit refused {n} operation(s): {}{}",
+                cufile::describe(status),
+                if unsupported {
+                    "; they go to the thread engine"
+                } else {
+                    ""
+                }
             );
-            for &token in &s.tokens {
-                refused.push((token, IoOutcome::CuFile(status.err)));
+            if unsupported {
+                for &token in s.tokens.iter().rev() {
+                    requeue.push_front(token);
+                }
+            } else {
+                for &token in &s.tokens {
+                    refused.push((token, IoOutcome::CuFile(status.err)));
+                }
             }
             s.params.clear();
             s.tokens.clear();
             s.reported.clear();
-            return;
+            return unsupported.then_some(status);
         }
         s.outstanding = n;
         s.in_flight = true;
+        None
+    }
+
+    /// A status failure that said cuFile cannot run batches here, once.
+    pub(crate) fn take_unsupported(&mut self) -> Option<CUfileError> {
+        self.unsupported.take()
+    }
+
+    /// Whether any batch is in flight.
+    pub(crate) fn busy(&self) -> bool {
+        self.slots.iter().any(|s| s.in_flight)
     }
 
     /// Collect finished entries without waiting.
@@ -381,6 +416,9 @@ impl BatchEngine {
             s.params.clear();
             s.tokens.clear();
             s.reported.clear();
+            if cufile::batch_unsupported(status.err) {
+                self.unsupported = Some(status);
+            }
             return;
         }
         for event in &s.events[..(nr as usize).min(s.events.len())] {

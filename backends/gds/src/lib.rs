@@ -413,6 +413,11 @@ pub struct GdsBackend {
     /// Finished or refused operations of one drain (capacity = `max_ops`).
     scratch: Vec<(u64, IoOutcome)>,
     engine: Engine,
+    /// The batch engine left for the thread engine (cuFile refused batches here), kept
+    /// until its batches in flight are reported.
+    retired: Option<BatchEngine>,
+    /// Why the thread engine runs although batches were asked for.
+    fallback: Option<String>,
 }
 
 enum Engine {
@@ -490,17 +495,9 @@ impl GdsBackend {
             }
             EngineChoice::Auto => EngineKind::Threads,
         };
+        let mut fallback = None;
         let engine = match kind {
-            EngineKind::Threads => Engine::Threads(
-                ThreadEngine::new(cufile.api, config.threads, config.max_ops).map_err(|e| {
-                    Error::Backend {
-                        backend: NAME.into(),
-                        errno: e.raw_os_error().unwrap_or(libc::EAGAIN),
-                        desc: None,
-                        detail: format!("cannot start worker threads: {e}").into(),
-                    }
-                })?,
-            ),
+            EngineKind::Threads => Engine::Threads(Self::threads(&cufile, &config)?),
             EngineKind::Batch => {
                 let Some(batch) = cufile.api.batch else {
                     return Err(Error::NotSupported {
@@ -512,10 +509,22 @@ impl GdsBackend {
                         .into(),
                     });
                 };
-                Engine::Batch(
-                    BatchEngine::new(batch, config.batches, config.batch_entries)
-                        .map_err(|e| cufile_error("cuFileBatchIOSetUp", e))?,
-                )
+                match BatchEngine::new(batch, config.batches, config.batch_entries) {
+                    Ok(engine) => Engine::Batch(engine),
+                    // cuFile cannot run batches here (older cuFile in compatibility
+                    // mode): its limit, not a reason to fail; threads move the bytes.
+                    Err(e)
+                        if cufile::batch_unsupported(e.err)
+                            || !matches!(mode, IoMode::Direct { .. }) =>
+                    {
+                        fallback = Some(format!(
+                            "cuFileBatchIOSetUp refused batches: {}",
+                            cufile::describe(e)
+                        ));
+                        Engine::Threads(Self::threads(&cufile, &config)?)
+                    }
+                    Err(e) => return Err(cufile_error("cuFileBatchIOSetUp", e)),
+                }
             }
         };
         let backend = GdsBackend {
@@ -530,19 +539,60 @@ impl GdsBackend {
             cufile,
             mode,
             engine,
+            retired: None,
+            fallback,
         };
-        log::info!("GDS: {}", backend.description());
+        match &backend.fallback {
+            Some(_) => log::warn!("GDS: {}", backend.description()),
+            None => log::info!("GDS: {}", backend.description()),
+        }
         Ok(backend)
+    }
+
+    fn threads(cufile: &CuFile, config: &Config) -> Result<ThreadEngine> {
+        ThreadEngine::new(cufile.api, config.threads, config.max_ops).map_err(|e| Error::Backend {
+            backend: NAME.into(),
+            errno: e.raw_os_error().unwrap_or(libc::EAGAIN),
+            desc: None,
+            detail: format!("cannot start worker threads: {e}").into(),
+        })
+    }
+
+    /// Move every later operation with the thread engine: cuFile said `why` about
+    /// batches. The batch engine stays until its batches in flight are reported.
+    fn fall_back(&mut self, why: String) {
+        let threads = match Self::threads(&self.cufile, &self.config) {
+            Ok(t) => t,
+            Err(e) => {
+                log::error!("GDS: cannot leave the batch engine ({why}): {e}");
+                return;
+            }
+        };
+        if let Engine::Batch(batch) = std::mem::replace(&mut self.engine, Engine::Threads(threads))
+        {
+            self.retired = Some(batch);
+        }
+        log::warn!("GDS: {why}; the thread engine moves the bytes from now on");
+        self.fallback = Some(why);
+    }
+
+    /// Why the thread engine runs although batches were asked for (`None`: as asked).
+    pub fn fallback(&self) -> Option<&str> {
+        self.fallback.as_deref()
     }
 
     /// Library, mode and engine in words (`cuFile from <path>, GDS (nvidia-fs 2.26),
     /// engine Batch`): logged at creation and in the agent's "backend created" line.
     fn description(&self) -> String {
         format!(
-            "cuFile from {}, {}, engine {:?}",
+            "cuFile from {}, {}, engine {:?}{}",
             self.cufile.library.display(),
             self.mode,
-            self.engine()
+            self.engine(),
+            match &self.fallback {
+                Some(why) => format!(" (batch asked for; {why})"),
+                None => String::new(),
+            }
         )
     }
 
@@ -848,6 +898,7 @@ impl GdsBackend {
                 threads.wake();
             }
             Engine::Batch(batch) => {
+                let mut unsupported = None;
                 while !self.pending.is_empty() {
                     let Some(slot) = batch.idle_slot() else { break };
                     let n = self.pending.len().min(batch.entries());
@@ -856,7 +907,25 @@ impl GdsBackend {
                         let op = self.ops.get(token).expect("queued operations exist");
                         batch.add(slot, token, &op.job);
                     }
-                    batch.launch(slot, &mut refused);
+                    unsupported = batch.launch(slot, &mut refused, &mut self.pending);
+                    if unsupported.is_some() {
+                        break;
+                    }
+                }
+                if let Some(e) = unsupported {
+                    for (token, outcome) in refused.drain(..) {
+                        self.complete_op(token, outcome, done);
+                    }
+                    self.scratch = refused;
+                    self.fall_back(format!(
+                        "cuFileBatchIOSubmit refused batches: {}",
+                        cufile::describe(e)
+                    ));
+                    if matches!(self.engine, Engine::Threads(_)) {
+                        // Nothing of them moved: the threads take them now.
+                        self.feed(done);
+                    }
+                    return;
                 }
             }
         }
@@ -868,14 +937,32 @@ impl GdsBackend {
 
     fn drain_engine(&mut self, done: &mut Completions) {
         let mut finished = std::mem::take(&mut self.scratch);
+        let mut unsupported = None;
         match &mut self.engine {
             Engine::Threads(t) => t.reap(&mut finished),
-            Engine::Batch(b) => b.poll(&mut finished),
+            Engine::Batch(b) => {
+                b.poll(&mut finished);
+                unsupported = b.take_unsupported();
+            }
+        }
+        if let Some(retired) = &mut self.retired {
+            retired.poll(&mut finished);
+            if !retired.busy() {
+                if let Some(mut retired) = self.retired.take() {
+                    retired.shutdown();
+                }
+            }
         }
         for (token, outcome) in finished.drain(..) {
             self.complete_op(token, outcome, done);
         }
         self.scratch = finished;
+        if let Some(e) = unsupported {
+            self.fall_back(format!(
+                "cuFileBatchIOGetStatus refused batches: {}",
+                cufile::describe(e)
+            ));
+        }
     }
 }
 
@@ -1102,6 +1189,9 @@ impl Drop for GdsBackend {
         match &mut self.engine {
             Engine::Threads(t) => t.shutdown(),
             Engine::Batch(b) => b.shutdown(),
+        }
+        if let Some(retired) = &mut self.retired {
+            retired.shutdown();
         }
         let api = self.cufile.api;
         for entry in self.files.drain() {

@@ -36,30 +36,16 @@ fn file_vram_round_trip_with_both_engines() {
         let mut params = Params::new();
         params.insert("cufile_library".into(), library.clone());
         params.insert("engine".into(), engine.into());
-        let mut gds = match GdsBackend::new(&BackendInit {
+        // cuFile that cannot run batches here (older cuFile in compatibility mode)
+        // makes the backend fall back to threads, which it says (`fallback`).
+        let mut gds = GdsBackend::new(&BackendInit {
             agent_name: "gds-gpu",
             params: &params,
-        }) {
-            Ok(b) => b,
-            // Older cuFile refuses batches without nvidia-fs (CU_FILE_BATCH_NOCOMPAT_ERROR):
-            // a limit of cuFile in compatibility mode, said as such.
-            Err(e)
-                if engine == "batch"
-                    && e.to_string().contains("cuFileBatchIOSetUp")
-                    && matches!(
-                        ferry_gds::probe_mode(
-                            Some(library.as_str())
-                                .filter(|l| !l.is_empty())
-                                .map(std::path::Path::new)
-                        ),
-                        Ok(ferry_gds::cufile::IoMode::Compat { .. })
-                    ) =>
-            {
-                eprintln!("GDS batch: refused by cuFile in compatibility mode ({e}); skipped");
-                continue;
-            }
-            Err(e) => panic!("{engine}: {e}"),
-        };
+        })
+        .unwrap_or_else(|e| panic!("{engine}: {e}"));
+        if let Some(why) = gds.fallback() {
+            eprintln!("GDS {engine}: fell back to threads: {why}");
+        }
         eprintln!("GDS {engine}: {}", gds.io_mode());
         dst.write(&vec![0u8; len]).unwrap();
         let vram = |b: &DeviceBuffer| RegionSpec {

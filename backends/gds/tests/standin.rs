@@ -58,6 +58,18 @@ impl Knobs {
             f(bytes);
         }
     }
+    /// 0: batches work; 1: set-up, 2: submit, 3: status polls refuse them with
+    /// CU_FILE_BATCH_NOCOMPAT_ERROR (what older cuFile says in compatibility mode).
+    fn refuse_batches(&self, at: i32) {
+        // SAFETY: declared as void standin_refuse_batches(int).
+        unsafe {
+            let f = self
+                .lib
+                .get::<unsafe extern "C" fn(i32)>(b"standin_refuse_batches\0")
+                .unwrap();
+            f(at);
+        }
+    }
     fn fail_status(&self, on: bool) {
         // SAFETY: declared as void standin_fail_status(int).
         unsafe {
@@ -743,4 +755,57 @@ fn a_failing_batch_poll_cancels_the_batch_and_fails_its_requests() {
         run(&mut gds, Op::Write, &ranges(&src, s, f, 4, 1 << 14), 6).result,
         Ok(())
     );
+}
+
+/// cuFile that cannot run batches here (older cuFile in compatibility mode) refuses at
+/// set-up, at submit or at a status poll: the backend moves the bytes with threads
+/// instead, says so, and no request is lost or reported twice. A refusal at submit moved
+/// nothing, so those operations go to the threads and succeed; one at a status poll may
+/// have moved part of them, so they fail with a typed error and later ones succeed.
+#[test]
+fn batches_refused_by_cufile_fall_back_to_threads() {
+    let Some(lib) = standin() else { return };
+    let _serial = serial();
+    let knobs = Knobs::new(lib);
+    let dir = tempfile::tempdir().unwrap();
+    let src = pattern(1 << 16, 9);
+    let mut back = vec![0u8; 1 << 16];
+    for at in [1, 2, 3] {
+        knobs.refuse_batches(at);
+        let mut gds = backend(lib, &[("engine", "batch")]);
+        if at == 1 {
+            assert_eq!(gds.engine(), EngineKind::Threads);
+        } else {
+            assert_eq!(gds.engine(), EngineKind::Batch);
+        }
+        let path = dir.path().join(format!("refused-{at}"));
+        let s = gds.register_t(&dram(&src)).unwrap().token;
+        let b = gds.register_t(&dram(&back)).unwrap().token;
+        let f = gds.register_t(&file_by_path(&path, 0, RW)).unwrap().token;
+        let first = run(&mut gds, Op::Write, &ranges(&src, s, f, 4, 1 << 14), 1);
+        if at == 3 {
+            let failure = first.result.expect_err("the status poll refused the batch");
+            assert_eq!(failure.kind, FailureKind::Backend);
+            let again = run(&mut gds, Op::Write, &ranges(&src, s, f, 4, 1 << 14), 2);
+            assert_eq!(again.result, Ok(()));
+        } else {
+            assert_eq!(first.result, Ok(()), "refusal at {at}");
+        }
+        assert_eq!(gds.engine(), EngineKind::Threads, "refusal at {at}");
+        let why = gds.fallback().expect("the fallback is said");
+        assert!(why.contains("CU_FILE_BATCH_NOCOMPAT_ERROR"), "{why}");
+        assert_eq!(
+            run(&mut gds, Op::Read, &ranges(&back, b, f, 4, 1 << 14), 3).result,
+            Ok(())
+        );
+        assert_eq!(back, src, "refusal at {at}");
+        back.fill(0);
+        assert_eq!(gds.in_flight(), (0, 0));
+        gds.deregister_t(MemKind::Dram, s).unwrap();
+        gds.deregister_t(MemKind::Dram, b).unwrap();
+        gds.deregister_t(MemKind::File, f).unwrap();
+    }
+    knobs.refuse_batches(0);
+    // The batch engine's handles are gone once the fallback's batches are reported.
+    assert_eq!(knobs.counts().2, 0);
 }

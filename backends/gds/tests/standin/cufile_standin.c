@@ -80,6 +80,7 @@ static size_t max_io;      /* 0 = unlimited: cap on bytes per read/write call */
 static bool held;          /* I/O waits while set */
 static unsigned long ios;  /* read/write calls made */
 static bool fail_status;   /* cuFileBatchIOGetStatus fails while set */
+static int refuse_batches; /* 1: set-up, 2: submit, 3: status refuse with BATCH_NOCOMPAT */
 
 struct handle { int fd; };
 struct event { void *cookie; unsigned status; size_t ret; };
@@ -101,6 +102,8 @@ void standin_hold(int on) {
   pthread_mutex_unlock(&lock);
 }
 void standin_fail_status(int on) { pthread_mutex_lock(&lock); fail_status = on != 0; pthread_mutex_unlock(&lock); }
+void standin_refuse_batches(int where) { pthread_mutex_lock(&lock); refuse_batches = where; pthread_mutex_unlock(&lock); }
+static int refusing(void) { pthread_mutex_lock(&lock); int r = refuse_batches; pthread_mutex_unlock(&lock); return r; }
 void standin_counts(int *out_handles, int *out_bufs, int *out_batches, unsigned long *out_ios) {
   pthread_mutex_lock(&lock);
   *out_handles = handles; *out_bufs = nbufs; *out_batches = batches; *out_ios = ios;
@@ -230,6 +233,7 @@ ssize_t cuFileWrite(CUfileHandle_t fh, const void *base, size_t size, int64_t fi
 CUfileError_t cuFileBatchIOSetUp(CUfileBatchHandle_t *out, unsigned nr) {
   if (!opened) return status(NOT_INITIALIZED);
   if (!out || nr == 0 || nr > MAX_BATCH) return status(INVALID_VALUE);
+  if (refusing() == 1) return status(5049); /* CU_FILE_BATCH_NOCOMPAT_ERROR */
   struct batch *b = calloc(1, sizeof *b);
   b->cap = nr;
   pthread_mutex_lock(&lock); batches++; pthread_mutex_unlock(&lock);
@@ -240,6 +244,7 @@ CUfileError_t cuFileBatchIOSubmit(CUfileBatchHandle_t bh, unsigned nr, CUfileIOP
   (void)flags;
   struct batch *b = bh;
   if (!b || !params || nr == 0 || nr > b->cap || b->busy) return status(INVALID_VALUE);
+  if (refusing() == 2) return status(5049);
   for (unsigned i = 0; i < nr; i++) {
     CUfileIOParams_t *p = &params[i];
     if (p->mode != 1 || p->opcode > 1) return status(INVALID_VALUE);
@@ -279,6 +284,7 @@ CUfileError_t cuFileBatchIOGetStatus(CUfileBatchHandle_t bh, unsigned min_nr, un
   bool fail = fail_status;
   pthread_mutex_unlock(&lock);
   if (fail) return status(5030); /* CU_FILE_INTERNAL_ERROR */
+  if (refusing() == 3 && b->busy) return status(5049);
   if (!b->busy) { *nr = 0; return status(OK); }
   if (b->parked) {
     pthread_mutex_lock(&lock);
