@@ -50,5 +50,8 @@ fn ferry_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FAILED", batch::FAILED)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("PROMETHEUS", cfg!(feature = "prometheus"))?;
+    // VRAM through UCX and GDS: `__cuda_array_interface__` objects and CUDA tensors
+    // register as VRAM where a CUDA driver, a device and a CUDA-capable UCX exist.
+    m.add("CUDA", cfg!(feature = "cuda"))?;
     Ok(())
 }

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import ferry
-from conftest import loopback_agent, wait_done
+from conftest import loopback_agent, need_ucx, unique, wait_done
 
 
 class FakeCudaArray:
@@ -26,6 +26,17 @@ def test_cuda_array_interface_is_vram():
         a.register_memory(FakeCudaArray(0x7000_0000, 4096))
     with pytest.raises(ferry.MismatchError):
         a.get_xfer_descs(FakeCudaArray(0x7000_0000, 4096), "DRAM")
+
+
+def test_cuda_array_interface_reaches_ucx_and_is_refused_with_the_reason():
+    # The module is built with VRAM support; here (no GPU, Debian's UCX without CUDA)
+    # UCX refuses the region and says why, naming what is missing.
+    assert ferry.CUDA
+    need_ucx()
+    a = ferry.Agent(unique("cai-ucx"), ferry.AgentConfig(backends=["UCX"]))
+    with pytest.raises(ferry.NotSupportedError) as refused:
+        a.register_memory(FakeCudaArray(0x7000_0000, 4096))
+    assert "CUDA" in str(refused.value) and "feature `cuda`" not in str(refused.value)
 
 
 def test_torch_cpu_tensors():

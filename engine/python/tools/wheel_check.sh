@@ -85,8 +85,9 @@ while a.check_xfer_state(x) != "DONE":
 assert out == buf
 n = api.nixl_agent("wheel-nixl", api.nixl_agent_config(backends=["LOOPBACK"]))
 assert "LOOPBACK" in n.backends
+assert ferry.CUDA, "the wheel is built with VRAM support (feature cuda)"
 print(f"CPython {sys.version.split()[0]}: ferry {ferry.__version__} ok "
-      f"(prometheus={ferry.PROMETHEUS}, plugins={n.get_plugin_list()})")
+      f"(prometheus={ferry.PROMETHEUS}, cuda={ferry.CUDA}, plugins={n.get_plugin_list()})")
 EOF
   )
 done

@@ -57,6 +57,9 @@ pub(super) struct PeerState {
     /// The peer's listening TCP sockets our endpoint connected to (`sockets.rs`): reset
     /// before a failed endpoint is closed, so nothing queued in the kernel goes later.
     pub(super) tcp_remotes: Vec<std::net::SocketAddr>,
+    /// Whether the endpoint's full `ucp_ep_print_info` was logged (at debug level) for
+    /// its first VRAM request: which lanes GPU memory takes (`cuda_ipc` or not).
+    pub(super) vram_logged: bool,
 }
 
 /// A peer region's rkey, unpacked on its endpoint.
@@ -121,6 +124,7 @@ impl Core {
                 paced: false,
                 am_all: false,
                 tcp_remotes: Vec::new(),
+                vram_logged: false,
             },
         );
         Ok(())

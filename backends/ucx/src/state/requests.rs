@@ -241,6 +241,9 @@ impl Core {
         }
         self.validate(endpoint, ep, batch)?;
         self.vram.prepare(batch)?;
+        if let Some(p) = peer {
+            self.log_first_vram(p, ep, batch);
+        }
         if peer.is_none() {
             self.reserve_own_notifs(batch)?;
         }
@@ -384,6 +387,29 @@ impl Core {
             self.flush_batch(head);
         }
         Ok(())
+    }
+
+    /// At debug level, the endpoint's full `ucp_ep_print_info` for the first request
+    /// to `peer` that touches VRAM (whether UCX took `cuda_ipc`, `cuda_copy` or a host
+    /// path for it; `error_handling=peer` can change that choice).
+    fn log_first_vram(&mut self, peer: PeerId, ep: ucp_ep_h, batch: &[Post<'_>]) {
+        if !log::log_enabled!(log::Level::Debug) {
+            return;
+        }
+        let vram = batch
+            .iter()
+            .any(|p| p.local_kind == MemKind::Vram || p.remote_kind == MemKind::Vram);
+        if !vram || self.peers.get(&peer).is_none_or(|s| s.vram_logged) {
+            return;
+        }
+        let info = self.ep_info(ep);
+        if let Some(state) = self.peers.get_mut(&peer) {
+            state.vram_logged = true;
+            log::debug!(
+                "UCX: first VRAM request to '{}'; its endpoint:\n{info}",
+                state.name
+            );
+        }
     }
 
     /// Hand `len` bytes from the start of `piece` to UCX, as puts/gets of at most

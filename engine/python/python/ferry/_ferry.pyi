@@ -8,6 +8,7 @@ import numpy.typing as npt
 __version__: str
 #: Whether the build has the Prometheus endpoint (``FERRY_METRICS_LISTEN``).
 PROMETHEUS: bool
+CUDA: bool
 DEFAULT_BACKENDS: List[str]
 OK: int
 IN_PROGRESS: int
