@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use ferry::{Agent, AgentConfig, CommandBuffer, Desc, FileMode, MemKind, Op, Params, Side, XferId};
-use ferry_cuda::{Device, DeviceBuffer, IpcBuffer};
+use ferry_cuda::{Device, DeviceBuffer, IpcBuffer, VmmBuffer};
 
 use crate::{gbps, median, pattern, run_once, shuffled, GpuSetup};
 
@@ -113,7 +113,9 @@ fn publish(path: &Path, bytes: &[u8]) -> Result<(), String> {
 
 /// The target process of the two-process measurement: a VRAM buffer registered with
 /// UCX, its metadata, address and CUDA IPC handle published in `dir`; it progresses
-/// until `dir/done` appears (or 7 minutes pass).
+/// until `dir/done` appears (or 7 minutes pass). Asked with `dir/dump-N.req`, it copies
+/// its buffer to the host and publishes it as `dir/dump-N` (how the initiator checks
+/// where its WRITE landed without mapping the buffer itself).
 pub fn ipc_target(setup: &GpuSetup, dir: &Path) -> Result<(), String> {
     let result = ipc_target_inner(setup, dir);
     if let Err(why) = &result {
@@ -142,15 +144,122 @@ fn ipc_target_inner(setup: &GpuSetup, dir: &Path) -> Result<(), String> {
         &agent.local_md().map_err(ferry_err)?,
     )?;
     let deadline = Instant::now() + Duration::from_secs(420);
+    let mut host = vec![0u8; BUFFER_BYTES];
+    let mut served = 0u32;
     while !dir.join("done").exists() {
         if Instant::now() > deadline {
             return Err("the initiator did not finish within 7 minutes".into());
+        }
+        if dir.join(format!("dump-{served}.req")).exists() {
+            buf.read(&mut host).map_err(cuda)?;
+            publish(&dir.join(format!("dump-{served}")), &host)?;
+            served += 1;
         }
         agent.progress();
         std::thread::sleep(Duration::from_millis(1));
     }
     drop(agent);
     drop(buf);
+    Ok(())
+}
+
+/// The target's buffer as it is now (request `n` of [`ipc_target`]'s dumps).
+fn target_dump(dir: &Path, n: u32) -> Result<Vec<u8>, String> {
+    publish(&dir.join(format!("dump-{n}.req")), b"")?;
+    let bytes = wait_for_file(&dir.join(format!("dump-{n}")), Duration::from_secs(30))?;
+    let _ = std::fs::remove_file(dir.join(format!("dump-{n}")));
+    Ok(bytes)
+}
+
+/// The plain-copy reference of the two-process measurement, in a process of its own:
+/// it opens the target's buffer through its CUDA IPC handle — the one mapping of that
+/// allocation in this process's context; the initiator never opens it, so UCX's
+/// `cuda_ipc` there is the only mapping in the initiator's context (CUDA refuses a second
+/// mapping of one allocation per context, openucx/ucx#3192) — and times
+/// `cuMemcpyDtoDAsync` of the same blocks in the same order between buffers of its own
+/// and the target's. Writes `dir/reference`: one line per shape, `index write_s read_s`.
+pub fn ipc_reference(setup: &GpuSetup, dir: &Path, iters: usize) -> Result<(), String> {
+    let handle: [u8; 64] = wait_for_file(&dir.join("target.ipc"), Duration::from_secs(60))?
+        .try_into()
+        .map_err(|_| "target.ipc is not 64 bytes".to_string())?;
+    let dev = Device::open(setup.dev).map_err(cuda)?;
+    let src = DeviceBuffer::alloc(&dev, BUFFER_BYTES).map_err(cuda)?;
+    let back = DeviceBuffer::alloc(&dev, BUFFER_BYTES).map_err(cuda)?;
+    let target = IpcBuffer::open(&dev, &handle, BUFFER_BYTES).map_err(cuda)?;
+    let mut out = String::new();
+    for (k, shape) in SHAPES.into_iter().enumerate() {
+        let order = shuffled(shape.count, 7 + k as u64);
+        let to_target = block_moves(&order, shape, src.addr(), target.addr());
+        let from_target: Vec<(u64, u64, usize)> =
+            block_moves(&order, shape, back.addr(), target.addr())
+                .into_iter()
+                .map(|(t, s, n)| (s, t, n))
+                .collect();
+        let plain = |ranges: &[(u64, u64, usize)]| {
+            time_median(iters, || {
+                let start = Instant::now();
+                // SAFETY: every range lies in one of our live buffers or the IPC mapping;
+                // source and destination are different buffers.
+                unsafe { ferry_cuda::copy_dtod_ranges(&dev, ranges) }.map_err(cuda)?;
+                Ok(start.elapsed())
+            })
+        };
+        let w = plain(&to_target)?;
+        let r = plain(&from_target)?;
+        out.push_str(&format!("{k} {} {}\n", w.as_secs_f64(), r.as_secs_f64()));
+    }
+    drop(target);
+    publish(&dir.join("reference"), out.as_bytes())
+}
+
+/// `(target block, local block, bytes)` of local block i ↔ target block order[i].
+fn block_moves(
+    order: &[usize],
+    shape: Shape,
+    local_base: u64,
+    target_base: u64,
+) -> Vec<(u64, u64, usize)> {
+    order
+        .iter()
+        .enumerate()
+        .map(|(i, &j)| {
+            (
+                target_base + (j * shape.block) as u64,
+                local_base + (i * shape.block) as u64,
+                shape.block,
+            )
+        })
+        .collect()
+}
+
+/// Read `dir/reference` ([`ipc_reference`]) into `rows` (the rows of [`ipc_initiator`]).
+pub fn apply_reference(dir: &Path, rows: &mut [Row]) -> Result<(), String> {
+    let text = std::fs::read_to_string(dir.join("reference"))
+        .map_err(|e| format!("the reference process left no figures: {e}"))?;
+    for line in text.lines() {
+        let mut parts = line.split_whitespace();
+        let (Some(k), Some(w), Some(r)) = (parts.next(), parts.next(), parts.next()) else {
+            return Err(format!("reference: cannot read '{line}'"));
+        };
+        let k: usize = k.parse().map_err(|_| format!("reference: '{line}'"))?;
+        let shape = *SHAPES
+            .get(k)
+            .ok_or_else(|| format!("reference: shape {k}?"))?;
+        let secs = |v: &str| -> Result<Duration, String> {
+            v.parse::<f64>()
+                .map(Duration::from_secs_f64)
+                .map_err(|_| format!("reference: '{line}'"))
+        };
+        let total = shape.block * shape.count;
+        for row in rows.iter_mut().filter(|row| row.shape == shape) {
+            let t = if row.what.contains("write") {
+                secs(w)?
+            } else {
+                secs(r)?
+            };
+            row.plain = Some(("cuMemcpyDtoDAsync (other process)", gbps(total, t)));
+        }
+    }
     Ok(())
 }
 
@@ -212,20 +321,13 @@ fn prefix_equal(a: &[u8], b: &[u8], shape: Shape) -> bool {
 }
 
 /// The initiator of the two-process measurement: VRAM → VRAM (write) and VRAM ← VRAM
-/// (read) to the target started with [`ipc_target`] on the same GPU, beside
-/// `cuMemcpyDtoDAsync` between the same buffers (the target's opened through its IPC
-/// handle). Touches `dir/done` at the end, also on failure.
+/// (read) to the target started with [`ipc_target`] on the same GPU, every byte checked
+/// (the WRITE through the target's own copy of its buffer: this process never maps the
+/// target's allocation except through UCX). The plain-copy reference is measured by
+/// [`ipc_reference`] in a third process; the rows' `plain` is filled from it with
+/// [`apply_reference`]. The caller touches `dir/done` when both are finished.
 pub fn ipc_initiator(setup: &GpuSetup, dir: &Path, iters: usize) -> Result<Vec<Row>, String> {
-    let result = ipc_initiator_inner(setup, dir, iters);
-    let _ = std::fs::write(dir.join("done"), b"");
-    result
-}
-
-fn ipc_initiator_inner(setup: &GpuSetup, dir: &Path, iters: usize) -> Result<Vec<Row>, String> {
     let md = wait_for_file(&dir.join("target.md"), Duration::from_secs(60))?;
-    let handle: [u8; 64] = wait_for_file(&dir.join("target.ipc"), Duration::from_secs(5))?
-        .try_into()
-        .map_err(|_| "target.ipc is not 64 bytes".to_string())?;
     let remote_base = u64::from_le_bytes(
         wait_for_file(&dir.join("target.addr"), Duration::from_secs(5))?
             .try_into()
@@ -234,7 +336,6 @@ fn ipc_initiator_inner(setup: &GpuSetup, dir: &Path, iters: usize) -> Result<Vec
     let dev = Device::open(setup.dev).map_err(cuda)?;
     let src = DeviceBuffer::alloc(&dev, BUFFER_BYTES).map_err(cuda)?;
     let back = DeviceBuffer::alloc(&dev, BUFFER_BYTES).map_err(cuda)?;
-    let target = IpcBuffer::open(&dev, &handle, BUFFER_BYTES).map_err(cuda)?;
     let agent = setup.ucx_agent("gpu-check-initiator")?;
     let vram = |b: &DeviceBuffer| Desc::new(b.addr(), BUFFER_BYTES as u64, setup.dev);
     // SAFETY: the buffers are declared before the agent and outlive it; they are read
@@ -250,6 +351,8 @@ fn ipc_initiator_inner(setup: &GpuSetup, dir: &Path, iters: usize) -> Result<Vec
     let peer = agent.load_remote_md(&md).map_err(ferry_err)?;
     let mut rows = Vec::new();
     let mut host = vec![0u8; BUFFER_BYTES];
+    // What the target's buffer holds: zeros, then each WRITE's blocks.
+    let mut expected = vec![0u8; BUFFER_BYTES];
     for (k, shape) in SHAPES.into_iter().enumerate() {
         let bytes = pattern(BUFFER_BYTES, 100 + k as u64);
         src.write(&bytes).map_err(cuda)?;
@@ -268,43 +371,20 @@ fn ipc_initiator_inner(setup: &GpuSetup, dir: &Path, iters: usize) -> Result<Vec
         )?;
         let total = shape.block * shape.count;
         let t_write = time_median(iters, || run_once(&agent, write))?;
-        // SAFETY: the IPC mapping covers BUFFER_BYTES of the target's buffer.
-        unsafe { ferry_cuda::copy_dtoh(&dev, &mut host, target.addr()) }.map_err(cuda)?;
-        let write_ok = placed(&bytes, &host, shape, &order);
+        for (i, &j) in order.iter().enumerate() {
+            expected[j * shape.block..][..shape.block]
+                .copy_from_slice(&bytes[i * shape.block..][..shape.block]);
+        }
+        let landed = target_dump(dir, k as u32)?;
+        let write_ok = landed == expected;
         let t_read = time_median(iters, || run_once(&agent, read))?;
         back.read(&mut host).map_err(cuda)?;
         let read_ok = prefix_equal(&bytes, &host, shape);
-        let to_target: Vec<(u64, u64, usize)> = order
-            .iter()
-            .enumerate()
-            .map(|(i, &j)| {
-                (
-                    target.addr() + (j * shape.block) as u64,
-                    src.addr() + (i * shape.block) as u64,
-                    shape.block,
-                )
-            })
-            .collect();
-        let from_target: Vec<(u64, u64, usize)> = to_target
-            .iter()
-            .map(|&(t, s, n)| (s - src.addr() + back.addr(), t, n))
-            .collect();
-        let plain = |ranges: &[(u64, u64, usize)]| {
-            time_median(iters, || {
-                let start = Instant::now();
-                // SAFETY: every range lies in one of our live buffers or the IPC mapping;
-                // source and destination are different buffers.
-                unsafe { ferry_cuda::copy_dtod_ranges(&dev, ranges) }.map_err(cuda)?;
-                Ok(start.elapsed())
-            })
-        };
-        let p_write = plain(&to_target)?;
-        let p_read = plain(&from_target)?;
         rows.push(Row {
             what: "VRAM->VRAM write, 2 processes, UCX".into(),
             shape,
             ferry_gbps: gbps(total, t_write),
-            plain: Some(("cuMemcpyDtoDAsync", gbps(total, p_write))),
+            plain: None,
             verified: write_ok,
             note: String::new(),
         });
@@ -312,7 +392,7 @@ fn ipc_initiator_inner(setup: &GpuSetup, dir: &Path, iters: usize) -> Result<Vec
             what: "VRAM<-VRAM read, 2 processes, UCX".into(),
             shape,
             ferry_gbps: gbps(total, t_read),
-            plain: Some(("cuMemcpyDtoDAsync", gbps(total, p_read))),
+            plain: None,
             verified: read_ok,
             note: String::new(),
         });
@@ -320,6 +400,99 @@ fn ipc_initiator_inner(setup: &GpuSetup, dir: &Path, iters: usize) -> Result<Vec
         agent.release(read).map_err(ferry_err)?;
     }
     drop(agent);
+    Ok(rows)
+}
+
+/// VMM memory (`cuMemCreate` + `cuMemMap`, what PyTorch's expandable segments use):
+/// VRAM → VRAM write and read between two agents of this process, one physical
+/// allocation per buffer, beside `cuMemcpyDtoDAsync` of the same blocks; and a buffer
+/// of three allocations mapped back to back, which UCX must refuse by default
+/// (`vmm_spanning=refuse`, its `cuda_ipc` exports the first allocation only) with a
+/// reason naming it (the last row: verified = refused as it should be).
+pub fn vmm(setup: &GpuSetup, iters: usize) -> Result<Vec<Row>, String> {
+    let dev = Device::open(setup.dev).map_err(cuda)?;
+    let a_buf = VmmBuffer::alloc(&dev, BUFFER_BYTES, 1).map_err(cuda)?;
+    let b_buf = VmmBuffer::alloc(&dev, BUFFER_BYTES, 1).map_err(cuda)?;
+    let spanning = VmmBuffer::alloc(&dev, 2 << 20, 3).map_err(cuda)?;
+    let a = setup.ucx_agent("gpu-check-vmm-a")?;
+    let b = setup.ucx_agent("gpu-check-vmm-b")?;
+    let vram = |addr: u64, len: usize| Desc::new(addr, len as u64, setup.dev);
+    // SAFETY: the buffers are declared before the agents and outlive them; they are
+    // read only after the transfers that touch them completed.
+    unsafe {
+        a.register(MemKind::Vram, vram(a_buf.addr(), BUFFER_BYTES))
+            .map_err(ferry_err)?;
+        b.register(MemKind::Vram, vram(b_buf.addr(), BUFFER_BYTES))
+            .map_err(ferry_err)?;
+    }
+    // SAFETY: as above; a refusal registers nothing.
+    let refused = unsafe { b.register(MemKind::Vram, vram(spanning.addr(), spanning.len())) };
+    let refusal_ok = matches!(&refused, Err(e) if e.to_string().contains("VMM allocations"));
+    let peer = a
+        .load_remote_md(&b.local_md().map_err(ferry_err)?)
+        .map_err(ferry_err)?;
+    let mut rows = Vec::new();
+    let mut host = vec![0u8; BUFFER_BYTES];
+    let shape = SHAPES[0];
+    let bytes = pattern(BUFFER_BYTES, 400);
+    a_buf.write(&bytes).map_err(cuda)?;
+    b_buf.write(&vec![0u8; BUFFER_BYTES]).map_err(cuda)?;
+    let order = shuffled(shape.count, 41);
+    let (local, remote) = lists(a_buf.addr(), b_buf.addr(), shape, &order, setup.dev);
+    let mut cmds = CommandBuffer::with_capacity(8);
+    let l = cmds.prep(Side::Local, MemKind::Vram, &local);
+    let r = cmds.prep(peer, MemKind::Vram, &remote);
+    let write = cmds.make(Op::Write, l, &[], r, &[]).ticket();
+    let read = cmds.make(Op::Read, l, &[], r, &[]).ticket();
+    a.flush(&mut cmds);
+    if let Some((i, e)) = cmds.errors().next() {
+        return Err(format!("set-up command #{i}: {e}"));
+    }
+    let write = cmds.created(write).map_err(ferry_err)?;
+    let read = cmds.created(read).map_err(ferry_err)?;
+    let total = shape.block * shape.count;
+    let t_write = time_median(iters, || run_once(&a, write))?;
+    b_buf.read(&mut host).map_err(cuda)?;
+    let write_ok = placed(&bytes, &host, shape, &order);
+    a_buf.write(&vec![0u8; BUFFER_BYTES]).map_err(cuda)?;
+    let t_read = time_median(iters, || run_once(&a, read))?;
+    a_buf.read(&mut host).map_err(cuda)?;
+    let read_ok = prefix_equal(&bytes, &host, shape);
+    let moves = block_moves(&order, shape, a_buf.addr(), b_buf.addr());
+    let plain = time_median(iters, || {
+        let start = Instant::now();
+        // SAFETY: every range lies in one of our two live, mapped VMM buffers.
+        unsafe { ferry_cuda::copy_dtod_ranges(&dev, &moves) }.map_err(cuda)?;
+        Ok(start.elapsed())
+    })?;
+    for (what, t, ok) in [
+        ("VMM->VMM write, 2 agents, UCX", t_write, write_ok),
+        ("VMM<-VMM read, 2 agents, UCX", t_read, read_ok),
+    ] {
+        rows.push(Row {
+            what: what.into(),
+            shape,
+            ferry_gbps: gbps(total, t),
+            plain: Some(("cuMemcpyDtoDAsync", gbps(total, plain))),
+            verified: ok,
+            note: "one cuMemCreate allocation per buffer".into(),
+        });
+    }
+    rows.push(Row {
+        what: "VMM region of 3 allocations refused".into(),
+        shape,
+        ferry_gbps: 0.0,
+        plain: None,
+        verified: refusal_ok,
+        note: match &refused {
+            Ok(_) => "registered: UCX would move only the first allocation".into(),
+            Err(e) => e.to_string(),
+        },
+    });
+    a.release(write).map_err(ferry_err)?;
+    a.release(read).map_err(ferry_err)?;
+    drop(a);
+    drop(b);
     Ok(rows)
 }
 
@@ -563,4 +736,47 @@ pub fn gds(
     drop(agent);
     let _ = std::fs::remove_file(&path);
     Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_reference_process_figures_fill_the_initiators_rows() {
+        let dir = tempfile::tempdir().unwrap();
+        let row = |what: &str, shape| Row {
+            what: what.into(),
+            shape,
+            ferry_gbps: 1.0,
+            plain: None,
+            verified: true,
+            note: String::new(),
+        };
+        let mut rows = vec![
+            row("VRAM->VRAM write, 2 processes, UCX", SHAPES[0]),
+            row("VRAM<-VRAM read, 2 processes, UCX", SHAPES[0]),
+            row("VRAM->VRAM write, 2 processes, UCX", SHAPES[1]),
+        ];
+        // 32 MiB in 1 ms = 33.55 GB/s; 2 ms = 16.78; 64 MiB in 4 ms = 16.78.
+        publish(
+            &dir.path().join("reference"),
+            b"0 0.001 0.002\n1 0.004 0.008\n",
+        )
+        .unwrap();
+        apply_reference(dir.path(), &mut rows).unwrap();
+        let gbps: Vec<f64> = rows.iter().map(|r| r.plain.unwrap().1).collect();
+        assert!((gbps[0] - 33.554).abs() < 0.01, "{gbps:?}");
+        assert!((gbps[1] - 16.777).abs() < 0.01, "{gbps:?}");
+        assert!((gbps[2] - 16.777).abs() < 0.01, "{gbps:?}");
+        assert!(rows[0].plain.unwrap().0.contains("other process"));
+        publish(&dir.path().join("reference"), b"0 x\n").unwrap();
+        assert!(apply_reference(dir.path(), &mut rows).is_err());
+        // Local block i goes to target block order[i].
+        let moves = block_moves(&[2, 0, 1], SHAPES[0], 0x1000_0000, 0x2000_0000);
+        assert_eq!(
+            moves[0],
+            (0x2000_0000 + 2 * (1 << 20), 0x1000_0000, 1 << 20)
+        );
+    }
 }
