@@ -73,7 +73,16 @@ if missing:
 ' "$stage/tests"
 
   log "Ferry's Python wheel (release, abi3, VRAM support)"
-  (cd engine/python && maturin build -q --release --zig --compatibility manylinux_2_28 -o "$stage/python")
+  local maturin_path=$PATH
+  if ! command -v maturin >/dev/null || ! python3 -c 'import ziglang' 2>/dev/null; then
+    # maturin and zig (for manylinux_2_28) in a venv of their own, kept between packs.
+    local tools_venv=/tmp/ferry-gpu-pack-venv
+    [[ -x $tools_venv/bin/maturin ]] ||
+      { python3 -m venv "$tools_venv" && "$tools_venv/bin/pip" install -q maturin ziglang; }
+    maturin_path=$tools_venv/bin:$PATH
+  fi
+  (cd engine/python && PATH=$maturin_path maturin build -q --release --zig \
+    --compatibility manylinux_2_28 -o "$stage/python")
   cp tools/gpu/python_check.py "$stage/"
 
   mkdir -p "$wheels"

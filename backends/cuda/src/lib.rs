@@ -15,10 +15,18 @@
 //!
 //! What the backends need: [`Device`] (a device's primary context, made current on the
 //! thread that registers or moves its memory), [`pointer_device`] (which device owns
-//! an address). What tests, demos and benchmarks need: [`DeviceBuffer`] (device memory
-//! with host copies in and out), [`IpcBuffer`] (another process's buffer opened through
-//! a CUDA IPC handle) and [`copy_dtod`] (the plain device-to-device copy Ferry's numbers
-//! are compared with).
+//! an address), [`check_device_range`] (every byte of a range is device memory of one
+//! device, in one `cuMemAlloc` allocation or in VMM allocations mapped back to back;
+//! the logic is [`range_extents`] over any [`AddressInfo`], tested against a stand-in
+//! table). What tests, demos and benchmarks need: [`DeviceBuffer`] (device memory
+//! with host copies in and out), [`VmmBuffer`] (VMM memory as PyTorch's expandable
+//! segments make it), [`IpcBuffer`] (another process's buffer opened through a CUDA IPC
+//! handle) and [`copy_dtod`] (the plain device-to-device copy Ferry's numbers are
+//! compared with).
+//!
+//! **Run on a GPU: not yet.** Only the paths without a driver or device are tested (here
+//! and in CI); `gpu_present_when_requested` and the GPU tests of the backends run with
+//! `FERRY_TEST_GPU=1` on a GPU machine (`tools/gpu-check.sh`).
 // Reason: an FFI crate over the CUDA driver; raw device pointers cross the boundary.
 // Every unsafe block states why it is sound.
 #![allow(unsafe_code)]
