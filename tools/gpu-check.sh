@@ -271,6 +271,8 @@ PY
     --dir "$scratch" --iters "$iters"
   python_step() {
     command -v python3 >/dev/null || { echo "no python3 on this machine"; return 1; }
+    python3 -c 'import numpy' 2>/dev/null ||
+      { echo "python3 has no numpy (the ferry package depends on it; no network to install it)"; return 1; }
     local wheel
     wheel=$(ls python/ferry-*.whl | head -n 1)
     # A wheel is a zip: unpacked onto PYTHONPATH, no pip and no network needed.
