@@ -141,10 +141,15 @@ pub struct XferArgs {
     /// POSIX: directory of the target files (default: the temp dir).
     #[arg(long, value_name = "DIR")]
     pub file_dir: Option<PathBuf>,
-    /// Also write the rows as CSV.
+    /// Also write the rows as CSV. Rows go to the table, CSV and JSON lines as each
+    /// case finishes; after SIGINT/SIGTERM (or a failed case) the JSON and the plot
+    /// hold the rows finished before it.
     #[arg(long, value_name = "FILE")]
     pub csv: Option<PathBuf>,
-    /// Also write the configuration and rows as JSON.
+    /// Also write the rows as JSON lines (one object per row, CSV's keys).
+    #[arg(long, value_name = "FILE")]
+    pub jsonl: Option<PathBuf>,
+    /// Also write the configuration and rows as one JSON document (at the end).
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
     /// Also draw GB/s and latency against block size (PNG).
@@ -460,16 +465,30 @@ pub fn run(args: &XferArgs) -> Result<(), String> {
     if plan.args.role == Role::Target {
         return target::serve(&plan);
     }
-    let run = sweep::run(&plan)?;
-    report::print_table(&plan, &run);
-    if let Some(path) = &plan.args.csv {
-        report::write_csv(path, &run)?;
-    }
-    if let Some(path) = &plan.args.json {
-        report::write_json(path, &plan, &run)?;
-    }
-    if let Some(path) = &plan.args.plot {
-        plot::draw(path, &plan, &run)?;
+    // Output paths first: a bad one is refused before the target starts.
+    let mut out = report::Outputs::open(&plan)?;
+    interrupt_stops_the_sweep();
+    let run = sweep::run(&plan, &mut out)?;
+    out.finish(&plan, &run)?;
+    if let Some(why) = &run.stopped {
+        let kept = [
+            plan.args.csv.as_ref().map(|p| p.display().to_string()),
+            plan.args.jsonl.as_ref().map(|p| p.display().to_string()),
+            plan.args.json.as_ref().map(|p| p.display().to_string()),
+        ]
+        .into_iter()
+        .flatten()
+        .collect::<Vec<_>>();
+        return Err(format!(
+            "{why}: {} of {} cases measured{}",
+            run.rows.len(),
+            run.cases,
+            if kept.is_empty() {
+                " (printed above)".to_string()
+            } else {
+                format!(", kept in {}", kept.join(", "))
+            }
+        ));
     }
     if let Some(failed) = run.rows.iter().find(|r| r.check == Some(false)) {
         return Err(format!(
@@ -478,4 +497,18 @@ pub fn run(args: &XferArgs) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// SIGINT or SIGTERM to the initiator ends the sweep after the rows measured so far
+/// (the case in progress is abandoned); a second one exits at once.
+fn interrupt_stops_the_sweep() {
+    use std::sync::atomic::Ordering;
+    let installed = ctrlc::set_handler(|| {
+        if sweep::STOP.swap(true, Ordering::Relaxed) {
+            std::process::exit(130);
+        }
+    });
+    if let Err(e) = installed {
+        tracing::warn!("no SIGINT/SIGTERM handler: an interrupt loses the case in progress and the outputs not yet written ({e})");
+    }
 }

@@ -2,6 +2,7 @@
 //! case, aggregate the samples into rows.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
@@ -10,12 +11,25 @@ use ferry::{
     XferId, XferStatus,
 };
 
+use super::report::Outputs;
 use super::vram::{registered, Memory};
 use super::{target, BackendArg, Layout, Plan, RequestMode, Scheme};
 use crate::bench::OpArg;
 
 /// The notification that tells a target the initiator is done.
 pub const DONE_NOTIFICATION: &[u8] = b"ferry-bench: done";
+
+/// Set by the initiator's SIGINT/SIGTERM handler: the case in progress is abandoned
+/// at its next iteration (or while it waits for a completion), the finished rows are
+/// kept, the targets are told, and the outputs are completed.
+pub static STOP: AtomicBool = AtomicBool::new(false);
+
+/// What a worker returns for a case cut short by [`STOP`].
+const INTERRUPTED: &str = "interrupted";
+
+fn stopping() -> bool {
+    STOP.load(Ordering::Relaxed)
+}
 
 /// One measured case, over all its workers.
 #[derive(Clone, Debug)]
@@ -79,6 +93,11 @@ pub struct SweepRun {
     pub config: Vec<(String, String)>,
     /// Each initiator agent's metrics at the end of the run, by agent name.
     pub metrics: Vec<(String, ferry::metrics::MetricsSnapshot)>,
+    /// Cases the sweep had.
+    pub cases: usize,
+    /// Why the sweep ended before its last case (interrupted, or a case failed):
+    /// `rows` holds the cases finished before it.
+    pub stopped: Option<String>,
 }
 
 /// A target as one worker sees it.
@@ -397,6 +416,9 @@ fn lists(w: &Worker, plan: &Plan, case: &Case, link: Link) -> Result<Lists, Stri
 
 fn wait_all(agent: &Agent, xs: &[XferId], done: &mut [bool]) -> Result<(), String> {
     loop {
+        if stopping() {
+            return Err(INTERRUPTED.into());
+        }
         let mut left = 0;
         for (k, &x) in xs.iter().enumerate() {
             if !done[k] {
@@ -509,6 +531,9 @@ fn run_case(
     let total = plan.args.warmup + plan.args.iters;
     let mut started = Instant::now();
     for it in 0..total {
+        if stopping() {
+            return Err(INTERRUPTED.into());
+        }
         if it == plan.args.warmup {
             // The estimate, before the timed iterations (the measured model has seen
             // the earlier cases and this one's warm-up).
@@ -852,47 +877,78 @@ fn describe(plan: &Plan, setup: &Setup) -> Vec<(String, String)> {
     c
 }
 
-/// Run the sweep `plan` describes (the initiator side).
-pub fn run(plan: &Plan) -> Result<SweepRun, String> {
+/// Run the sweep `plan` describes (the initiator side), handing each row to `out` as
+/// soon as its case is measured. A set-up failure is an error; a case that fails or is
+/// interrupted ends the sweep with the rows finished before it (`stopped` says why).
+pub fn run(plan: &Plan, out: &mut Outputs) -> Result<SweepRun, String> {
     let setup = setup(plan)?;
     let config = describe(plan, &setup);
     let cases = cases(plan);
+    out.begin(&config);
     let bar = crate::progress::bar(cases.len() as u64, "bench xfer");
     let mut rows = Vec::with_capacity(cases.len());
-    let result = (|| -> Result<(), String> {
-        for case in &cases {
-            bar.set_message(format!(
-                "{} {} {}",
-                case.op.op(),
-                crate::args::human_bytes(case.block),
-                case.batch
-            ));
-            let active: Vec<(usize, Vec<Link>)> = (0..plan.threads())
-                .map(|i| (i, links(plan, case.scheme, i)))
-                .filter(|(_, l)| !l.is_empty())
-                .collect();
-            let barrier = Barrier::new(active.len());
-            let samples: Vec<Result<Samples, String>> = std::thread::scope(|s| {
-                let handles: Vec<_> = active
-                    .iter()
-                    .map(|(i, my)| {
-                        let w = &setup.workers[*i];
-                        let barrier = &barrier;
-                        s.spawn(move || run_case(w, plan, case, my, barrier))
-                    })
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().unwrap_or_else(|_| Err("a worker panicked".into())))
-                    .collect()
-            });
-            let samples: Vec<Samples> = samples.into_iter().collect::<Result<_, _>>()?;
-            let per_iter = active.first().map_or(0, |(_, l)| l.len());
-            rows.push(row(case, plan, samples, per_iter));
-            bar.inc(1);
+    let mut stopped = None;
+    for case in &cases {
+        if stopping() {
+            stopped = Some(INTERRUPTED.to_string());
+            break;
         }
-        Ok(())
-    })();
+        bar.set_message(format!(
+            "{} {} {}",
+            case.op.op(),
+            crate::args::human_bytes(case.block),
+            case.batch
+        ));
+        let active: Vec<(usize, Vec<Link>)> = (0..plan.threads())
+            .map(|i| (i, links(plan, case.scheme, i)))
+            .filter(|(_, l)| !l.is_empty())
+            .collect();
+        let barrier = Barrier::new(active.len());
+        let samples: Vec<Result<Samples, String>> = std::thread::scope(|s| {
+            let handles: Vec<_> = active
+                .iter()
+                .map(|(i, my)| {
+                    let w = &setup.workers[*i];
+                    let barrier = &barrier;
+                    s.spawn(move || run_case(w, plan, case, my, barrier))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err("a worker panicked".into())))
+                .collect()
+        });
+        let samples = match samples
+            .into_iter()
+            .collect::<Result<Vec<Samples>, String>>()
+        {
+            Ok(s) => s,
+            Err(e) => {
+                // A failure seen after a stop request is the stop's doing (the target's
+                // Ctrl-C, say, reaches it first).
+                stopped = Some(if stopping() || e == INTERRUPTED {
+                    INTERRUPTED.to_string()
+                } else {
+                    format!(
+                        "{} block {} batch {} failed: {e}",
+                        case.op.op(),
+                        crate::args::human_bytes(case.block),
+                        case.batch
+                    )
+                });
+                break;
+            }
+        };
+        let per_iter = active.first().map_or(0, |(_, l)| l.len());
+        let row = row(case, plan, samples, per_iter);
+        let written = bar.suspend(|| out.row(&row));
+        rows.push(row);
+        bar.inc(1);
+        if let Err(e) = written {
+            stopped = Some(e);
+            break;
+        }
+    }
     bar.finish_and_clear();
     // Tell the targets (if remote) that we are done, whatever happened.
     if let Targets::Remote(_) = &setup.targets {
@@ -909,7 +965,6 @@ pub fn run(plan: &Plan) -> Result<SweepRun, String> {
             }
         }
     }
-    result?;
     let metrics = setup
         .workers
         .iter()
@@ -920,5 +975,7 @@ pub fn run(plan: &Plan) -> Result<SweepRun, String> {
         rows,
         config,
         metrics,
+        cases: cases.len(),
+        stopped,
     })
 }

@@ -3,6 +3,7 @@
 //! exchange.
 
 use std::io::Read;
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -160,7 +161,11 @@ pub fn connect(plan: &Plan) -> Result<Peers, String> {
             }
         };
         let exe = std::env::current_exe().map_err(|e| format!("finding this binary: {e}"))?;
+        // Its own process group: a Ctrl-C at the terminal reaches only this process,
+        // which finishes its outputs and then stops the target (closing its stdin). A
+        // signal sent to the target itself still stops it.
         let child = Command::new(exe)
+            .process_group(0)
             .args(target_args(&plan, &store))
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
@@ -177,6 +182,9 @@ pub fn connect(plan: &Plan) -> Result<Peers, String> {
         let name = target_name(&plan, k);
         let child = &mut peers.child;
         let mut alive = || {
+            if super::sweep::STOP.load(Ordering::Relaxed) {
+                return Err("interrupted while waiting for the targets".to_string());
+            }
             match child.as_mut().map(Child::try_wait) {
             Some(Ok(Some(status))) => Err(format!(
                 "the target process ended ({status}) before publishing '{name}'; its messages are above"
