@@ -774,3 +774,87 @@ fn an_unwritable_output_path_is_refused_before_the_sweep() {
         assert!(started.elapsed() < std::time::Duration::from_secs(30));
     }
 }
+
+/// `--backend gds` against the GDS backend's stand-in cuFile (compiled with `cc`; no
+/// GPU needed): DRAM <-> FILE, both ops, bytes checked, every row through GDS. Without
+/// a cuFile the backend is refused with the reason.
+#[test]
+fn gds_sweeps_memory_to_files_through_a_stand_in_cufile() {
+    let dir = tempfile::tempdir().unwrap();
+    let lib = dir.path().join("libcufile-standin.so");
+    let source = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../backends/gds/tests/standin/cufile_standin.c");
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    match Command::new(&cc)
+        .args(["-shared", "-fPIC", "-O1", "-o"])
+        .arg(&lib)
+        .arg(&source)
+        .arg("-lpthread")
+        .status()
+    {
+        Ok(s) if s.success() => {}
+        other => {
+            return ferry_testkit::ci::skip(
+                "a C compiler for the GDS stand-in cuFile",
+                format!("{cc}: {other:?}"),
+            )
+        }
+    }
+    let json = dir.path().join("g.json");
+    let cufile = format!("cufile_library={}", lib.display());
+    let (out, _) = run(&[
+        "bench",
+        "xfer",
+        "--backend",
+        "gds",
+        "--target-mem",
+        "file",
+        "--file-dir",
+        dir.path().to_str().unwrap(),
+        "--iters",
+        "3",
+        "--warmup",
+        "1",
+        "--max-block",
+        "64K",
+        "--block-factor",
+        "16",
+        "--op",
+        "read,write",
+        "--check",
+        "--param",
+        &cufile,
+        "--param",
+        "device_check=false",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(out.contains("backend: GDS"), "{out}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(rows(&v).len(), 2 * 2, "{v}");
+    for r in rows(&v) {
+        check_row(r);
+        assert_eq!(r["via"], "GDS", "{r}");
+    }
+    // No cuFile by that name: refused with the backend's reason, nothing measured.
+    let o = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args([
+            "bench",
+            "xfer",
+            "--backend",
+            "gds",
+            "--target-mem",
+            "file",
+            "--param",
+            "cufile_library=/nonexistent/libcufile.so.0",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("GDS") && err.contains("/nonexistent/libcufile.so.0"),
+        "{err}"
+    );
+}

@@ -50,7 +50,7 @@ use crate::md::ExchangeArgs;
 pub struct XferArgs {
     /// The backend: `default` (what an agent gets when nobody names one: LOOPBACK, SHM,
     /// UCX, POSIX, each peer taking the first that reaches it; two processes), UCX or SHM
-    /// (two processes), LOOPBACK (in-process) or POSIX (memory <-> file).
+    /// (two processes), LOOPBACK (in-process), POSIX or GDS (memory <-> file).
     #[arg(long, value_enum, default_value_t = BackendArg::Default, ignore_case = true)]
     pub backend: BackendArg,
     /// Operations to measure, comma-separated.
@@ -164,6 +164,10 @@ pub struct XferArgs {
 }
 
 /// A backend, as a flag value.
+///
+/// Adding one: a variant here, its `name`, `flag` and [`Shape`] below (the shape
+/// decides how `sweep::setup` builds its targets and which checks of [`plan`] apply);
+/// a new shape also needs its arm in `sweep::setup`.
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackendArg {
     /// The agent's default set (`ferry::DEFAULT_BACKENDS`), target in a second process.
@@ -176,6 +180,19 @@ pub enum BackendArg {
     Shm,
     /// DRAM <-> FILE.
     Posix,
+    /// DRAM or VRAM <-> FILE through cuFile (GPUDirect Storage).
+    Gds,
+}
+
+/// Where a backend's targets live, which is what the sweep's set-up depends on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shape {
+    /// Target agents of this process.
+    InProcess,
+    /// Each worker moves bytes between its memory and a file of its own.
+    OwnFile,
+    /// Target agents of another process, found through a store.
+    TwoProcesses,
 }
 
 impl BackendArg {
@@ -187,6 +204,7 @@ impl BackendArg {
             BackendArg::Ucx => "UCX",
             BackendArg::Shm => "SHM",
             BackendArg::Posix => "POSIX",
+            BackendArg::Gds => "GDS",
         }
     }
 
@@ -198,20 +216,32 @@ impl BackendArg {
             BackendArg::Ucx => "ucx",
             BackendArg::Shm => "shm",
             BackendArg::Posix => "posix",
+            BackendArg::Gds => "gds",
+        }
+    }
+
+    /// Where its targets live.
+    pub fn shape(self) -> Shape {
+        match self {
+            BackendArg::Loopback => Shape::InProcess,
+            BackendArg::Posix | BackendArg::Gds => Shape::OwnFile,
+            BackendArg::Default | BackendArg::Ucx | BackendArg::Shm => Shape::TwoProcesses,
         }
     }
 
     /// Whether the target runs in a second process (found through a store).
     pub fn two_processes(self) -> bool {
-        matches!(
-            self,
-            BackendArg::Default | BackendArg::Ucx | BackendArg::Shm
-        )
+        self.shape() == Shape::TwoProcesses
     }
 
     /// Whether UCX is among the backends (what `--param` and the UCX flags go to).
     pub fn has_ucx(self) -> bool {
         matches!(self, BackendArg::Default | BackendArg::Ucx)
+    }
+
+    /// Whether its workers' memory may be VRAM.
+    pub fn moves_vram(self) -> bool {
+        self.has_ucx() || self == BackendArg::Gds
     }
 }
 
@@ -343,14 +373,17 @@ fn dedup<T: PartialEq + Copy>(v: &[T]) -> Vec<T> {
 pub fn plan(args: &XferArgs) -> Result<Plan, String> {
     let mut args = args.clone();
     vram::check(&mut args)?;
-    match (args.backend, args.target_mem) {
-        (BackendArg::Posix, MemArg::Dram) => {
-            return Err("POSIX moves data between memory and files: use --target-mem file".into())
+    match (args.backend.shape(), args.target_mem) {
+        (Shape::OwnFile, MemArg::File) => {}
+        (Shape::OwnFile, _) => {
+            return Err(format!(
+                "{} moves data between memory and files: use --target-mem file",
+                args.backend.name()
+            ))
         }
-        (BackendArg::Posix, _) => {}
         (_, MemArg::File) => {
             return Err(format!(
-                "--target-mem file needs --backend posix ({} moves memory)",
+                "--target-mem file needs --backend posix or gds ({} moves memory)",
                 args.backend.name()
             ))
         }
@@ -407,11 +440,12 @@ pub fn plan(args: &XferArgs) -> Result<Plan, String> {
         // One worker and one target: every scheme is the same case.
         args.scheme.truncate(1);
     }
-    if args.backend == BackendArg::Posix && args.scheme.iter().any(|&s| s != Scheme::Pairwise) {
-        return Err(
-            "POSIX has no remote agents: each worker has its own file; use --scheme pairwise"
-                .into(),
-        );
+    if args.backend.shape() == Shape::OwnFile && args.scheme.iter().any(|&s| s != Scheme::Pairwise)
+    {
+        return Err(format!(
+            "{} has no remote agents: each worker has its own file; use --scheme pairwise",
+            args.backend.name()
+        ));
     }
     let blocks = steps(args.start_block, args.max_block, args.block_factor);
     let batches = steps(args.start_batch, args.max_batch, args.batch_factor);

@@ -13,7 +13,7 @@ use ferry::{
 
 use super::report::Outputs;
 use super::vram::{registered, Memory};
-use super::{target, BackendArg, Layout, Plan, RequestMode, Scheme};
+use super::{target, BackendArg, Layout, Plan, RequestMode, Scheme, Shape};
 use crate::bench::OpArg;
 
 /// The notification that tells a target the initiator is done.
@@ -203,11 +203,34 @@ pub fn initiator_name(plan: &Plan, i: usize) -> String {
     format!("{}-initiator-{i}", plan.args.run_id)
 }
 
+/// A named backend that this build lacks or that cannot run here is refused before
+/// anything starts, with the reason (`ferry backends` shows the same).
+fn available(backend: BackendArg) -> Result<(), String> {
+    if backend == BackendArg::Default {
+        return Ok(());
+    }
+    let name = backend.name();
+    match ferry::Agent::available_backends()
+        .into_iter()
+        .find(|b| b.name == name)
+        .map(|b| b.available)
+    {
+        Some(Ok(())) => Ok(()),
+        Some(Err(why)) => Err(format!("{name} is unavailable here: {why}")),
+        None => Err(format!("this build has no {name} backend")),
+    }
+}
+
 fn setup(plan: &Plan) -> Result<Setup, String> {
+    if plan.args.backend.two_processes() {
+        // Before the target process starts. (A file backend's own parameters, GDS's
+        // `cufile_library`, can make it available: its creation says why it fails.)
+        available(plan.args.backend)?;
+    }
     let n = plan.threads();
     let mut workers = Vec::with_capacity(n);
-    let targets = match plan.args.backend {
-        BackendArg::Loopback => {
+    let targets = match plan.args.backend.shape() {
+        Shape::InProcess => {
             let mut targets = Vec::with_capacity(n);
             for k in 0..n {
                 let a = agent(plan, &target::target_name(plan, k))?;
@@ -236,7 +259,7 @@ fn setup(plan: &Plan) -> Result<Setup, String> {
             }
             Targets::Local { _agents: targets }
         }
-        BackendArg::Posix => {
+        Shape::OwnFile => {
             let dir = plan
                 .args
                 .file_dir
@@ -272,7 +295,7 @@ fn setup(plan: &Plan) -> Result<Setup, String> {
             }
             Targets::Files(files)
         }
-        BackendArg::Ucx | BackendArg::Shm | BackendArg::Default => {
+        Shape::TwoProcesses => {
             let peers = target::connect(plan)?;
             for i in 0..n {
                 let a = agent(plan, &initiator_name(plan, i))?;
@@ -320,7 +343,7 @@ fn links(plan: &Plan, scheme: Scheme, worker: usize) -> Vec<Link> {
     let area = plan.area_bytes;
     match scheme {
         // A POSIX worker's one target is its own file.
-        Scheme::Pairwise if plan.args.backend == BackendArg::Posix => vec![(0, 0, 0)],
+        Scheme::Pairwise if plan.args.backend.shape() == Shape::OwnFile => vec![(0, 0, 0)],
         Scheme::Pairwise => vec![(worker, 0, 0)],
         Scheme::ManyToOne => vec![(0, 0, worker as u64 * area)],
         Scheme::OneToMany if worker == 0 => (0..n).map(|j| (j, j as u64 * area, 0)).collect(),
@@ -817,7 +840,7 @@ fn describe(plan: &Plan, setup: &Setup) -> Vec<(String, String)> {
             "placement".to_string(),
             match (&setup.targets, a.backend) {
                 (Targets::Remote(p), _) => p.placement.clone(),
-                (_, BackendArg::Posix) => "files of this process".to_string(),
+                (_, b) if b.shape() == Shape::OwnFile => "files of this process".to_string(),
                 _ => "agents of this process".to_string(),
             },
         ),
