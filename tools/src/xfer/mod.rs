@@ -21,6 +21,7 @@
 //! targets, one request to each per iteration).
 
 mod buffer;
+pub mod kv;
 mod plot;
 mod report;
 mod sweep;
