@@ -503,7 +503,13 @@ pub fn run(args: &XferArgs) -> Result<(), String> {
     // Output paths first: a bad one is refused before the target starts.
     let mut out = report::Outputs::open(&plan)?;
     interrupt_stops_the_sweep();
-    let run = sweep::run(&plan, &mut out)?;
+    let run = match sweep::run(&plan, &mut out) {
+        Ok(run) => run,
+        Err(e) => {
+            out.abandon();
+            return Err(e);
+        }
+    };
     out.finish(&plan, &run)?;
     if let Some(why) = &run.stopped {
         let kept = [

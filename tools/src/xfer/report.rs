@@ -207,6 +207,15 @@ impl Outputs {
         Ok(())
     }
 
+    /// The run failed before its first case (set-up): remove the JSON and plot files
+    /// created empty by [`Outputs::open`] (the CSV and JSON lines keep their header /
+    /// stay empty: no rows were measured).
+    pub fn abandon(self) {
+        for p in [&self.json, &self.plot].into_iter().flatten() {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+
     /// The end of the run, complete or not: the JSON document and the plot of the rows
     /// there are.
     pub fn finish(self, plan: &Plan, run: &SweepRun) -> Result<(), String> {
