@@ -8,7 +8,10 @@ Configurations (each a separate pair of processes on this host, unpinned):
   - Ferry, default: `ferry bench kv` (the default set; the same-host target is reached
     through SHM; the set's UCX loads LIBUCP too);
   - NIXL, default: kv_nixl.py (nixl_agent_config(enable_prog_thread=True), UCX backend
-    with NIXL's default parameters, error mode peer).
+    with NIXL's default parameters, error mode peer);
+  - NIXL, no progress thread: the same with enable_prog_thread=False (the initiator's
+    UCX work then happens in its own calls, as Ferry's initiator polls; the target
+    progresses in a get_new_notifs loop).
 Round r runs the configurations in order, reversed in odd rounds. Every figure is the
 median over rounds, with the range. The environment is the same for all: the UCX
 variables below (as backends/ucx/bench/nixl_compare.py sets them).
@@ -85,6 +88,9 @@ def main():
                                                "--layout", layout] + common),
         ("NIXL, default", lambda op, layout: [a.python, os.path.join(HERE, "kv_nixl.py"),
                                               "--op", op, "--layout", layout] + common),
+        ("NIXL, no progress thread", lambda op, layout: [
+            a.python, os.path.join(HERE, "kv_nixl.py"), "--op", op, "--layout", layout,
+            "--prog-thread", "0"] + common),
     ]
     results = {}  # (workload, config) -> [dict]
     for r in range(a.rounds):
