@@ -596,6 +596,7 @@ fn interrupt_a_sweep(signal: &str, to_target: bool) {
     use std::time::{Duration, Instant};
     let dir = tempfile::tempdir().unwrap();
     let csv = dir.path().join("i.csv");
+    let jsonl = dir.path().join("i.jsonl");
     let json = dir.path().join("i.json");
     // 11 cases (4 KiB .. 4 MiB) of 20,000 iterations: tens of seconds in all, so the
     // signal lands mid-sweep.
@@ -611,6 +612,8 @@ fn interrupt_a_sweep(signal: &str, to_target: bool) {
             "4M",
             "--csv",
             csv.to_str().unwrap(),
+            "--jsonl",
+            jsonl.to_str().unwrap(),
             "--json",
             json.to_str().unwrap(),
         ])
@@ -704,6 +707,13 @@ fn interrupt_a_sweep(signal: &str, to_target: bool) {
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(rows(&v).len(), csv_rows.len(), "{v}");
+    // The JSON lines: one object per finished row, the same rows.
+    let lines = std::fs::read_to_string(&jsonl).unwrap();
+    let streamed: Vec<serde_json::Value> = lines
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(&streamed, rows(&v), "{lines}");
     assert_eq!(v["cases"], 11, "{v}");
     assert!(v["stopped"].is_string(), "{v}");
     for (r, line) in rows(&v).iter().zip(&csv_rows) {
