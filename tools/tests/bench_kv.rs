@@ -115,3 +115,21 @@ fn kv_arguments_are_checked_before_anything_runs() {
         assert!(o.stdout.is_empty(), "{args:?}");
     }
 }
+
+#[test]
+fn kv_loop_over_ucx_between_two_processes() {
+    match ferry::Agent::available_backends()
+        .into_iter()
+        .find(|b| b.name == "UCX")
+        .map(|b| b.available)
+    {
+        Some(Ok(())) => {}
+        Some(Err(why)) => return ferry_testkit::ci::skip("UCX", why),
+        None => return ferry_testkit::ci::skip("UCX", "no UCX backend in this build"),
+    }
+    for op in ["read", "write"] {
+        let v = kv("ucx", &["--op", op]);
+        check(&v, "UCX");
+        assert_eq!(v["config"]["op"], op.to_uppercase(), "{v}");
+    }
+}
