@@ -103,6 +103,13 @@ cargo clippy --workspace --all-targets "${features[@]}" -- -D warnings -D clippy
 # them needs nightly: tools/fuzz.sh).
 (cd metadata/fuzz && cargo fmt -- --check && cargo clippy -q --all-targets -- -D warnings)
 
+# The crates as crates.io would get them: docs without warnings, and every published
+# crate packaged and built from its .crate (siblings resolved from the other .crates,
+# so nothing needs to be on crates.io yet; the crates.io index is read for the rest).
+log "packaging: cargo doc --no-deps (warnings denied), cargo publish --dry-run --workspace"
+RUSTDOCFLAGS="-D warnings" cargo doc -q --no-deps --workspace
+cargo publish -q --dry-run --workspace --allow-dirty
+
 log "cargo test --workspace ${features[*]}"
 cargo test --workspace "${features[@]}" --no-fail-fast
 
@@ -151,6 +158,13 @@ log "tracy feature builds"
 cargo check -q -p ferry --features tracy
 # A viewer's handshake with the in-process Tracy client, events flowing while flushing.
 cargo test -q -p ferry-tests --features tracy --test tracy
+
+# The examples a user runs first (engine/examples; `cargo run --example NAME`).
+log "examples: kv_transfer (UCX, two processes), kv_offload (POSIX), discovery (TCPStore), kv_transfer_tracy"
+for example in kv_transfer kv_offload discovery; do
+  cargo run -q -p ferry --example "$example"
+done
+cargo run -q -p ferry --features tracy-ondemand --example kv_transfer_tracy
 
 log "cuda feature of the tools and benches (VRAM refused with the CUDA driver's reason here)"
 cargo clippy -q -p ferry-tools -p ferry-benches --all-targets \

@@ -2,9 +2,9 @@
 //!
 //! - `debug`: one line per control-plane event — a region registered or deregistered
 //!   (one line per command, not per descriptor), a peer invalidated, a connection made,
-//!   a bound hit ([`LimitLog`]: the 1st, 2nd, 4th, 8th … hit of each bound, so a full
+//!   a bound hit (`LimitLog`: the 1st, 2nd, 4th, 8th … hit of each bound, so a full
 //!   queue cannot flood the log);
-//! - `trace`: one summary line per flush ([`FlushTrace`], target `ferry::flush`:
+//! - `trace`: one summary line per flush (`FlushTrace`, target `ferry::flush`:
 //!   commands by kind, posts, checks, completions, bytes posted, the executor's
 //!   duration).
 //!

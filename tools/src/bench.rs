@@ -14,6 +14,10 @@ pub enum BenchCmd {
     /// Transfer sweep (as nixlbench): block sizes × batch sizes over LOOPBACK, UCX (two
     /// processes) or POSIX; table, CSV, JSON and a plot.
     Xfer(Box<crate::xfer::XferArgs>),
+    /// KV-cache workload: layers × blocks per request, paged, requests in flight, new
+    /// requests per tick, from one scheduler loop; tick latency p50/p99, GB/s,
+    /// descriptors/s.
+    Kv(Box<crate::xfer::kv::KvArgs>),
     /// Control-path cost: ns per descriptor of make + post + check on LOOPBACK with
     /// 64-byte blocks (median of rounds).
     Control(ControlArgs),
@@ -118,6 +122,7 @@ enum PosixEngine {
 pub fn run(cmd: BenchCmd) -> Result<(), String> {
     match cmd {
         BenchCmd::Xfer(a) => crate::xfer::run(&a),
+        BenchCmd::Kv(a) => crate::xfer::kv::run(&a),
         BenchCmd::Control(a) => control(&a),
         BenchCmd::Posix(a) => posix(&a),
     }

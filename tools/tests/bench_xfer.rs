@@ -585,3 +585,286 @@ fn the_default_sends_a_same_host_peer_through_shm() {
         assert_eq!(r["via"], "SHM", "{r}");
     }
 }
+
+/// Start a long default-set sweep (target in a second process) writing CSV and JSON,
+/// wait for its first rows, send `signal` to the initiator or to the target, and check
+/// that every row finished before the signal is in the CSV, the JSON says why it
+/// stopped, and nothing is left running.
+fn interrupt_a_sweep(signal: &str, to_target: bool) {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+    let dir = tempfile::tempdir().unwrap();
+    let csv = dir.path().join("i.csv");
+    let jsonl = dir.path().join("i.jsonl");
+    let json = dir.path().join("i.json");
+    // 11 cases (4 KiB .. 4 MiB) of 20,000 iterations: tens of seconds in all, so the
+    // signal lands mid-sweep.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args([
+            "bench",
+            "xfer",
+            "--iters",
+            "20000",
+            "--warmup",
+            "10",
+            "--max-block",
+            "4M",
+            "--csv",
+            csv.to_str().unwrap(),
+            "--jsonl",
+            jsonl.to_str().unwrap(),
+            "--json",
+            json.to_str().unwrap(),
+        ])
+        .env(
+            "UCX_NET_DEVICES",
+            std::env::var("UCX_NET_DEVICES").unwrap_or("lo".into()),
+        )
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run ferry");
+    // The table streams to stdout: its first line names the target's pid.
+    let stdout = BufReader::new(child.stdout.take().unwrap());
+    let (tx, lines) = std::sync::mpsc::channel::<String>();
+    let reader = std::thread::spawn(move || {
+        for line in stdout.lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let mut table = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let before = loop {
+        while let Ok(l) = lines.try_recv() {
+            table.push(l);
+        }
+        let text = std::fs::read_to_string(&csv).unwrap_or_default();
+        if text.lines().count() >= 3 {
+            break text;
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the sweep ended ({status}) before two rows: {table:?}");
+        }
+        assert!(Instant::now() < deadline, "no two rows in 120 s: {table:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let pid = if to_target {
+        let header = table.first().expect("the table's first line");
+        let at = header.find("target process (pid ").expect(header) + 20;
+        header[at..]
+            .split(')')
+            .next()
+            .unwrap()
+            .parse::<u32>()
+            .unwrap()
+    } else {
+        child.id()
+    };
+    let sent = Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success(), "kill {signal} {pid}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the initiator did not stop within 60 s of {signal}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    reader.join().unwrap();
+    table.extend(lines.try_iter());
+    assert!(
+        !status.success(),
+        "an interrupted sweep is a failure: {stderr}"
+    );
+    assert!(stderr.contains("cases measured"), "{stderr}");
+    if !to_target {
+        assert!(stderr.contains("interrupted"), "{stderr}");
+    }
+    // Every row written before the signal is still there, and more may have followed.
+    let after = std::fs::read_to_string(&csv).unwrap();
+    assert!(after.starts_with(&before), "{before}\n---\n{after}");
+    let csv_rows: Vec<&str> = after.lines().skip(1).collect();
+    assert_eq!(after.lines().next(), Some(COLUMNS));
+    assert!(
+        (2..11).contains(&csv_rows.len()),
+        "{} rows: {after}",
+        csv_rows.len()
+    );
+    for r in &csv_rows {
+        assert_eq!(r.split(',').count(), COLUMNS.split(',').count(), "{r}");
+    }
+    // The table printed the same rows (header lines first).
+    assert_eq!(table.len(), 2 + csv_rows.len(), "{table:?}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(rows(&v).len(), csv_rows.len(), "{v}");
+    // The JSON lines: one object per finished row, the same rows.
+    let lines = std::fs::read_to_string(&jsonl).unwrap();
+    let streamed: Vec<serde_json::Value> = lines
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(&streamed, rows(&v), "{lines}");
+    assert_eq!(v["cases"], 11, "{v}");
+    assert!(v["stopped"].is_string(), "{v}");
+    for (r, line) in rows(&v).iter().zip(&csv_rows) {
+        let block = line.split(',').nth(4).unwrap();
+        assert_eq!(r["block_bytes"].to_string(), block, "{r} vs {line}");
+    }
+    // The target process is gone too (its own process group: the initiator stops it).
+    if let Some(header) = table.first() {
+        let at = header.find("target process (pid ").expect(header) + 20;
+        let target: u32 = header[at..].split(')').next().unwrap().parse().unwrap();
+        let gone_by = Instant::now() + Duration::from_secs(20);
+        while std::path::Path::new(&format!("/proc/{target}")).exists() {
+            let zombie = std::fs::read_to_string(format!("/proc/{target}/stat"))
+                .map(|s| s.contains(") Z "))
+                .unwrap_or(true);
+            if zombie {
+                break;
+            }
+            assert!(Instant::now() < gone_by, "target {target} still runs");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+#[test]
+fn sigint_to_the_initiator_keeps_the_finished_rows() {
+    interrupt_a_sweep("-INT", false);
+}
+
+#[test]
+fn sigterm_to_the_initiator_keeps_the_finished_rows() {
+    interrupt_a_sweep("-TERM", false);
+}
+
+#[test]
+fn sigint_to_the_target_keeps_the_finished_rows() {
+    interrupt_a_sweep("-INT", true);
+}
+
+/// Output paths are checked before anything runs: no target is started, no case run.
+#[test]
+fn an_unwritable_output_path_is_refused_before_the_sweep() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("no-such-dir");
+    for flag in ["--csv", "--jsonl", "--json", "--plot"] {
+        let path = missing.join("out");
+        let started = std::time::Instant::now();
+        let o = Command::new(env!("CARGO_BIN_EXE_ferry"))
+            .args([
+                "bench",
+                "xfer",
+                "--iters",
+                "100000",
+                flag,
+                path.to_str().unwrap(),
+            ])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(!o.status.success(), "{flag}: {err}");
+        assert!(
+            err.contains(flag) && err.contains("no-such-dir"),
+            "{flag}: {err}"
+        );
+        // Refused before the set-up: no table header, no row.
+        assert!(out.is_empty(), "{flag}: {out}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(30));
+    }
+}
+
+/// `--backend gds` against the GDS backend's stand-in cuFile (compiled with `cc`; no
+/// GPU needed): DRAM <-> FILE, both ops, bytes checked, every row through GDS. Without
+/// a cuFile the backend is refused with the reason.
+#[test]
+fn gds_sweeps_memory_to_files_through_a_stand_in_cufile() {
+    let dir = tempfile::tempdir().unwrap();
+    let lib = dir.path().join("libcufile-standin.so");
+    let source = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../backends/gds/tests/standin/cufile_standin.c");
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    match Command::new(&cc)
+        .args(["-shared", "-fPIC", "-O1", "-o"])
+        .arg(&lib)
+        .arg(&source)
+        .arg("-lpthread")
+        .status()
+    {
+        Ok(s) if s.success() => {}
+        other => {
+            return ferry_testkit::ci::skip(
+                "a C compiler for the GDS stand-in cuFile",
+                format!("{cc}: {other:?}"),
+            )
+        }
+    }
+    let json = dir.path().join("g.json");
+    let cufile = format!("cufile_library={}", lib.display());
+    let (out, _) = run(&[
+        "bench",
+        "xfer",
+        "--backend",
+        "gds",
+        "--target-mem",
+        "file",
+        "--file-dir",
+        dir.path().to_str().unwrap(),
+        "--iters",
+        "3",
+        "--warmup",
+        "1",
+        "--max-block",
+        "64K",
+        "--block-factor",
+        "16",
+        "--op",
+        "read,write",
+        "--check",
+        "--param",
+        &cufile,
+        "--param",
+        "device_check=false",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(out.contains("backend: GDS"), "{out}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(rows(&v).len(), 2 * 2, "{v}");
+    for r in rows(&v) {
+        check_row(r);
+        assert_eq!(r["via"], "GDS", "{r}");
+    }
+    // No cuFile by that name: refused with the backend's reason, nothing measured.
+    let o = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args([
+            "bench",
+            "xfer",
+            "--backend",
+            "gds",
+            "--target-mem",
+            "file",
+            "--param",
+            "cufile_library=/nonexistent/libcufile.so.0",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("GDS") && err.contains("/nonexistent/libcufile.so.0"),
+        "{err}"
+    );
+}

@@ -124,11 +124,11 @@ fn vram_is_refused_naming_the_cuda_feature() {
 fn vram_needs_ucx_and_a_cuda_driver_and_device() {
     fails(
         &refs(&xfer(&["--backend", "loopback", "--target-mem", "vram"])),
-        "VRAM moves over UCX only: use --backend ucx or default (LOOPBACK",
+        "VRAM moves over UCX (or GDS, to files): use --backend ucx, default or gds (LOOPBACK",
     );
     fails(
         &refs(&xfer(&["--backend", "posix", "--initiator-mem", "vram"])),
-        "VRAM moves over UCX only",
+        "VRAM moves over UCX (or GDS, to files)",
     );
     // Device 1023 exists nowhere: the driver's typed reason on a machine without one,
     // the device count on a machine with one; no GPU work either way, and nothing

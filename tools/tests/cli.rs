@@ -493,3 +493,17 @@ fn rust_log_debug_explains_the_demos_control_plane_and_trace_summarizes_flushes(
         "{err}"
     );
 }
+
+/// Logs piped to a file or another program carry no ANSI colour codes (the
+/// subscriber colours only a terminal), so they stay greppable.
+#[test]
+fn piped_logs_have_no_colour_codes() {
+    let o = ferry(&["-vv", "demo", "--mib", "1"]);
+    let (_, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("DEBUG"), "debug lines expected: {err}");
+    assert!(
+        !err.contains('\u{1b}'),
+        "ANSI escape in piped stderr: {err:?}"
+    );
+}

@@ -21,7 +21,7 @@
 //! - **Mode**: with the nvidia-fs kernel module, cuFile DMAs between storage and GPU
 //!   memory; without it (*compatibility mode*) cuFile does POSIX I/O through bounce
 //!   buffers. [`GdsBackend::io_mode`] says which, and it is logged at creation.
-//! - **Regions**: FILE by descriptor (`desc.dev`) or by path + [`FileMode`] (opened at
+//! - **Regions**: FILE by descriptor (`desc.dev`) or by path + [`FileMode`](ferry_backend_api::FileMode) (opened at
 //!   registration, closed at deregistration; `O_DIRECT` as the mode says), registered
 //!   with `cuFileHandleRegister`; length 0 = unbounded. DRAM and VRAM buffers are
 //!   registered with `cuFileBufRegister` (parameter `register_buffers`); VRAM needs the

@@ -14,7 +14,7 @@
 //!   `user_data` and are checked when the completion comes back.
 //! - Operations wait in a FIFO **pending queue** until the engine has room (at most
 //!   `queue_depth` in flight); completions drained by
-//!   [`Backend::progress`](ferry_backend_api::Backend::progress) free room and the queue
+//!   [`Backend::progress`] free room and the queue
 //!   is fed again. A batch larger than the ring is therefore queued, never dropped and
 //!   never spun on.
 //! - A request completes when all its operations have; the failure reported is the one

@@ -287,7 +287,7 @@ impl World {
     }
 }
 
-/// What a deregistration call found (see [`World::deregister_region`]).
+/// What a deregistration call found (see `World::deregister_region`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DeregStatus {
     /// Deregistered: no backend touches the memory again.

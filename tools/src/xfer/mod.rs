@@ -21,6 +21,7 @@
 //! targets, one request to each per iteration).
 
 mod buffer;
+pub mod kv;
 mod plot;
 mod report;
 mod sweep;
@@ -50,7 +51,7 @@ use crate::md::ExchangeArgs;
 pub struct XferArgs {
     /// The backend: `default` (what an agent gets when nobody names one: LOOPBACK, SHM,
     /// UCX, POSIX, each peer taking the first that reaches it; two processes), UCX or SHM
-    /// (two processes), LOOPBACK (in-process) or POSIX (memory <-> file).
+    /// (two processes), LOOPBACK (in-process), POSIX or GDS (memory <-> file).
     #[arg(long, value_enum, default_value_t = BackendArg::Default, ignore_case = true)]
     pub backend: BackendArg,
     /// Operations to measure, comma-separated.
@@ -141,10 +142,15 @@ pub struct XferArgs {
     /// POSIX: directory of the target files (default: the temp dir).
     #[arg(long, value_name = "DIR")]
     pub file_dir: Option<PathBuf>,
-    /// Also write the rows as CSV.
+    /// Also write the rows as CSV. Rows go to the table, CSV and JSON lines as each
+    /// case finishes; after SIGINT/SIGTERM (or a failed case) the JSON and the plot
+    /// hold the rows finished before it.
     #[arg(long, value_name = "FILE")]
     pub csv: Option<PathBuf>,
-    /// Also write the configuration and rows as JSON.
+    /// Also write the rows as JSON lines (one object per row, CSV's keys).
+    #[arg(long, value_name = "FILE")]
+    pub jsonl: Option<PathBuf>,
+    /// Also write the configuration and rows as one JSON document (at the end).
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
     /// Also draw GB/s and latency against block size (PNG).
@@ -159,6 +165,10 @@ pub struct XferArgs {
 }
 
 /// A backend, as a flag value.
+///
+/// Adding one: a variant here, its `name`, `flag` and [`Shape`] below (the shape
+/// decides how `sweep::setup` builds its targets and which checks of [`plan`] apply);
+/// a new shape also needs its arm in `sweep::setup`.
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackendArg {
     /// The agent's default set (`ferry::DEFAULT_BACKENDS`), target in a second process.
@@ -171,6 +181,19 @@ pub enum BackendArg {
     Shm,
     /// DRAM <-> FILE.
     Posix,
+    /// DRAM or VRAM <-> FILE through cuFile (GPUDirect Storage).
+    Gds,
+}
+
+/// Where a backend's targets live, which is what the sweep's set-up depends on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shape {
+    /// Target agents of this process.
+    InProcess,
+    /// Each worker moves bytes between its memory and a file of its own.
+    OwnFile,
+    /// Target agents of another process, found through a store.
+    TwoProcesses,
 }
 
 impl BackendArg {
@@ -182,6 +205,7 @@ impl BackendArg {
             BackendArg::Ucx => "UCX",
             BackendArg::Shm => "SHM",
             BackendArg::Posix => "POSIX",
+            BackendArg::Gds => "GDS",
         }
     }
 
@@ -193,20 +217,32 @@ impl BackendArg {
             BackendArg::Ucx => "ucx",
             BackendArg::Shm => "shm",
             BackendArg::Posix => "posix",
+            BackendArg::Gds => "gds",
+        }
+    }
+
+    /// Where its targets live.
+    pub fn shape(self) -> Shape {
+        match self {
+            BackendArg::Loopback => Shape::InProcess,
+            BackendArg::Posix | BackendArg::Gds => Shape::OwnFile,
+            BackendArg::Default | BackendArg::Ucx | BackendArg::Shm => Shape::TwoProcesses,
         }
     }
 
     /// Whether the target runs in a second process (found through a store).
     pub fn two_processes(self) -> bool {
-        matches!(
-            self,
-            BackendArg::Default | BackendArg::Ucx | BackendArg::Shm
-        )
+        self.shape() == Shape::TwoProcesses
     }
 
     /// Whether UCX is among the backends (what `--param` and the UCX flags go to).
     pub fn has_ucx(self) -> bool {
         matches!(self, BackendArg::Default | BackendArg::Ucx)
+    }
+
+    /// Whether its workers' memory may be VRAM.
+    pub fn moves_vram(self) -> bool {
+        self.has_ucx() || self == BackendArg::Gds
     }
 }
 
@@ -338,14 +374,17 @@ fn dedup<T: PartialEq + Copy>(v: &[T]) -> Vec<T> {
 pub fn plan(args: &XferArgs) -> Result<Plan, String> {
     let mut args = args.clone();
     vram::check(&mut args)?;
-    match (args.backend, args.target_mem) {
-        (BackendArg::Posix, MemArg::Dram) => {
-            return Err("POSIX moves data between memory and files: use --target-mem file".into())
+    match (args.backend.shape(), args.target_mem) {
+        (Shape::OwnFile, MemArg::File) => {}
+        (Shape::OwnFile, _) => {
+            return Err(format!(
+                "{} moves data between memory and files: use --target-mem file",
+                args.backend.name()
+            ))
         }
-        (BackendArg::Posix, _) => {}
         (_, MemArg::File) => {
             return Err(format!(
-                "--target-mem file needs --backend posix ({} moves memory)",
+                "--target-mem file needs --backend posix or gds ({} moves memory)",
                 args.backend.name()
             ))
         }
@@ -402,11 +441,12 @@ pub fn plan(args: &XferArgs) -> Result<Plan, String> {
         // One worker and one target: every scheme is the same case.
         args.scheme.truncate(1);
     }
-    if args.backend == BackendArg::Posix && args.scheme.iter().any(|&s| s != Scheme::Pairwise) {
-        return Err(
-            "POSIX has no remote agents: each worker has its own file; use --scheme pairwise"
-                .into(),
-        );
+    if args.backend.shape() == Shape::OwnFile && args.scheme.iter().any(|&s| s != Scheme::Pairwise)
+    {
+        return Err(format!(
+            "{} has no remote agents: each worker has its own file; use --scheme pairwise",
+            args.backend.name()
+        ));
     }
     let blocks = steps(args.start_block, args.max_block, args.block_factor);
     let batches = steps(args.start_batch, args.max_batch, args.batch_factor);
@@ -460,16 +500,36 @@ pub fn run(args: &XferArgs) -> Result<(), String> {
     if plan.args.role == Role::Target {
         return target::serve(&plan);
     }
-    let run = sweep::run(&plan)?;
-    report::print_table(&plan, &run);
-    if let Some(path) = &plan.args.csv {
-        report::write_csv(path, &run)?;
-    }
-    if let Some(path) = &plan.args.json {
-        report::write_json(path, &plan, &run)?;
-    }
-    if let Some(path) = &plan.args.plot {
-        plot::draw(path, &plan, &run)?;
+    // Output paths first: a bad one is refused before the target starts.
+    let mut out = report::Outputs::open(&plan)?;
+    interrupt_stops_the_sweep();
+    let run = match sweep::run(&plan, &mut out) {
+        Ok(run) => run,
+        Err(e) => {
+            out.abandon();
+            return Err(e);
+        }
+    };
+    out.finish(&plan, &run)?;
+    if let Some(why) = &run.stopped {
+        let kept = [
+            plan.args.csv.as_ref().map(|p| p.display().to_string()),
+            plan.args.jsonl.as_ref().map(|p| p.display().to_string()),
+            plan.args.json.as_ref().map(|p| p.display().to_string()),
+        ]
+        .into_iter()
+        .flatten()
+        .collect::<Vec<_>>();
+        return Err(format!(
+            "{why}: {} of {} cases measured{}",
+            run.rows.len(),
+            run.cases,
+            if kept.is_empty() {
+                " (printed above)".to_string()
+            } else {
+                format!(", kept in {}", kept.join(", "))
+            }
+        ));
     }
     if let Some(failed) = run.rows.iter().find(|r| r.check == Some(false)) {
         return Err(format!(
@@ -478,4 +538,18 @@ pub fn run(args: &XferArgs) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// SIGINT or SIGTERM to the initiator ends the sweep after the rows measured so far
+/// (the case in progress is abandoned); a second one exits at once.
+fn interrupt_stops_the_sweep() {
+    use std::sync::atomic::Ordering;
+    let installed = ctrlc::set_handler(|| {
+        if sweep::STOP.swap(true, Ordering::Relaxed) {
+            std::process::exit(130);
+        }
+    });
+    if let Err(e) = installed {
+        tracing::warn!("no SIGINT/SIGTERM handler: an interrupt loses the case in progress and the outputs not yet written ({e})");
+    }
 }

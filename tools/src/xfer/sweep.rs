@@ -2,6 +2,7 @@
 //! case, aggregate the samples into rows.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
@@ -10,12 +11,25 @@ use ferry::{
     XferId, XferStatus,
 };
 
+use super::report::Outputs;
 use super::vram::{registered, Memory};
-use super::{target, BackendArg, Layout, Plan, RequestMode, Scheme};
+use super::{target, BackendArg, Layout, Plan, RequestMode, Scheme, Shape};
 use crate::bench::OpArg;
 
 /// The notification that tells a target the initiator is done.
 pub const DONE_NOTIFICATION: &[u8] = b"ferry-bench: done";
+
+/// Set by the initiator's SIGINT/SIGTERM handler: the case in progress is abandoned
+/// at its next iteration (or while it waits for a completion), the finished rows are
+/// kept, the targets are told, and the outputs are completed.
+pub static STOP: AtomicBool = AtomicBool::new(false);
+
+/// What a worker returns for a case cut short by [`STOP`].
+const INTERRUPTED: &str = "interrupted";
+
+fn stopping() -> bool {
+    STOP.load(Ordering::Relaxed)
+}
 
 /// One measured case, over all its workers.
 #[derive(Clone, Debug)]
@@ -79,6 +93,11 @@ pub struct SweepRun {
     pub config: Vec<(String, String)>,
     /// Each initiator agent's metrics at the end of the run, by agent name.
     pub metrics: Vec<(String, ferry::metrics::MetricsSnapshot)>,
+    /// Cases the sweep had.
+    pub cases: usize,
+    /// Why the sweep ended before its last case (interrupted, or a case failed):
+    /// `rows` holds the cases finished before it.
+    pub stopped: Option<String>,
 }
 
 /// A target as one worker sees it.
@@ -184,11 +203,34 @@ pub fn initiator_name(plan: &Plan, i: usize) -> String {
     format!("{}-initiator-{i}", plan.args.run_id)
 }
 
+/// A named backend that this build lacks or that cannot run here is refused before
+/// anything starts, with the reason (`ferry backends` shows the same).
+fn available(backend: BackendArg) -> Result<(), String> {
+    if backend == BackendArg::Default {
+        return Ok(());
+    }
+    let name = backend.name();
+    match ferry::Agent::available_backends()
+        .into_iter()
+        .find(|b| b.name == name)
+        .map(|b| b.available)
+    {
+        Some(Ok(())) => Ok(()),
+        Some(Err(why)) => Err(format!("{name} is unavailable here: {why}")),
+        None => Err(format!("this build has no {name} backend")),
+    }
+}
+
 fn setup(plan: &Plan) -> Result<Setup, String> {
+    if plan.args.backend.two_processes() {
+        // Before the target process starts. (A file backend's own parameters, GDS's
+        // `cufile_library`, can make it available: its creation says why it fails.)
+        available(plan.args.backend)?;
+    }
     let n = plan.threads();
     let mut workers = Vec::with_capacity(n);
-    let targets = match plan.args.backend {
-        BackendArg::Loopback => {
+    let targets = match plan.args.backend.shape() {
+        Shape::InProcess => {
             let mut targets = Vec::with_capacity(n);
             for k in 0..n {
                 let a = agent(plan, &target::target_name(plan, k))?;
@@ -217,7 +259,7 @@ fn setup(plan: &Plan) -> Result<Setup, String> {
             }
             Targets::Local { _agents: targets }
         }
-        BackendArg::Posix => {
+        Shape::OwnFile => {
             let dir = plan
                 .args
                 .file_dir
@@ -253,7 +295,7 @@ fn setup(plan: &Plan) -> Result<Setup, String> {
             }
             Targets::Files(files)
         }
-        BackendArg::Ucx | BackendArg::Shm | BackendArg::Default => {
+        Shape::TwoProcesses => {
             let peers = target::connect(plan)?;
             for i in 0..n {
                 let a = agent(plan, &initiator_name(plan, i))?;
@@ -301,7 +343,7 @@ fn links(plan: &Plan, scheme: Scheme, worker: usize) -> Vec<Link> {
     let area = plan.area_bytes;
     match scheme {
         // A POSIX worker's one target is its own file.
-        Scheme::Pairwise if plan.args.backend == BackendArg::Posix => vec![(0, 0, 0)],
+        Scheme::Pairwise if plan.args.backend.shape() == Shape::OwnFile => vec![(0, 0, 0)],
         Scheme::Pairwise => vec![(worker, 0, 0)],
         Scheme::ManyToOne => vec![(0, 0, worker as u64 * area)],
         Scheme::OneToMany if worker == 0 => (0..n).map(|j| (j, j as u64 * area, 0)).collect(),
@@ -397,6 +439,9 @@ fn lists(w: &Worker, plan: &Plan, case: &Case, link: Link) -> Result<Lists, Stri
 
 fn wait_all(agent: &Agent, xs: &[XferId], done: &mut [bool]) -> Result<(), String> {
     loop {
+        if stopping() {
+            return Err(INTERRUPTED.into());
+        }
         let mut left = 0;
         for (k, &x) in xs.iter().enumerate() {
             if !done[k] {
@@ -509,6 +554,9 @@ fn run_case(
     let total = plan.args.warmup + plan.args.iters;
     let mut started = Instant::now();
     for it in 0..total {
+        if stopping() {
+            return Err(INTERRUPTED.into());
+        }
         if it == plan.args.warmup {
             // The estimate, before the timed iterations (the measured model has seen
             // the earlier cases and this one's warm-up).
@@ -792,7 +840,7 @@ fn describe(plan: &Plan, setup: &Setup) -> Vec<(String, String)> {
             "placement".to_string(),
             match (&setup.targets, a.backend) {
                 (Targets::Remote(p), _) => p.placement.clone(),
-                (_, BackendArg::Posix) => "files of this process".to_string(),
+                (_, b) if b.shape() == Shape::OwnFile => "files of this process".to_string(),
                 _ => "agents of this process".to_string(),
             },
         ),
@@ -852,47 +900,78 @@ fn describe(plan: &Plan, setup: &Setup) -> Vec<(String, String)> {
     c
 }
 
-/// Run the sweep `plan` describes (the initiator side).
-pub fn run(plan: &Plan) -> Result<SweepRun, String> {
+/// Run the sweep `plan` describes (the initiator side), handing each row to `out` as
+/// soon as its case is measured. A set-up failure is an error; a case that fails or is
+/// interrupted ends the sweep with the rows finished before it (`stopped` says why).
+pub fn run(plan: &Plan, out: &mut Outputs) -> Result<SweepRun, String> {
     let setup = setup(plan)?;
     let config = describe(plan, &setup);
     let cases = cases(plan);
+    out.begin(&config);
     let bar = crate::progress::bar(cases.len() as u64, "bench xfer");
     let mut rows = Vec::with_capacity(cases.len());
-    let result = (|| -> Result<(), String> {
-        for case in &cases {
-            bar.set_message(format!(
-                "{} {} {}",
-                case.op.op(),
-                crate::args::human_bytes(case.block),
-                case.batch
-            ));
-            let active: Vec<(usize, Vec<Link>)> = (0..plan.threads())
-                .map(|i| (i, links(plan, case.scheme, i)))
-                .filter(|(_, l)| !l.is_empty())
-                .collect();
-            let barrier = Barrier::new(active.len());
-            let samples: Vec<Result<Samples, String>> = std::thread::scope(|s| {
-                let handles: Vec<_> = active
-                    .iter()
-                    .map(|(i, my)| {
-                        let w = &setup.workers[*i];
-                        let barrier = &barrier;
-                        s.spawn(move || run_case(w, plan, case, my, barrier))
-                    })
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().unwrap_or_else(|_| Err("a worker panicked".into())))
-                    .collect()
-            });
-            let samples: Vec<Samples> = samples.into_iter().collect::<Result<_, _>>()?;
-            let per_iter = active.first().map_or(0, |(_, l)| l.len());
-            rows.push(row(case, plan, samples, per_iter));
-            bar.inc(1);
+    let mut stopped = None;
+    for case in &cases {
+        if stopping() {
+            stopped = Some(INTERRUPTED.to_string());
+            break;
         }
-        Ok(())
-    })();
+        bar.set_message(format!(
+            "{} {} {}",
+            case.op.op(),
+            crate::args::human_bytes(case.block),
+            case.batch
+        ));
+        let active: Vec<(usize, Vec<Link>)> = (0..plan.threads())
+            .map(|i| (i, links(plan, case.scheme, i)))
+            .filter(|(_, l)| !l.is_empty())
+            .collect();
+        let barrier = Barrier::new(active.len());
+        let samples: Vec<Result<Samples, String>> = std::thread::scope(|s| {
+            let handles: Vec<_> = active
+                .iter()
+                .map(|(i, my)| {
+                    let w = &setup.workers[*i];
+                    let barrier = &barrier;
+                    s.spawn(move || run_case(w, plan, case, my, barrier))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err("a worker panicked".into())))
+                .collect()
+        });
+        let samples = match samples
+            .into_iter()
+            .collect::<Result<Vec<Samples>, String>>()
+        {
+            Ok(s) => s,
+            Err(e) => {
+                // A failure seen after a stop request is the stop's doing (the target's
+                // Ctrl-C, say, reaches it first).
+                stopped = Some(if stopping() || e == INTERRUPTED {
+                    INTERRUPTED.to_string()
+                } else {
+                    format!(
+                        "{} block {} batch {} failed: {e}",
+                        case.op.op(),
+                        crate::args::human_bytes(case.block),
+                        case.batch
+                    )
+                });
+                break;
+            }
+        };
+        let per_iter = active.first().map_or(0, |(_, l)| l.len());
+        let row = row(case, plan, samples, per_iter);
+        let written = bar.suspend(|| out.row(&row));
+        rows.push(row);
+        bar.inc(1);
+        if let Err(e) = written {
+            stopped = Some(e);
+            break;
+        }
+    }
     bar.finish_and_clear();
     // Tell the targets (if remote) that we are done, whatever happened.
     if let Targets::Remote(_) = &setup.targets {
@@ -909,7 +988,6 @@ pub fn run(plan: &Plan) -> Result<SweepRun, String> {
             }
         }
     }
-    result?;
     let metrics = setup
         .workers
         .iter()
@@ -920,5 +998,7 @@ pub fn run(plan: &Plan) -> Result<SweepRun, String> {
         rows,
         config,
         metrics,
+        cases: cases.len(),
+        stopped,
     })
 }

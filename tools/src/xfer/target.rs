@@ -3,6 +3,7 @@
 //! exchange.
 
 use std::io::Read;
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -128,18 +129,6 @@ pub fn connect(plan: &Plan) -> Result<Peers, String> {
         child: None,
         server: None,
     };
-    if plan.args.backend != BackendArg::Default {
-        let name = plan.args.backend.name();
-        let available = ferry::Agent::available_backends()
-            .into_iter()
-            .find(|b| b.name == name)
-            .map(|b| b.available);
-        match available {
-            Some(Ok(())) => {}
-            Some(Err(why)) => return Err(format!("{name} is unavailable here: {why}")),
-            None => return Err(format!("this build has no {name} backend")),
-        }
-    }
     let mut plan = plan.clone();
     if plan.args.role == Role::Auto {
         if plan.args.run_id == "ferry-bench" {
@@ -160,7 +149,11 @@ pub fn connect(plan: &Plan) -> Result<Peers, String> {
             }
         };
         let exe = std::env::current_exe().map_err(|e| format!("finding this binary: {e}"))?;
+        // Its own process group: a Ctrl-C at the terminal reaches only this process,
+        // which finishes its outputs and then stops the target (closing its stdin). A
+        // signal sent to the target itself still stops it.
         let child = Command::new(exe)
+            .process_group(0)
             .args(target_args(&plan, &store))
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
@@ -177,6 +170,9 @@ pub fn connect(plan: &Plan) -> Result<Peers, String> {
         let name = target_name(&plan, k);
         let child = &mut peers.child;
         let mut alive = || {
+            if super::sweep::STOP.load(Ordering::Relaxed) {
+                return Err("interrupted while waiting for the targets".to_string());
+            }
             match child.as_mut().map(Child::try_wait) {
             Some(Ok(Some(status))) => Err(format!(
                 "the target process ended ({status}) before publishing '{name}'; its messages are above"

@@ -3,7 +3,8 @@
 //! target (host memory, or device memory allocated with ferry-cuda in a build with the
 //! `cuda` feature).
 //!
-//! VRAM moves over UCX only (LOOPBACK and POSIX copy host memory with the CPU). The
+//! VRAM moves over UCX, and to and from files over GDS (LOOPBACK and POSIX copy host
+//! memory with the CPU). The
 //! initiator checks for the CUDA driver and device before it spawns the target, so a
 //! machine without a GPU gets the driver's typed reason ("VRAM needs a CUDA driver: …")
 //! and nothing else starts. The byte check (`--check`) reads and writes device memory
@@ -73,9 +74,14 @@ pub fn check(args: &mut XferArgs) -> Result<(), String> {
     if allocates_vram && !cfg!(feature = "cuda") {
         return Err(NO_CUDA_FEATURE.into());
     }
-    if !args.backend.has_ucx() {
+    if args.backend == super::BackendArg::Gds && args.target_mem == MemArg::Vram {
+        return Err(
+            "GDS moves VRAM to and from files: use --initiator-mem vram --target-mem file".into(),
+        );
+    }
+    if !args.backend.moves_vram() {
         return Err(format!(
-            "VRAM moves over UCX only: use --backend ucx or default ({} copies host memory with the CPU)",
+            "VRAM moves over UCX (or GDS, to files): use --backend ucx, default or gds ({} copies host memory with the CPU)",
             args.backend.name()
         ));
     }
