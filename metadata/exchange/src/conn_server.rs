@@ -27,13 +27,13 @@
 use std::collections::HashMap;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use ferry_storage::Error;
 
-use crate::util::{io_error, nonzero};
+use crate::util::{io_error, lock, nonzero};
 
 /// Stack of a connection thread: handlers keep their buffers on the heap.
 const CONN_STACK_BYTES: usize = 256 << 10;
@@ -223,10 +223,6 @@ struct Core {
     handler: Handler,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// A running connection server. Dropping it (or [`ConnServer::stop`]) stops accepting,
 /// shuts every connection down and waits for every thread.
 pub struct ConnServer {
@@ -320,11 +316,7 @@ impl ConnServer {
         }
         let mut live = lock(&self.core.live);
         while *live > 0 {
-            live = self
-                .core
-                .live_cv
-                .wait(live)
-                .unwrap_or_else(|e| e.into_inner());
+            live = crate::util::wait(&self.core.live_cv, live);
         }
     }
 }
@@ -477,11 +469,7 @@ fn watchdog(core: &Core) {
     let tick = (shortest / 8).clamp(Duration::from_millis(5), Duration::from_millis(250));
     let mut guard = lock(&core.watchdog_lock);
     while !core.stop.load(Ordering::Acquire) {
-        guard = core
-            .watchdog_cv
-            .wait_timeout(guard, tick)
-            .unwrap_or_else(|e| e.into_inner())
-            .0;
+        guard = crate::util::wait_timeout(&core.watchdog_cv, guard, tick);
         let now = core.clock.now_ms();
         let conns = lock(&core.conns);
         for e in conns.values() {

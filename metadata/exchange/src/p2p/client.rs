@@ -20,7 +20,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -28,9 +28,9 @@ use ferry_storage::{Error, Subject};
 
 use super::frame::{FrameReader, FrameSettings, FrameWriter, FramedConn, Kind, RecvError, Role};
 use super::BACKEND;
+use crate::contract::{queue, Shared};
 use crate::events::{Event, Route};
-use crate::manager::{queue, Shared};
-use crate::util::{io_error, is_timeout, nonzero};
+use crate::util::{io_error, is_timeout, lock, nonzero};
 
 /// Most outbound connections kept open for reuse.
 const CONN_CACHE_MAX: usize = 64;
@@ -87,10 +87,6 @@ struct OutConn {
     pending: Mutex<PendingQueue>,
     /// A clone of the socket, to shut it down without the writer lock.
     socket: TcpStream,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl OutConn {

@@ -11,7 +11,10 @@
 //! [`ListenerStats::connections_refused`].
 
 mod client;
+pub(crate) mod config;
 pub mod frame;
+
+pub use config::P2pConfig;
 
 pub(crate) use client::Client;
 
@@ -22,8 +25,8 @@ use std::sync::Arc;
 use ferry_storage::Error;
 
 use crate::conn_server::{ConnCtx, ConnLimits, ConnServer, ConnStats};
+use crate::contract::Shared;
 use crate::events::{Event, Route, FULL_LABEL};
-use crate::manager::Shared;
 use frame::{FrameSettings, FramedConn, Kind, RecvError, Role};
 
 pub(crate) const BACKEND: &str = "p2p";

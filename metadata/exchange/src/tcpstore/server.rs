@@ -37,6 +37,7 @@ use ferry_storage::{Error, Subject};
 
 use super::proto::{self, parse_request, ParseError, Parsed, Request, RequestLimits};
 use crate::conn_server::{ByteBudget, ConnCtx, ConnLimits, ConnServer, ConnStats};
+use crate::util::lock;
 
 const BACKEND: &str = "tcpstore-server";
 /// Values up to this size are copied into the reply; larger ones are written from the
@@ -400,10 +401,6 @@ impl Drop for ServerHandle {
         self.server.stop();
         log::info!("tcpstore server on {} stopped", self.local_addr());
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn bad(msg: impl Into<String>) -> io::Error {

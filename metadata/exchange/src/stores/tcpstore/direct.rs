@@ -18,26 +18,22 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
 use ferry_storage::Error;
 
-use super::client::{user_key, ClientOptions, TcpStoreClient};
-use super::proto::{self, op};
+use crate::contract::{DirectFetch, Shared, StoreCmd};
 use crate::events::{Event, Route};
-use crate::manager::{Shared, StoreCmd};
-use crate::util::{io_error, is_timeout};
+use crate::tcpstore::proto::{self, op};
+use crate::tcpstore::{user_key, ClientOptions, TcpStoreClient};
+use crate::util::{io_error, is_timeout, lock};
 
 const BACKEND: &str = "tcpstore";
 
 /// (agent, wire key) of fetched peers, checked for deletion by the fetch worker.
 pub(crate) type Watched = Arc<Mutex<Vec<(String, Vec<u8>)>>>;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// A GET written and not yet answered.
 struct Pending {
@@ -308,6 +304,16 @@ impl Direct {
         for p in pending {
             self.hand_over(p, false);
         }
+    }
+}
+
+impl DirectFetch for Direct {
+    fn try_fetch(&self, agent: &str, label: &str) -> bool {
+        Direct::try_fetch(self, agent, label)
+    }
+
+    fn stop(&self) {
+        Direct::stop(self);
     }
 }
 

@@ -1,4 +1,4 @@
-//! The TCPStore metadata backend: two worker threads, each with its own connection,
+//! The TCPStore store: two worker threads, each with its own connection,
 //! and the direct GET path.
 //!
 //! - The **ops** thread publishes (SET) and withdraws (DELETE_KEY). It remembers what it
@@ -36,17 +36,21 @@
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, TryRecvError};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry_storage::Error;
 
-use super::client::{user_key, ClientOptions, TcpStoreClient};
-use super::direct::{Direct, Watched};
-use crate::config::TcpStoreConfig;
+use crate::contract::{Shared, StoreCmd, StoreWorker};
 use crate::events::{Event, Route, FULL_LABEL};
-use crate::manager::{CmdSender, Shared, StoreCmd, StoreWorker};
-use crate::util::{deadline_after, io_error, timeout_error};
+use crate::tcpstore::{user_key, ClientOptions, TcpStoreClient};
+use crate::util::{deadline_after, io_error, lock, timeout_error};
+use direct::{Direct, Watched};
+
+pub(crate) mod config;
+mod direct;
+
+use config::TcpStoreConfig;
 
 const BACKEND: &str = "tcpstore";
 /// Value of a withdrawal mark.
@@ -63,9 +67,6 @@ fn withdrawn_key(shared: &Shared, agent: &str) -> Vec<u8> {
     user_key(&shared.key(agent, "")).into_bytes()
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 /// Longest single WAIT while other fetches may be pending.
 const WAIT_SLICE: Duration = Duration::from_millis(50);
 /// How often idle threads look at the stop flag.
@@ -135,9 +136,9 @@ pub(crate) fn start(shared: Arc<Shared>, config: &TcpStoreConfig) -> Result<Stor
     Ok(StoreWorker {
         route: Route::TcpStore,
         endpoint: config.endpoint.clone(),
-        ops: CmdSender::Std(ops_tx),
-        fetches: Some(CmdSender::Std(fetch_tx)),
-        direct: Some(direct),
+        ops: Box::new(ops_tx),
+        fetches: Some(Box::new(fetch_tx)),
+        direct: Some(direct as Arc<dyn crate::contract::DirectFetch>),
         threads,
     })
 }
