@@ -206,20 +206,3 @@ impl StoreWorker {
         }
     }
 }
-
-/// Queue `cmd` on a std channel without waiting; `Capacity` naming `what` when full.
-pub(crate) fn queue<T>(
-    tx: &SyncSender<T>,
-    cmd: T,
-    what: &'static str,
-    limit: usize,
-) -> Result<(), Error> {
-    match tx.try_send(cmd) {
-        Ok(()) => Ok(()),
-        Err(TrySendError::Full(_)) => Err(Error::Capacity { what, limit }),
-        Err(TrySendError::Disconnected(_)) => Err(Error::backend(
-            "exchange",
-            format!("the worker behind the {what} has stopped"),
-        )),
-    }
-}

@@ -5,7 +5,7 @@
 //! | store | folder | liveness bound (crashed owner → `Invalidate` at watchers) |
 //! |---|---|---|
 //! | etcd (feature `etcd`) | `etcd/` | the lease TTL after the owner's last keep-alive (10 s) |
-//! | TCPStore | `tcpstore/` | 3 × watch interval + I/O timeout after its last heartbeat (8 s) |
+//! | TCPStore | `tcpstore/` | 4 × watch interval + I/O timeout after its last heartbeat (9 s) |
 //! | in-process | `in_process/` | none: the owner's manager withdraws when it is dropped |
 
 pub(crate) mod etcd;

@@ -32,6 +32,15 @@ impl TcpStoreConfig {
         }
     }
 
+    /// The longest time from an owner's last heartbeat to its invalidation at a
+    /// watcher with this configuration: 4 × `watch_interval` + `io_timeout` (9 s with
+    /// the defaults; see `stores/tcpstore/mod.rs`, "Liveness").
+    pub fn liveness_bound(&self, io_timeout: Duration) -> Duration {
+        self.watch_interval
+            .saturating_mul(4)
+            .saturating_add(io_timeout)
+    }
+
     /// The variable that selects this store.
     pub(crate) const SELECT_VAR: &'static str = "FERRY_TCPSTORE_ENDPOINT";
 
