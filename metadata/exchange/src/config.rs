@@ -21,9 +21,12 @@
 //! | `FERRY_TCPSTORE_PING` | `1`/`0`: send PING after VALIDATE (torch >= 2.5 servers need not; 2.2-2.4 die on it) | 1 |
 //! | `FERRY_TCPSTORE_SERVE` | `HOST:PORT` on which the agent runs Ferry's own TCPStore server (and uses it when no store is set), or `off` | off |
 //! | `FERRY_TCPSTORE_MAX_*`, `FERRY_TCPSTORE_*_TIMEOUT_MS` | limits of the embedded (and `ferry store serve`) TCPStore server: the table in the crate README | see there |
-//! | `FERRY_STORE_WATCH_INTERVAL_MS` | how often TCPStore looks for deleted keys of fetched peers and owners for lost ones (1 ms to 1 h) | 1000 |
+//! | `FERRY_STORE_WATCH_INTERVAL_MS` | TCPStore: how often owners beat and check their keys and watchers read fetched peers in one batched round (1 ms to 1 h); liveness bound 4 × this + the I/O timeout | 1000 |
+//! | `FERRY_INPROCESS_STORE` | a name; selects the in-process store shared by the agents of this process that give the same name | none |
 //!
-//! Setting both `FERRY_ETCD_ENDPOINTS` and `FERRY_TCPSTORE_ENDPOINT` is an error.
+//! Setting more than one of `FERRY_ETCD_ENDPOINTS`, `FERRY_TCPSTORE_ENDPOINT` and
+//! `FERRY_INPROCESS_STORE` is an error. The settings of each part live in its folder
+//! (`p2p/config.rs`, `stores/<store>/config.rs`); this table is their index.
 //!
 //! # Odd values
 //! Every value is checked when the manager starts ([`ExchangeConfig::validated`]): what

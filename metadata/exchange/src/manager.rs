@@ -120,6 +120,12 @@ impl Manager {
         self.listener.as_ref().map(p2p::Listener::local_addr)
     }
 
+    /// Counters of the P2P listener's connection core (refused at the limits, evicted,
+    /// timed out, open), if it runs.
+    pub fn p2p_conn_stats(&self) -> Option<&crate::ConnStats> {
+        self.listener.as_ref().map(p2p::Listener::conn_stats)
+    }
+
     /// Counters of the P2P listener, if it runs.
     pub fn p2p_stats(&self) -> Option<&ListenerStats> {
         self.listener.as_ref().map(|l| &*l.stats)

@@ -61,6 +61,7 @@ impl Listener {
         // first byte; a connection between frames is closed after the idle timeout.
         let limits = ConnLimits {
             max_connections: p2p.max_connections,
+            max_connections_per_source: p2p.max_connections_per_source,
             idle_timeout: p2p.idle_timeout,
             request_timeout: shared.config.io_timeout,
             park_timeout: p2p.idle_timeout,
@@ -95,7 +96,6 @@ impl Listener {
 
     /// Counters of the connection-server core (refused at the limit, evicted, timed
     /// out).
-    #[allow(dead_code)]
     pub(crate) fn conn_stats(&self) -> &ConnStats {
         self.server.stats()
     }

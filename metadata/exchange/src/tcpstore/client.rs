@@ -55,9 +55,28 @@ impl TcpStoreClient {
     /// if enabled).
     pub fn connect(endpoint: &str, options: ClientOptions) -> Result<TcpStoreClient, Error> {
         let stream = connect(BACKEND, endpoint, options.io_timeout)?;
+        Self::handshake(stream, endpoint.to_owned(), options)
+    }
+
+    /// Do the handshake on a stream connected by the caller (bound to a source address,
+    /// say); it gets `TCP_NODELAY` and the I/O timeout.
+    pub fn from_stream(stream: TcpStream, options: ClientOptions) -> Result<TcpStoreClient, Error> {
+        let endpoint = stream
+            .peer_addr()
+            .map_or_else(|_| "?".to_owned(), |a| a.to_string());
+        crate::util::configure(&stream, options.io_timeout)
+            .map_err(|e| io_error(BACKEND, format_args!("configuring {endpoint}"), &e))?;
+        Self::handshake(stream, endpoint, options)
+    }
+
+    fn handshake(
+        stream: TcpStream,
+        endpoint: String,
+        options: ClientOptions,
+    ) -> Result<TcpStoreClient, Error> {
         let mut client = TcpStoreClient {
             stream,
-            endpoint: endpoint.to_owned(),
+            endpoint,
             options,
             request: Vec::with_capacity(256),
             broken: false,
@@ -77,7 +96,10 @@ impl TcpStoreClient {
                 client.broken = true;
                 return Err(Error::backend(
                     BACKEND,
-                    format!("PING to {endpoint}: echo {echo:#x} differs from nonce {nonce:#x}"),
+                    format!(
+                        "PING to {}: echo {echo:#x} differs from nonce {nonce:#x}",
+                        client.endpoint
+                    ),
                 ));
             }
         }

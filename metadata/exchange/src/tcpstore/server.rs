@@ -59,6 +59,9 @@ pub struct ServerConfig {
     /// Most connections served at once; at the limit a new connection takes the slot of
     /// the one idle the longest, or is closed at once when all are busy.
     pub max_connections: usize,
+    /// Most connections from one source IP address; past it a new one is closed at
+    /// once (it evicts nobody).
+    pub max_connections_per_source: usize,
     /// A connection with no request in progress is closed after this long.
     pub idle_timeout: Duration,
     /// Once a request's first byte arrived, the whole request must arrive within this.
@@ -93,6 +96,7 @@ impl Default for ServerConfig {
     fn default() -> ServerConfig {
         ServerConfig {
             max_connections: 1024,
+            max_connections_per_source: 256,
             idle_timeout: Duration::from_secs(600),
             request_timeout: Duration::from_secs(30),
             park_timeout: Duration::from_secs(3600),
@@ -114,6 +118,11 @@ impl Default for ServerConfig {
 /// The environment variables of [`ServerConfig`]: name, field, whether it is in ms.
 const ENV_VARS: &[(&str, &str, bool)] = &[
     ("FERRY_TCPSTORE_MAX_CONNECTIONS", "max_connections", false),
+    (
+        "FERRY_TCPSTORE_MAX_CONNECTIONS_PER_SOURCE",
+        "max_connections_per_source",
+        false,
+    ),
     ("FERRY_TCPSTORE_IDLE_TIMEOUT_MS", "idle_timeout", true),
     ("FERRY_TCPSTORE_REQUEST_TIMEOUT_MS", "request_timeout", true),
     ("FERRY_TCPSTORE_PARK_TIMEOUT_MS", "park_timeout", true),
@@ -178,6 +187,7 @@ impl ServerConfig {
             let u = usize::try_from(n).unwrap_or(usize::MAX);
             match field {
                 "max_connections" => self.max_connections = u,
+                "max_connections_per_source" => self.max_connections_per_source = u,
                 "idle_timeout" => self.idle_timeout = d,
                 "request_timeout" => self.request_timeout = d,
                 "park_timeout" => self.park_timeout = d,
@@ -227,6 +237,10 @@ impl ServerConfig {
         }
         for (what, n) in [
             ("max_connections", self.max_connections),
+            (
+                "max_connections_per_source",
+                self.max_connections_per_source,
+            ),
             ("max_key_bytes", self.max_key_bytes),
             ("max_keys_per_request", self.max_keys_per_request),
             ("max_keys", self.max_keys),
@@ -335,6 +349,7 @@ pub fn serve(listen: SocketAddr, config: ServerConfig) -> Result<ServerHandle, E
     });
     let limits = ConnLimits {
         max_connections: shared.config.max_connections,
+        max_connections_per_source: shared.config.max_connections_per_source,
         idle_timeout: shared.config.idle_timeout,
         request_timeout: shared.config.request_timeout,
         park_timeout: shared.config.park_timeout,
