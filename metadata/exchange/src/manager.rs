@@ -65,7 +65,7 @@ pub struct Manager {
 
 impl Manager {
     /// A manager for agent `agent`: starts the P2P listener, the embedded TCPStore server
-    /// and the store backend that `config` asks for. The P2P client worker starts on the
+    /// and the store that `config` asks for. The P2P client starts on the
     /// first call that names a peer address.
     pub fn new(agent: &str, config: ExchangeConfig) -> Result<Manager, Error> {
         check_agent_name(agent)?;
@@ -273,7 +273,7 @@ impl Manager {
         }
         match client.as_ref() {
             Some(c) => call(c),
-            None => Err(Error::backend("p2p", "the client worker did not start")),
+            None => Err(Error::backend("p2p", "the client did not start")),
         }
     }
 

@@ -275,7 +275,7 @@ impl Client {
     }
 
     /// Ask the listener at `to` for `agent`'s metadata under `label`. Written on this
-    /// thread when an idle connection to `to` exists, else queued for the worker.
+    /// thread when an idle connection to `to` exists, else queued in its lane.
     pub(crate) fn fetch(&self, to: SocketAddr, agent: &str, label: &str) -> Result<(), Error> {
         let request = Request::Fetch {
             agent: agent.to_owned(),
@@ -321,7 +321,7 @@ impl Client {
         }
     }
 
-    /// Push our metadata under `label` to the listener at `to` (through the worker).
+    /// Push our metadata under `label` to the listener at `to` (through its lane).
     pub(crate) fn send(&self, to: SocketAddr, label: &str, blob: Arc<[u8]>) -> Result<(), Error> {
         self.inner.queue(Cmd {
             to,
@@ -333,7 +333,7 @@ impl Client {
         })
     }
 
-    /// Tell the listener at `to` to drop our metadata (through the worker).
+    /// Tell the listener at `to` to drop our metadata (through its lane).
     pub(crate) fn invalidate(&self, to: SocketAddr) -> Result<(), Error> {
         self.inner.queue(Cmd {
             to,

@@ -35,6 +35,23 @@ const BACKEND: &str = "tcpstore";
 /// (agent, wire key) of fetched peers, checked for deletion by the fetch worker.
 pub(crate) type Watched = Arc<Mutex<Vec<(String, Vec<u8>)>>>;
 
+/// Most peers watched at once (each costs two keys in every watch round).
+pub(crate) const WATCHED_MAX: usize = 4096;
+
+/// Watch `agent` under `key` (once per agent; past [`WATCHED_MAX`] not at all, with a
+/// warning: its withdrawal then goes unseen until it is fetched again).
+pub(crate) fn watch_peer(watched: &Mutex<Vec<(String, Vec<u8>)>>, agent: &str, key: &[u8]) {
+    let mut watched = lock(watched);
+    if watched.iter().any(|(a, _)| a == agent) {
+        return;
+    }
+    if watched.len() >= WATCHED_MAX {
+        log::warn!("tcpstore: {WATCHED_MAX} peers watched; '{agent}' is not watched");
+        return;
+    }
+    watched.push((agent.to_owned(), key.to_vec()));
+}
+
 /// A GET written and not yet answered.
 struct Pending {
     agent: String,
@@ -276,12 +293,7 @@ impl Direct {
                 self.hand_over(p, true);
                 continue;
             }
-            {
-                let mut watched = lock(&self.watched);
-                if !watched.iter().any(|(a, _)| *a == p.agent) {
-                    watched.push((p.agent.clone(), p.key));
-                }
-            }
+            watch_peer(&self.watched, &p.agent, &p.key);
             self.shared.emit(Event::Load {
                 agent: p.agent,
                 label: p.label,

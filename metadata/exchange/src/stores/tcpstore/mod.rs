@@ -62,7 +62,7 @@ use crate::contract::{Shared, StoreCmd, StoreWorker};
 use crate::events::{Event, Route, FULL_LABEL};
 use crate::tcpstore::{user_key, ClientOptions, TcpStoreClient};
 use crate::util::{deadline_after, io_error, lock, timeout_error};
-use direct::{Direct, Watched};
+use direct::{watch_peer, Direct, Watched};
 
 pub(crate) mod config;
 mod direct;
@@ -600,12 +600,7 @@ impl Fetcher {
         };
         match found {
             Ok(blob) if !blob.is_empty() => {
-                {
-                    let mut watched = lock(&self.watched);
-                    if !watched.iter().any(|(a, _)| *a == fetch.agent) {
-                        watched.push((fetch.agent.clone(), fetch.key.clone()));
-                    }
-                }
+                watch_peer(&self.watched, &fetch.agent, &fetch.key);
                 self.shared.emit(Event::Load {
                     agent: fetch.agent,
                     label: fetch.label,
@@ -767,14 +762,9 @@ impl Fetcher {
         }
         self.missing_since = missing_since;
         self.beats = beats;
-        {
-            let mut watched = lock(&self.watched);
-            watched.retain(|(a, k)| !gone.iter().any(|(ga, gk, _)| ga == a && gk == k));
-            for (agent, key, _) in &back {
-                if !watched.iter().any(|(a, _)| a == agent) {
-                    watched.push((agent.clone(), key.clone()));
-                }
-            }
+        lock(&self.watched).retain(|(a, k)| !gone.iter().any(|(ga, gk, _)| ga == a && gk == k));
+        for (agent, key, _) in &back {
+            watch_peer(&self.watched, agent, key);
         }
         self.lost
             .retain(|l| !back.iter().any(|(agent, _, _)| *agent == l.agent));
