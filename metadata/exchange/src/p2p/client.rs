@@ -171,19 +171,22 @@ impl Inner {
     /// Queue `cmd` in its peer's lane, starting a lane thread if none is free (at
     /// most [`LANES_MAX`]). Never waits on the network.
     fn queue(self: &Arc<Self>, cmd: Cmd) -> Result<(), Error> {
-        self.queue_or_return(cmd).map_err(|(_, e)| e)
+        self.queue_or_return(cmd).map_err(|b| b.1)
     }
 
     /// [`Self::queue`], giving the command back with the error.
-    fn queue_or_return(self: &Arc<Self>, cmd: Cmd) -> Result<(), (Cmd, Error)> {
+    fn queue_or_return(self: &Arc<Self>, cmd: Cmd) -> Result<(), Box<(Cmd, Error)>> {
         let limit = self.shared.config.command_capacity;
         let mut lanes = lock(&self.lanes);
         if lanes.stop {
-            return Err((cmd, Error::backend(BACKEND, "the client is stopping")));
+            return Err(Box::new((
+                cmd,
+                Error::backend(BACKEND, "the client is stopping"),
+            )));
         }
         if lanes.queued_len >= limit {
             let what = "p2p command queue";
-            return Err((cmd, Error::Capacity { what, limit }));
+            return Err(Box::new((cmd, Error::Capacity { what, limit })));
         }
         let to = cmd.to;
         lanes.queued.entry(to).or_default().push_back(cmd);
@@ -209,7 +212,7 @@ impl Inner {
                     let lane = lanes.queued.get_mut(&to);
                     if let Some(cmd) = lane.and_then(VecDeque::pop_back) {
                         lanes.queued_len -= 1;
-                        return Err((cmd, error));
+                        return Err(Box::new((cmd, error)));
                     }
                     // Unreachable: the command was just queued.
                     return Ok(());
@@ -582,7 +585,8 @@ fn retry(inner: &Arc<Inner>, cmd: Cmd) -> Result<(), Error> {
     }
     match inner.queue_or_return(cmd) {
         Ok(()) => Ok(()),
-        Err((cmd, error)) => {
+        Err(failed) => {
+            let (cmd, error) = *failed;
             let error = match error {
                 Error::Capacity { limit, .. } => Error::Capacity {
                     what: "p2p command queue (retrying a request)",
