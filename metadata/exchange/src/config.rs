@@ -337,6 +337,36 @@ mod tests {
     }
 
     #[test]
+    fn each_store_is_selected_by_its_variable_and_only_one_at_a_time() {
+        match with(&[("FERRY_INPROCESS_STORE", "pipeline")])
+            .unwrap()
+            .store
+        {
+            StoreConfig::InProcess(c) => assert_eq!(c.name, "pipeline"),
+            other => panic!("expected the in-process store, got {other:?}"),
+        }
+        let e = with(&[
+            ("FERRY_INPROCESS_STORE", "p"),
+            ("FERRY_TCPSTORE_ENDPOINT", "127.0.0.1:1"),
+        ])
+        .unwrap_err();
+        assert!(e.to_string().contains("choose one"), "{e}");
+        assert!(e.to_string().contains("FERRY_INPROCESS_STORE"), "{e}");
+        // A store's own variables apply only to it.
+        let c = with(&[
+            ("FERRY_INPROCESS_STORE", "p"),
+            ("FERRY_STORE_WATCH_INTERVAL_MS", "5"),
+        ])
+        .unwrap();
+        assert!(matches!(c.store, StoreConfig::InProcess(_)));
+        let bad = ExchangeConfig {
+            store: StoreConfig::InProcess(InProcessConfig::new("")),
+            ..ExchangeConfig::default()
+        };
+        assert!(bad.validated().is_err());
+    }
+
+    #[test]
     fn keys_have_no_double_slash() {
         let c = with(&[("FERRY_STORE_NAMESPACE", "ferry/agents/")]).unwrap();
         let ns = c.normalized_namespace().unwrap();
