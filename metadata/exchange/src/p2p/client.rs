@@ -39,6 +39,9 @@ use crate::util::{io_error, is_timeout, lock, nonzero};
 const CONN_CACHE_MAX: usize = 64;
 /// Most lane threads: peers connected to (or written to) at the same time.
 pub(crate) const LANES_MAX: usize = 16;
+/// Stack of a lane thread (the hello and frame code keep their buffers on the heap, as
+/// the listener's connection threads, which run the same code on 256 KiB).
+const LANE_STACK_BYTES: usize = 256 << 10;
 
 /// What a request asks of a peer's listener.
 pub(crate) enum Request {
@@ -200,6 +203,7 @@ impl Inner {
             let inner = self.clone();
             let spawned = std::thread::Builder::new()
                 .name(format!("ferry-p2p-lane-{}", self.shared.agent))
+                .stack_size(LANE_STACK_BYTES)
                 .spawn(move || lane_loop(&inner));
             match spawned {
                 Ok(t) => lanes.threads.push(t),
