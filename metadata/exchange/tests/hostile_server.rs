@@ -441,6 +441,9 @@ fn p2p_config() -> ExchangeConfig {
     c.p2p.listen = Some(P2pConfig::LOOPBACK_EPHEMERAL);
     c.p2p.max_frame_bytes = 1 << 20;
     c.p2p.idle_timeout = Duration::from_secs(2);
+    // The attacks and the good peer all come from 127.0.0.1: these scenarios test the
+    // eviction at max_connections, not the per-source limit (tested below).
+    c.p2p.max_connections_per_source = 1 << 20;
     c.io_timeout = Duration::from_secs(1);
     c
 }
