@@ -39,7 +39,10 @@ mod manager;
 pub mod p2p;
 mod parse;
 mod stores;
+mod stream;
 pub mod tcpstore;
+#[cfg(feature = "tls")]
+mod tls;
 mod util;
 
 pub use config::{
@@ -50,3 +53,4 @@ pub use conn_server::ConnStats;
 pub use events::{Event, Lost, Route, FULL_LABEL};
 pub use local::{check_agent_name, check_label, NAME_LEN_MAX_BYTES};
 pub use manager::{Manager, Via};
+pub use stream::{Stream, TlsConfig, TlsContext};

@@ -31,6 +31,7 @@ fn config() -> ServerConfig {
         max_connections: 600,
         // The attacks and the good client all come from 127.0.0.1.
         max_connections_per_source: 1 << 20,
+        tls: None,
         idle_timeout: Duration::from_secs(3),
         request_timeout: Duration::from_secs(1),
         park_timeout: Duration::from_secs(20),

@@ -213,7 +213,7 @@ fn refused(a: &FakeAgent) -> u64 {
 
 /// A hand-made client of the listener at `to`: hello as `name` (with `secret`, the
 /// proof too), then a writer of frames. Returns the socket and the writer.
-fn rogue(to: SocketAddr, name: &str, secret: Option<&[u8]>) -> (TcpStream, FrameWriter) {
+fn rogue(to: SocketAddr, name: &str, secret: Option<&[u8]>) -> (TcpStream, FrameWriter<TcpStream>) {
     let (mut s, theirs) = raw_hello(to);
     let ours = Hello {
         auth: secret.is_some(),

@@ -33,6 +33,7 @@ use super::frame::{FrameReader, FrameSettings, FrameWriter, FramedConn, Kind, Re
 use super::BACKEND;
 use crate::contract::Shared;
 use crate::events::{Event, Route};
+use crate::stream::{Stream, TlsContext};
 use crate::util::{io_error, is_timeout, lock, nonzero};
 
 /// Most outbound connections kept open for reuse.
@@ -164,6 +165,8 @@ struct Lanes {
 /// State shared by the client handle, its lane threads and the reader threads.
 struct Inner {
     shared: Arc<Shared>,
+    /// TLS to every peer, when configured.
+    tls: Option<TlsContext>,
     lanes: Mutex<Lanes>,
     lanes_cv: Condvar,
     conns: Mutex<HashMap<SocketAddr, Arc<OutConn>>>,
@@ -271,8 +274,10 @@ pub(crate) struct Client {
 impl Client {
     /// The client (lane threads, connections and their readers start on demand).
     pub(crate) fn start(shared: Arc<Shared>) -> Result<Client, Error> {
+        let tls = crate::stream::load(shared.config.p2p.tls.as_ref())?;
         let inner = Arc::new(Inner {
             shared,
+            tls,
             lanes: Mutex::new(Lanes::default()),
             lanes_cv: Condvar::new(),
             conns: Mutex::new(HashMap::new()),
@@ -470,6 +475,14 @@ fn connect(inner: &Arc<Inner>, to: SocketAddr) -> Result<Arc<OutConn>, Error> {
     let socket = stream
         .try_clone()
         .map_err(|e| io_error(BACKEND, format_args!("connection to {to}"), &e))?;
+    let stream = match &inner.tls {
+        None => Stream::Plain(stream),
+        Some(tls) => {
+            let _unused = stream.set_read_timeout(Some(nonzero(config.io_timeout)));
+            tls.connect(stream, &to.ip().to_string())
+                .map_err(|e| io_error(BACKEND, format_args!("TLS to {to}"), &e))?
+        }
+    };
     let settings = FrameSettings {
         secret: config.p2p.secret.clone(),
         max_frame_bytes: config.p2p.max_frame_bytes,

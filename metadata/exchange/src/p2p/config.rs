@@ -7,6 +7,7 @@ use std::time::Duration;
 use ferry_storage::{Error, Subject};
 
 use crate::parse::{bad_var, check_duration, clamp, parse_addr_or_off, TIMEOUT_MAX};
+use crate::stream::TlsConfig;
 
 /// The P2P listener and frame settings.
 #[derive(Clone)]
@@ -29,6 +30,9 @@ pub struct P2pConfig {
     /// (so one address cannot take the listener over through the eviction at
     /// `max_connections`).
     pub max_connections_per_source: usize,
+    /// Mutual TLS on the listener and the client (cargo feature `tls`): every peer of
+    /// the group must use it.
+    pub tls: Option<TlsConfig>,
 }
 
 impl std::fmt::Debug for P2pConfig {
@@ -43,6 +47,7 @@ impl std::fmt::Debug for P2pConfig {
                 "max_connections_per_source",
                 &self.max_connections_per_source,
             )
+            .field("tls", &self.tls)
             .finish()
     }
 }
@@ -56,6 +61,7 @@ impl Default for P2pConfig {
             idle_timeout: Duration::from_secs(60),
             max_connections: 64,
             max_connections_per_source: 32,
+            tls: None,
         }
     }
 }

@@ -18,7 +18,7 @@ pub use config::P2pConfig;
 
 pub(crate) use client::Client;
 
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -27,6 +27,7 @@ use ferry_storage::Error;
 use crate::conn_server::{ConnCtx, ConnLimits, ConnServer, ConnStats};
 use crate::contract::Shared;
 use crate::events::{Event, Route, FULL_LABEL};
+use crate::stream::Stream;
 use frame::{FrameSettings, FramedConn, Kind, RecvError, Role};
 
 pub(crate) const BACKEND: &str = "p2p";
@@ -68,6 +69,7 @@ impl Listener {
             write_timeout: shared.config.io_timeout,
         };
         let stats = Arc::new(ListenerStats::default());
+        let tls = crate::stream::load(p2p.tls.as_ref())?;
         let (handler_shared, handler_stats) = (shared.clone(), stats.clone());
         let server = ConnServer::start(
             BACKEND,
@@ -77,6 +79,22 @@ impl Listener {
                 handler_stats
                     .connections_accepted
                     .fetch_add(1, Ordering::Relaxed);
+                let stream = match &tls {
+                    None => Stream::Plain(stream),
+                    // The handshake deadline of the core covers the TLS handshake.
+                    Some(tls) => match tls.accept(stream) {
+                        Ok(s) => s,
+                        Err(e) => {
+                            if !handler_shared.stopping() {
+                                log::warn!("p2p listener: TLS from {}: {e}", ctx.peer());
+                                handler_stats
+                                    .connections_refused
+                                    .fetch_add(1, Ordering::Relaxed);
+                            }
+                            return;
+                        }
+                    },
+                };
                 serve_connection(stream, ctx, &handler_shared, &handler_stats);
             }),
         )?;
@@ -114,14 +132,14 @@ impl Listener {
 /// `Load` or `Invalidate` is only ever about the connection's own agent. `ctx` carries
 /// the connection-server core's deadlines.
 pub(crate) fn serve_connection(
-    stream: TcpStream,
+    stream: Stream,
     ctx: &ConnCtx,
     shared: &Shared,
     stats: &ListenerStats,
 ) {
     let peer = ctx.peer();
     let p2p = &shared.config.p2p;
-    let _unused = stream.set_nodelay(true);
+    let _unused = stream.socket().set_nodelay(true);
     let settings = FrameSettings {
         secret: p2p.secret.clone(),
         max_frame_bytes: p2p.max_frame_bytes,

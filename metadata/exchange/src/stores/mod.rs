@@ -39,9 +39,9 @@ pub(crate) fn start_embedded(config: &mut ExchangeConfig) -> Result<Option<Serve
     };
     let server = crate::tcpstore::serve(addr, config.embedded_store_limits.clone())?;
     if matches!(config.store, StoreConfig::None) {
-        config.store = StoreConfig::TcpStore(crate::config::TcpStoreConfig::new(
-            server.local_addr().to_string(),
-        ));
+        let mut own = crate::config::TcpStoreConfig::new(server.local_addr().to_string());
+        own.tls = config.embedded_store_limits.tls.clone();
+        config.store = StoreConfig::TcpStore(own);
     }
     Ok(Some(server))
 }

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use ferry_storage::Error;
 
 use super::proto::{self, op};
+use crate::stream::{Stream, TlsContext};
 use crate::util::{connect, io_error, nonzero};
 
 const BACKEND: &str = "tcpstore";
@@ -29,6 +30,8 @@ pub struct ClientOptions {
     pub ping: bool,
     /// Largest value accepted in a reply.
     pub max_value_bytes: usize,
+    /// Mutual TLS to the server (cargo feature `tls`; the server must use it too).
+    pub tls: Option<TlsContext>,
 }
 
 impl Default for ClientOptions {
@@ -37,13 +40,14 @@ impl Default for ClientOptions {
             io_timeout: Duration::from_secs(5),
             ping: true,
             max_value_bytes: 256 << 20,
+            tls: None,
         }
     }
 }
 
 /// One connection to a TCPStore server. One request in flight at a time.
 pub struct TcpStoreClient {
-    stream: TcpStream,
+    stream: Stream,
     endpoint: String,
     options: ClientOptions,
     request: Vec<u8>,
@@ -54,23 +58,33 @@ impl TcpStoreClient {
     /// Connect to `endpoint` (`HOST:PORT`) and do the handshake (VALIDATE, then PING
     /// if enabled).
     pub fn connect(endpoint: &str, options: ClientOptions) -> Result<TcpStoreClient, Error> {
-        let stream = connect(BACKEND, endpoint, options.io_timeout)?;
+        let sock = connect(BACKEND, endpoint, options.io_timeout)?;
+        let stream = match &options.tls {
+            None => Stream::Plain(sock),
+            Some(tls) => {
+                let host = endpoint.rsplit_once(':').map_or(endpoint, |(h, _)| h);
+                let host = host.trim_start_matches('[').trim_end_matches(']');
+                tls.connect(sock, host)
+                    .map_err(|e| io_error(BACKEND, format_args!("TLS to {endpoint}"), &e))?
+            }
+        };
         Self::handshake(stream, endpoint.to_owned(), options)
     }
 
     /// Do the handshake on a stream connected by the caller (bound to a source address,
     /// say); it gets `TCP_NODELAY` and the I/O timeout.
     pub fn from_stream(stream: TcpStream, options: ClientOptions) -> Result<TcpStoreClient, Error> {
+        let stream = Stream::Plain(stream);
         let endpoint = stream
             .peer_addr()
             .map_or_else(|_| "?".to_owned(), |a| a.to_string());
-        crate::util::configure(&stream, options.io_timeout)
+        crate::util::configure(stream.socket(), options.io_timeout)
             .map_err(|e| io_error(BACKEND, format_args!("configuring {endpoint}"), &e))?;
         Self::handshake(stream, endpoint, options)
     }
 
     fn handshake(
-        stream: TcpStream,
+        stream: Stream,
         endpoint: String,
         options: ClientOptions,
     ) -> Result<TcpStoreClient, Error> {
@@ -114,7 +128,7 @@ impl TcpStoreClient {
     /// The connection itself, after the handshake, for a caller that speaks the
     /// protocol on its own (it has `TCP_NODELAY` and the I/O timeout on reads and
     /// writes).
-    pub fn into_stream(self) -> TcpStream {
+    pub fn into_stream(self) -> Stream {
         self.stream
     }
 
@@ -439,7 +453,7 @@ impl TcpStoreClient {
     fn read<T>(
         &mut self,
         what: &'static str,
-        f: impl FnOnce(&mut TcpStream) -> std::io::Result<T>,
+        f: impl FnOnce(&mut Stream) -> std::io::Result<T>,
     ) -> Result<T, Error> {
         f(&mut self.stream).map_err(|e| {
             self.broken = true;

@@ -37,6 +37,7 @@ use ferry_storage::{Error, Subject};
 
 use super::proto::{self, parse_request, ParseError, Parsed, Request, RequestLimits};
 use crate::conn_server::{ByteBudget, ConnCtx, ConnLimits, ConnServer, ConnStats};
+use crate::stream::{Stream, TlsConfig, TlsContext};
 use crate::util::lock;
 
 const BACKEND: &str = "tcpstore-server";
@@ -62,6 +63,8 @@ pub struct ServerConfig {
     /// Most connections from one source IP address; past it a new one is closed at
     /// once (it evicts nobody).
     pub max_connections_per_source: usize,
+    /// Mutual TLS (cargo feature `tls`): every client must use it too.
+    pub tls: Option<TlsConfig>,
     /// A connection with no request in progress is closed after this long.
     pub idle_timeout: Duration,
     /// Once a request's first byte arrived, the whole request must arrive within this.
@@ -97,6 +100,7 @@ impl Default for ServerConfig {
         ServerConfig {
             max_connections: 1024,
             max_connections_per_source: 256,
+            tls: None,
             idle_timeout: Duration::from_secs(600),
             request_timeout: Duration::from_secs(30),
             park_timeout: Duration::from_secs(3600),
@@ -288,7 +292,7 @@ pub struct ServerHandle {
     shared: Arc<Shared>,
 }
 
-type Writer = Arc<Mutex<TcpStream>>;
+type Writer = Arc<Mutex<Stream>>;
 type Value = Arc<Vec<u8>>;
 type Key = Arc<[u8]>;
 
@@ -332,6 +336,8 @@ struct State {
 
 struct Shared {
     config: ServerConfig,
+    /// TLS on every connection, when configured.
+    tls: Option<TlsContext>,
     limits: RequestLimits,
     state: Mutex<State>,
     budget: ByteBudget,
@@ -341,7 +347,9 @@ struct Shared {
 /// store must be reachable from other hosts.
 pub fn serve(listen: SocketAddr, config: ServerConfig) -> Result<ServerHandle, Error> {
     config.check()?;
+    let tls = crate::stream::load(config.tls.as_ref())?;
     let shared = Arc::new(Shared {
+        tls,
         limits: config.request_limits(),
         budget: ByteBudget::new(config.max_buffered_bytes),
         state: Mutex::new(State::default()),
@@ -712,7 +720,7 @@ impl Reply {
             v => self.bytes(v.map(|v| &v[..]).unwrap_or_default()),
         }
     }
-    fn write_to(&self, w: &mut TcpStream) -> io::Result<()> {
+    fn write_to(&self, w: &mut Stream) -> io::Result<()> {
         let mut from = 0;
         for (at, v) in &self.shared {
             w.write_all(&self.head[from..*at])?;
@@ -740,8 +748,7 @@ impl Conn<'_> {
         state: MutexGuard<'_, State>,
         woken: Vec<(Writer, Arc<ConnCtx>)>,
     ) -> io::Result<()> {
-        let mut others: Vec<MutexGuard<'_, TcpStream>> =
-            woken.iter().map(|(w, _)| lock(w)).collect();
+        let mut others: Vec<MutexGuard<'_, Stream>> = woken.iter().map(|(w, _)| lock(w)).collect();
         let mut own = (!self.reply.is_empty()).then(|| lock(&self.writer));
         drop(state);
         for w in others.iter_mut() {
@@ -857,6 +864,19 @@ impl RequestBuf {
 }
 
 fn serve_connection(stream: TcpStream, ctx: &Arc<ConnCtx>, shared: &Shared) {
+    // The handshake deadline of the core covers the TLS handshake.
+    let stream = match &shared.tls {
+        None => Stream::Plain(stream),
+        Some(tls) => match tls.accept(stream) {
+            Ok(s) => s,
+            Err(e) => {
+                if !ctx.closed_by_server() {
+                    log::warn!("tcpstore server: TLS from {}: {e}", ctx.peer());
+                }
+                return;
+            }
+        },
+    };
     let mut rb = RequestBuf::new();
     let result = serve_requests(stream, ctx, shared, &mut rb);
     rb.release(&shared.budget);
@@ -870,7 +890,7 @@ fn serve_connection(stream: TcpStream, ctx: &Arc<ConnCtx>, shared: &Shared) {
 }
 
 fn serve_requests(
-    mut stream: TcpStream,
+    mut stream: Stream,
     ctx: &Arc<ConnCtx>,
     shared: &Shared,
     rb: &mut RequestBuf,

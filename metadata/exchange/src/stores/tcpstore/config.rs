@@ -6,6 +6,7 @@ use std::time::Duration;
 use ferry_storage::{Error, Subject};
 
 use crate::parse::{check_duration, clamp, parse_ms, parse_switch};
+use crate::stream::TlsConfig;
 
 /// Longest TCPStore watch interval; longer ones are clamped with a warning.
 pub const WATCH_INTERVAL_MAX: Duration = Duration::from_secs(3600);
@@ -20,6 +21,8 @@ pub struct TcpStoreConfig {
     /// How often owners refresh their heartbeat (and check their keys) and watchers
     /// check fetched peers: see the liveness bound in `stores/tcpstore/mod.rs`.
     pub watch_interval: Duration,
+    /// Mutual TLS to the server (cargo feature `tls`).
+    pub tls: Option<TlsConfig>,
 }
 
 impl TcpStoreConfig {
@@ -29,6 +32,7 @@ impl TcpStoreConfig {
             endpoint: endpoint.into(),
             ping: true,
             watch_interval: Duration::from_secs(1),
+            tls: None,
         }
     }
 

@@ -26,6 +26,7 @@ use ferry_storage::Error;
 
 use crate::contract::{DirectFetch, Shared, StoreCmd};
 use crate::events::{Event, Route};
+use crate::stream::Stream;
 use crate::tcpstore::proto::{self, op};
 use crate::tcpstore::{user_key, ClientOptions, TcpStoreClient};
 use crate::util::{io_error, is_timeout, lock};
@@ -70,7 +71,7 @@ struct PendingQueue {
 /// One direct connection.
 struct Conn {
     /// The socket and the request being built.
-    writer: Mutex<(TcpStream, Vec<u8>)>,
+    writer: Mutex<(Stream, Vec<u8>)>,
     pending: Mutex<PendingQueue>,
     /// A clone of the socket, to shut it down without the writer lock.
     socket: TcpStream,
@@ -163,6 +164,7 @@ impl Direct {
             .try_clone()
             .map_err(|e| io_error(BACKEND, "cloning the direct connection", &e))?;
         let socket = stream
+            .socket()
             .try_clone()
             .map_err(|e| io_error(BACKEND, "cloning the direct connection", &e))?;
         let conn = Arc::new(Conn {
@@ -255,7 +257,7 @@ impl Direct {
 
     /// Read GET replies until the connection fails or the manager stops; then close it
     /// and hand what is pending to the worker.
-    fn read_loop(&self, conn: &Arc<Conn>, stream: TcpStream, max_value_bytes: usize) {
+    fn read_loop(&self, conn: &Arc<Conn>, stream: Stream, max_value_bytes: usize) {
         let io_timeout = self.shared.config.io_timeout;
         let mut reader = BufReader::with_capacity(16 << 10, stream);
         loop {
@@ -332,7 +334,7 @@ impl DirectFetch for Direct {
 /// Read a GET reply (a length, then the value): what is buffered is copied, the rest of
 /// a long value is read straight from the socket into the value (not through the
 /// buffer: one copy, and reads as large as the socket has data for).
-fn read_value(reader: &mut BufReader<TcpStream>, max_len_bytes: usize) -> std::io::Result<Vec<u8>> {
+fn read_value(reader: &mut BufReader<Stream>, max_len_bytes: usize) -> std::io::Result<Vec<u8>> {
     let len = proto::read_u64(reader)?;
     if len > max_len_bytes as u64 {
         return Err(std::io::Error::new(

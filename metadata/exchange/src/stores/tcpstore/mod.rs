@@ -107,6 +107,7 @@ pub(crate) fn start(shared: Arc<Shared>, config: &TcpStoreConfig) -> Result<Stor
     let options = ClientOptions {
         io_timeout: shared.config.io_timeout,
         ping: config.ping,
+        tls: crate::stream::load(config.tls.as_ref())?,
         ..ClientOptions::default()
     };
     let mut threads = Vec::with_capacity(2);
