@@ -90,7 +90,8 @@ export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
 export RUST_BACKTRACE=1
 # The etcd backend (with TLS) is always built and tested under CI (its tests fail there when the
 # feature or the server is missing); elsewhere only when protoc is present.
-features=()
+# The encrypted metadata plane (ferry-exchange/tls: rustls + ring, no system library) always.
+features=(--features ferry-exchange/tls)
 if [[ "${CI:-}" == "true" ]] || command -v protoc >/dev/null; then
   features+=(--features ferry-exchange/etcd-tls)
 fi

@@ -295,6 +295,7 @@ impl Agent {
                     Route::P2p => "pushed or sent over p2p",
                     Route::Etcd => "fetched from etcd",
                     Route::TcpStore => "fetched from tcpstore",
+                    Route::InProcess => "fetched from the in-process store",
                 };
                 match self.load_checked(&agent, &blob, origin) {
                     Ok(_) => self.metrics.exchange(ExchangeEvent::Loaded),

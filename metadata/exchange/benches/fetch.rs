@@ -1,6 +1,8 @@
 //! Fetch-to-loaded latency per backend, against a bare round trip of the same size.
 //!
-//! Run: `cargo bench -p ferry-exchange --bench fetch` (add `--features etcd` and set
+//! Run: `cargo bench -p ferry-exchange --bench fetch` (`--features tls` adds the
+//! `p2p_tls` and `tcpstore_tls` rows: mutual TLS with the certificates of `tests/tls/`;
+//! add `--features etcd` and set
 //! `FERRY_TEST_ETCD=http://127.0.0.1:PORT` for the etcd rows; `etcdctl` on the PATH
 //! adds the `etcdctl get` reference row). Prints medians and 90th percentiles.
 //!
@@ -27,6 +29,64 @@ use ferry_exchange::tcpstore::{serve, ServerConfig};
 use ferry_exchange::{Event, ExchangeConfig, Manager, P2pConfig, StoreConfig, TcpStoreConfig, Via};
 use ferry_metadata::MdWriter;
 use ferry_storage::{Desc, MemKind};
+
+/// The certificates of `tests/tls/` (mutual TLS).
+#[cfg(feature = "tls")]
+fn tls_config() -> ferry_exchange::TlsConfig {
+    let f = |n: &str| {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/tls")
+            .join(n)
+    };
+    ferry_exchange::TlsConfig {
+        client_cert: Some(f("client.pem")),
+        client_key: Some(f("client-key.pem")),
+        ..ferry_exchange::TlsConfig::new(f("ca.pem"), f("server.pem"), f("server-key.pem"))
+    }
+}
+
+/// P2P and TCPStore over TLS: (A's P2P, B's P2P, A's address, A on the TLS store, B on
+/// it, the server).
+#[cfg(feature = "tls")]
+fn tls_pair(
+    md: &Arc<[u8]>,
+) -> (
+    Manager,
+    Manager,
+    Via,
+    Manager,
+    Manager,
+    ferry_exchange::tcpstore::ServerHandle,
+) {
+    let mut cfg = ExchangeConfig::default();
+    cfg.p2p.listen = Some(P2pConfig::LOOPBACK_EPHEMERAL);
+    cfg.p2p.tls = Some(tls_config());
+    let a = Manager::new("bench-a", cfg.clone()).unwrap();
+    a.set_local_md(md.clone());
+    cfg.p2p.listen = None;
+    let b = Manager::new("bench-b", cfg).unwrap();
+    let to = Via::Peer(a.p2p_listen_addr().unwrap());
+    let server = serve(
+        "127.0.0.1:0".parse().unwrap(),
+        ServerConfig {
+            tls: Some(tls_config()),
+            ..ServerConfig::default()
+        },
+    )
+    .unwrap();
+    let mut ts = TcpStoreConfig::new(server.local_addr().to_string());
+    ts.tls = Some(tls_config());
+    let cfg = ExchangeConfig {
+        store: StoreConfig::TcpStore(ts),
+        namespace: format!("bench-tls/{}", std::process::id()),
+        ..ExchangeConfig::default()
+    };
+    let ts_a = Manager::new("bench-a", cfg.clone()).unwrap();
+    ts_a.set_local_md(md.clone());
+    ts_a.send_local_md(Via::Store).unwrap();
+    let ts_b = Manager::new("bench-b", cfg).unwrap();
+    (a, b, to, ts_a, ts_b, server)
+}
 
 fn md_blob(agent: &str, regions: usize) -> Arc<[u8]> {
     let mut w = MdWriter::new(agent, 1);
@@ -218,6 +278,8 @@ fn main() {
         ts_a.set_local_md(md.clone());
         ts_a.send_local_md(Via::Store).unwrap();
         let ts_b = Manager::new("bench-b", cfg).unwrap();
+        #[cfg(feature = "tls")]
+        let tls = tls_pair(&md);
 
         let mut paths: Vec<Path<'_>> = vec![
             ("bare_tcp", Box::new(bare_round_trip(len))),
@@ -231,11 +293,29 @@ fn main() {
                 Box::new(|| fetch_once(&ts_b, "bench-a", Via::Store, &md)),
             ),
         ];
+        #[cfg(feature = "tls")]
+        {
+            let (p2p_b, to, ts_b) = (&tls.1, tls.2, &tls.4);
+            let (md_p, md_t) = (md.clone(), md.clone());
+            paths.push((
+                "p2p_tls",
+                Box::new(move || fetch_once(p2p_b, "bench-a", to, &md_p)),
+            ));
+            paths.push((
+                "tcpstore_tls",
+                Box::new(move || fetch_once(ts_b, "bench-a", Via::Store, &md_t)),
+            ));
+        }
         let stats = interleaved(n, &mut paths);
         row("bare_tcp", regions, len, &stats[0], None);
         row("p2p", regions, len, &stats[1], Some(&stats[0]));
         row("p2p_secret", regions, len, &stats[2], Some(&stats[0]));
         row("tcpstore", regions, len, &stats[3], Some(&stats[0]));
+        #[cfg(feature = "tls")]
+        {
+            row("p2p_tls", regions, len, &stats[4], Some(&stats[0]));
+            row("tcpstore_tls", regions, len, &stats[5], Some(&stats[0]));
+        }
         drop(paths);
         println!(
             "(fetches written by the caller's thread: p2p {}, p2p_secret {}, tcpstore {}, of {} each)",

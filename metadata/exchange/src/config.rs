@@ -21,9 +21,12 @@
 //! | `FERRY_TCPSTORE_PING` | `1`/`0`: send PING after VALIDATE (torch >= 2.5 servers need not; 2.2-2.4 die on it) | 1 |
 //! | `FERRY_TCPSTORE_SERVE` | `HOST:PORT` on which the agent runs Ferry's own TCPStore server (and uses it when no store is set), or `off` | off |
 //! | `FERRY_TCPSTORE_MAX_*`, `FERRY_TCPSTORE_*_TIMEOUT_MS` | limits of the embedded (and `ferry store serve`) TCPStore server: the table in the crate README | see there |
-//! | `FERRY_STORE_WATCH_INTERVAL_MS` | how often TCPStore looks for deleted keys of fetched peers and owners for lost ones (1 ms to 1 h) | 1000 |
+//! | `FERRY_STORE_WATCH_INTERVAL_MS` | TCPStore: how often owners beat and check their keys and watchers read fetched peers in one batched round (1 ms to 1 h); liveness bound 4 × this + the I/O timeout | 1000 |
+//! | `FERRY_INPROCESS_STORE` | a name; selects the in-process store shared by the agents of this process that give the same name | none |
 //!
-//! Setting both `FERRY_ETCD_ENDPOINTS` and `FERRY_TCPSTORE_ENDPOINT` is an error.
+//! Setting more than one of `FERRY_ETCD_ENDPOINTS`, `FERRY_TCPSTORE_ENDPOINT` and
+//! `FERRY_INPROCESS_STORE` is an error. The settings of each part live in its folder
+//! (`p2p/config.rs`, `stores/<store>/config.rs`); this table is their index.
 //!
 //! # Odd values
 //! Every value is checked when the manager starts ([`ExchangeConfig::validated`]): what
@@ -37,22 +40,20 @@
 //! arithmetic, so no value overflows an `Instant`.
 
 use std::borrow::Cow;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::path::PathBuf;
-use std::sync::Arc;
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use ferry_storage::{Error, Subject};
 
+pub use crate::p2p::config::P2pConfig;
+pub use crate::parse::TIMEOUT_MAX;
+use crate::parse::{check_duration, clamp, parse_addr_or_off, parse_ms};
+pub use crate::stores::etcd::config::{EtcdConfig, EtcdTls, EtcdUser, LEASE_TTL_MAX};
+pub use crate::stores::in_process::config::InProcessConfig;
+pub use crate::stores::tcpstore::config::{TcpStoreConfig, WATCH_INTERVAL_MAX};
+
 /// Default prefix of store keys.
 pub const DEFAULT_NAMESPACE: &str = "ferry/agents";
-/// Longest timeout (I/O, fetch, P2P idle); longer ones are clamped with a warning.
-pub const TIMEOUT_MAX: Duration = Duration::from_secs(24 * 3600);
-/// Longest TCPStore watch interval; longer ones are clamped with a warning.
-pub const WATCH_INTERVAL_MAX: Duration = Duration::from_secs(3600);
-/// Longest etcd lease TTL; longer ones are clamped with a warning (a crashed agent's
-/// keys live that long).
-pub const LEASE_TTL_MAX: Duration = Duration::from_secs(24 * 3600);
 /// Largest event or command queue capacity (each is allocated up front).
 pub const CAPACITY_MAX: usize = 1 << 20;
 /// Longest store namespace, in bytes.
@@ -83,37 +84,6 @@ pub struct ExchangeConfig {
     pub command_capacity: usize,
 }
 
-/// The P2P listener and frame settings.
-#[derive(Clone)]
-pub struct P2pConfig {
-    /// Where to listen; `None`: no listener. Listening on all interfaces (`0.0.0.0`)
-    /// must be asked for explicitly.
-    pub listen: Option<SocketAddr>,
-    /// Shared secret; when set, both sides of a connection prove they know it in the
-    /// hello (a mutual challenge–response that also proves the agent names) and every
-    /// frame carries HMAC-SHA256 tags; anything else is refused. Without it the
-    /// listener trusts anyone who can connect, under any name they claim.
-    pub secret: Option<Arc<[u8]>>,
-    /// Largest frame accepted or sent, in bytes.
-    pub max_frame_bytes: usize,
-    /// An inbound connection idle this long is closed.
-    pub idle_timeout: Duration,
-    /// Most inbound connections served at once; more are closed at accept.
-    pub max_connections: usize,
-}
-
-impl std::fmt::Debug for P2pConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("P2pConfig")
-            .field("listen", &self.listen)
-            .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
-            .field("max_frame_bytes", &self.max_frame_bytes)
-            .field("idle_timeout", &self.idle_timeout)
-            .field("max_connections", &self.max_connections)
-            .finish()
-    }
-}
-
 /// Which name-addressed store the agent uses.
 #[derive(Clone, Debug, Default)]
 pub enum StoreConfig {
@@ -124,101 +94,73 @@ pub enum StoreConfig {
     Etcd(EtcdConfig),
     /// A TCPStore server (torch's or Ferry's own).
     TcpStore(TcpStoreConfig),
+    /// The in-process store: agents of one process that name the same store share it
+    /// (tests, single-process pipelines; the model store of the contract).
+    InProcess(InProcessConfig),
 }
 
-/// etcd settings.
-#[derive(Clone, Debug)]
-pub struct EtcdConfig {
-    /// Endpoints such as `http://127.0.0.1:2379` (`https://` with [`Self::tls`]).
-    pub endpoints: Vec<String>,
-    /// TTL of the lease that published keys are attached to.
-    pub lease_ttl: Duration,
-    /// User and password, for an etcd with authentication enabled.
-    pub user: Option<EtcdUser>,
-    /// TLS to etcd (cargo feature `etcd-tls`).
-    pub tls: Option<EtcdTls>,
-}
-
-/// An etcd user (etcd's `user add` + `auth enable`). Its `Debug` hides the password.
-#[derive(Clone)]
-pub struct EtcdUser {
-    /// The user name.
-    pub name: String,
-    /// The password.
-    pub password: String,
-}
-
-impl std::fmt::Debug for EtcdUser {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EtcdUser")
-            .field("name", &self.name)
-            .field("password", &"<redacted>")
-            .finish()
-    }
-}
-
-/// TLS settings for etcd: PEM files, read when the worker connects.
-#[derive(Clone, Debug, Default)]
-pub struct EtcdTls {
-    /// The CA certificate(s) that signed etcd's server certificate.
-    pub ca_cert: Option<PathBuf>,
-    /// Client certificate, for etcd's client-certificate authentication (with `client_key`).
-    pub client_cert: Option<PathBuf>,
-    /// Client key (with `client_cert`).
-    pub client_key: Option<PathBuf>,
-    /// The name etcd's certificate must carry, when not the endpoint's host.
-    pub domain: Option<String>,
-}
-
-/// TCPStore settings.
-#[derive(Clone, Debug)]
-pub struct TcpStoreConfig {
-    /// `HOST:PORT` of the server.
-    pub endpoint: String,
-    /// Send PING after VALIDATE (servers of torch 2.2-2.4 close the connection on it).
-    pub ping: bool,
-    /// How often fetched peers' keys are checked for deletion.
-    pub watch_interval: Duration,
-}
-
-impl TcpStoreConfig {
-    /// Settings for the server at `endpoint`, with defaults for the rest.
-    pub fn new(endpoint: impl Into<String>) -> TcpStoreConfig {
-        TcpStoreConfig {
-            endpoint: endpoint.into(),
-            ping: true,
-            watch_interval: Duration::from_secs(1),
+impl StoreConfig {
+    /// The store the selecting variables name (`FERRY_ETCD_ENDPOINTS`,
+    /// `FERRY_TCPSTORE_ENDPOINT`, `FERRY_INPROCESS_STORE`), else `current`; more than
+    /// one is an error.
+    fn selected(
+        current: StoreConfig,
+        get: &impl Fn(&str) -> Option<String>,
+    ) -> Result<StoreConfig, Error> {
+        let chosen: Vec<(&str, String, StoreConfig)> = [
+            EtcdConfig::selected(get)
+                .map(|(v, c)| (EtcdConfig::SELECT_VAR, v, StoreConfig::Etcd(c))),
+            TcpStoreConfig::selected(get)
+                .map(|(v, c)| (TcpStoreConfig::SELECT_VAR, v, StoreConfig::TcpStore(c))),
+            InProcessConfig::selected(get)
+                .map(|(v, c)| (InProcessConfig::SELECT_VAR, v, StoreConfig::InProcess(c))),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        let mut chosen = chosen;
+        match chosen.len() {
+            0 => Ok(current),
+            1 => Ok(chosen.remove(0).2),
+            _ => {
+                let names: Vec<String> = chosen
+                    .iter()
+                    .map(|(var, v, _)| format!("{var}='{v}'"))
+                    .collect();
+                Err(Error::invalid(
+                    Subject::Named(names.join(" and ").into()),
+                    "both are set; choose one metadata store",
+                ))
+            }
         }
     }
-}
 
-impl EtcdConfig {
-    /// Settings for the given endpoints, with defaults for the rest.
-    pub fn new(endpoints: Vec<String>) -> EtcdConfig {
-        EtcdConfig {
-            endpoints,
-            lease_ttl: Duration::from_secs(10),
-            user: None,
-            tls: None,
+    /// The selected store's own variables.
+    fn apply_overrides(&mut self, get: &impl Fn(&str) -> Option<String>) -> Result<(), Error> {
+        match self {
+            StoreConfig::None => Ok(()),
+            StoreConfig::Etcd(c) => c.apply_overrides(get),
+            StoreConfig::TcpStore(c) => c.apply_overrides(get),
+            StoreConfig::InProcess(_) => Ok(()),
         }
     }
-}
 
-impl Default for P2pConfig {
-    fn default() -> P2pConfig {
-        P2pConfig {
-            listen: None,
-            secret: None,
-            max_frame_bytes: 64 << 20,
-            idle_timeout: Duration::from_secs(60),
-            max_connections: 64,
+    fn clamp(&mut self) {
+        match self {
+            StoreConfig::None | StoreConfig::InProcess(_) => {}
+            StoreConfig::Etcd(c) => c.clamp(),
+            StoreConfig::TcpStore(c) => c.clamp(),
         }
     }
-}
 
-impl P2pConfig {
-    /// Loopback, ephemeral port: the default when listening is wanted.
-    pub const LOOPBACK_EPHEMERAL: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0);
+    fn check(&self) -> Result<(), Error> {
+        match self {
+            StoreConfig::None => Ok(()),
+            StoreConfig::Etcd(c) => c.check(),
+            StoreConfig::TcpStore(c) => c.check(),
+            StoreConfig::InProcess(c) => c.check(),
+        }
+    }
 }
 
 impl Default for ExchangeConfig {
@@ -237,30 +179,6 @@ impl Default for ExchangeConfig {
     }
 }
 
-fn bad_var(name: &'static str, value: &str, reason: &'static str) -> Error {
-    Error::invalid(
-        Subject::Named(format!("environment variable {name}='{value}'").into()),
-        reason,
-    )
-}
-
-fn parse_ms(name: &'static str, v: &str) -> Result<Duration, Error> {
-    v.trim()
-        .parse::<u64>()
-        .map(Duration::from_millis)
-        .map_err(|_| bad_var(name, v, "expected a whole number of milliseconds"))
-}
-
-fn parse_addr_or_off(name: &'static str, v: &str) -> Result<Option<SocketAddr>, Error> {
-    let v = v.trim();
-    if v.eq_ignore_ascii_case("off") {
-        return Ok(None);
-    }
-    v.parse()
-        .map(Some)
-        .map_err(|_| bad_var(name, v, "expected IP:PORT (e.g. 127.0.0.1:0) or 'off'"))
-}
-
 impl ExchangeConfig {
     /// This config with the `FERRY_*` environment variables (module docs) applied.
     pub fn with_env_overrides(self) -> Result<ExchangeConfig, Error> {
@@ -274,21 +192,6 @@ impl ExchangeConfig {
         var: impl Fn(&str) -> Option<String>,
     ) -> Result<ExchangeConfig, Error> {
         let get = |name: &str| var(name).filter(|v| !v.trim().is_empty());
-        if let Some(v) = get("FERRY_P2P_LISTEN") {
-            self.p2p.listen = parse_addr_or_off("FERRY_P2P_LISTEN", &v)?;
-        }
-        if let Some(v) = get("FERRY_P2P_SECRET") {
-            self.p2p.secret = Some(Arc::from(v.as_bytes()));
-        }
-        if let Some(v) = get("FERRY_P2P_MAX_FRAME_BYTES") {
-            self.p2p.max_frame_bytes = v.trim().parse().map_err(|_| {
-                bad_var(
-                    "FERRY_P2P_MAX_FRAME_BYTES",
-                    &v,
-                    "expected a number of bytes",
-                )
-            })?;
-        }
         if let Some(v) = get("FERRY_EXCHANGE_IO_TIMEOUT_MS") {
             self.io_timeout = parse_ms("FERRY_EXCHANGE_IO_TIMEOUT_MS", &v)?;
         }
@@ -302,55 +205,9 @@ impl ExchangeConfig {
             self.embedded_store = parse_addr_or_off("FERRY_TCPSTORE_SERVE", &v)?;
         }
         self.embedded_store_limits = self.embedded_store_limits.with_overrides(get)?;
-        let etcd = get("FERRY_ETCD_ENDPOINTS");
-        let tcpstore = get("FERRY_TCPSTORE_ENDPOINT");
-        match (etcd, tcpstore) {
-            (Some(e), Some(t)) => {
-                return Err(Error::invalid(
-                    Subject::Named(
-                        format!("FERRY_ETCD_ENDPOINTS='{e}' and FERRY_TCPSTORE_ENDPOINT='{t}'")
-                            .into(),
-                    ),
-                    "both are set; choose one metadata store",
-                ))
-            }
-            (Some(e), None) => {
-                let endpoints: Vec<String> = e
-                    .split(',')
-                    .map(|s| s.trim().to_owned())
-                    .filter(|s| !s.is_empty())
-                    .collect();
-                self.store = StoreConfig::Etcd(EtcdConfig::new(endpoints));
-            }
-            (None, Some(t)) => {
-                self.store = StoreConfig::TcpStore(TcpStoreConfig::new(t.trim()));
-            }
-            (None, None) => {}
-        }
-        match &mut self.store {
-            StoreConfig::Etcd(etcd) => {
-                if let Some(v) = get("FERRY_ETCD_LEASE_TTL_S") {
-                    let secs: u64 = v.trim().parse().map_err(|_| {
-                        bad_var("FERRY_ETCD_LEASE_TTL_S", &v, "expected whole seconds")
-                    })?;
-                    etcd.lease_ttl = Duration::from_secs(secs);
-                }
-                etcd_overrides(etcd, &get)?;
-            }
-            StoreConfig::TcpStore(ts) => {
-                if let Some(v) = get("FERRY_TCPSTORE_PING") {
-                    ts.ping = match v.trim() {
-                        "1" | "true" | "on" => true,
-                        "0" | "false" | "off" => false,
-                        _ => return Err(bad_var("FERRY_TCPSTORE_PING", &v, "expected 1 or 0")),
-                    };
-                }
-                if let Some(v) = get("FERRY_STORE_WATCH_INTERVAL_MS") {
-                    ts.watch_interval = parse_ms("FERRY_STORE_WATCH_INTERVAL_MS", &v)?;
-                }
-            }
-            StoreConfig::None => {}
-        }
+        self.p2p.apply_overrides(&get)?;
+        self.store = StoreConfig::selected(std::mem::take(&mut self.store), &get)?;
+        self.store.apply_overrides(&get)?;
         self.validated()
     }
 
@@ -359,16 +216,8 @@ impl ExchangeConfig {
     pub fn validated(mut self) -> Result<ExchangeConfig, Error> {
         clamp(&mut self.io_timeout, TIMEOUT_MAX, "io_timeout");
         clamp(&mut self.fetch_timeout, TIMEOUT_MAX, "fetch_timeout");
-        clamp(&mut self.p2p.idle_timeout, TIMEOUT_MAX, "p2p.idle_timeout");
-        match &mut self.store {
-            StoreConfig::Etcd(etcd) => clamp(&mut etcd.lease_ttl, LEASE_TTL_MAX, "etcd lease_ttl"),
-            StoreConfig::TcpStore(ts) => clamp(
-                &mut ts.watch_interval,
-                WATCH_INTERVAL_MAX,
-                "tcpstore watch_interval",
-            ),
-            StoreConfig::None => {}
-        }
+        self.p2p.clamp();
+        self.store.clamp();
         self.check()?;
         Ok(self)
     }
@@ -382,32 +231,11 @@ impl ExchangeConfig {
         let durations = [
             ("io_timeout", self.io_timeout, TIMEOUT_MAX),
             ("fetch_timeout", self.fetch_timeout, TIMEOUT_MAX),
-            ("p2p.idle_timeout", self.p2p.idle_timeout, TIMEOUT_MAX),
         ];
         for (what, value, max) in durations {
             check_duration(what, value, max)?;
         }
-        if self.p2p.max_frame_bytes < 1024 {
-            return named(
-                format!("p2p.max_frame_bytes = {}", self.p2p.max_frame_bytes),
-                "must be at least 1024".into(),
-            );
-        }
-        if self.p2p.max_frame_bytes > u32::MAX as usize {
-            return named(
-                format!("p2p.max_frame_bytes = {}", self.p2p.max_frame_bytes),
-                "must fit in 32 bits".into(),
-            );
-        }
-        if self.p2p.max_connections == 0 {
-            return named(
-                "p2p.max_connections = 0".into(),
-                "must be above zero".into(),
-            );
-        }
-        if matches!(&self.p2p.secret, Some(s) if s.is_empty()) {
-            return named("p2p.secret".into(), "must not be empty".into());
-        }
+        self.p2p.check()?;
         for (what, value) in [
             ("event_capacity", self.event_capacity),
             ("command_capacity", self.command_capacity),
@@ -419,18 +247,7 @@ impl ExchangeConfig {
                 );
             }
         }
-        match &self.store {
-            StoreConfig::Etcd(etcd) => check_etcd(etcd)?,
-            StoreConfig::TcpStore(ts) => {
-                check_duration(
-                    "tcpstore watch_interval",
-                    ts.watch_interval,
-                    WATCH_INTERVAL_MAX,
-                )?;
-                check_endpoint(&ts.endpoint)?;
-            }
-            StoreConfig::None => {}
-        }
+        self.store.check()?;
         if self.namespace.len() > NAMESPACE_MAX_BYTES
             || self.namespace.chars().any(char::is_control)
         {
@@ -457,157 +274,6 @@ impl ExchangeConfig {
     }
 }
 
-/// Clamp `value` to `max`, with a warning naming `what`.
-fn clamp(value: &mut Duration, max: Duration, what: &str) {
-    if *value > max {
-        log::warn!(
-            "exchange config: {what} of {} ms is over the maximum of {} ms; using the maximum",
-            value.as_millis(),
-            max.as_millis()
-        );
-        *value = max;
-    }
-}
-
-fn check_duration(what: &str, value: Duration, max: Duration) -> Result<(), Error> {
-    let reason = if value.is_zero() {
-        "must be above zero".to_owned()
-    } else if value > max {
-        format!("must be at most {} ms", max.as_millis())
-    } else {
-        return Ok(());
-    };
-    Err(Error::invalid(
-        Subject::Named(format!("{what} = {} ms", value.as_millis()).into()),
-        reason,
-    ))
-}
-
-/// `HOST:PORT` with a port that fits in 16 bits.
-fn check_endpoint(endpoint: &str) -> Result<(), Error> {
-    let ok = endpoint
-        .rsplit_once(':')
-        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
-    if ok {
-        return Ok(());
-    }
-    Err(Error::invalid(
-        Subject::Named(format!("tcpstore endpoint '{}'", endpoint.escape_debug()).into()),
-        "expected HOST:PORT",
-    ))
-}
-
-fn check_etcd(etcd: &EtcdConfig) -> Result<(), Error> {
-    let named = |what: &str, reason: &'static str| {
-        Err(Error::invalid(
-            Subject::Named(what.to_owned().into()),
-            reason,
-        ))
-    };
-    if etcd.endpoints.is_empty() {
-        return named("etcd endpoints", "empty list");
-    }
-    if etcd.lease_ttl < Duration::from_secs(1) {
-        return named("etcd lease_ttl", "must be at least 1 s");
-    }
-    check_duration("etcd lease_ttl", etcd.lease_ttl, LEASE_TTL_MAX)?;
-    if let Some(user) = &etcd.user {
-        if user.name.is_empty() || user.password.is_empty() {
-            return named("etcd user", "needs both a name and a password");
-        }
-    }
-    let https = etcd
-        .endpoints
-        .iter()
-        .filter(|e| e.starts_with("https://"))
-        .count();
-    match &etcd.tls {
-        Some(tls) => {
-            if https != etcd.endpoints.len() {
-                return named(
-                    "etcd endpoints",
-                    "with TLS settings every endpoint must be https://",
-                );
-            }
-            if tls.client_cert.is_some() != tls.client_key.is_some() {
-                return named(
-                    "etcd client certificate",
-                    "needs both a certificate and a key (FERRY_ETCD_CERT and FERRY_ETCD_KEY)",
-                );
-            }
-        }
-        None if https > 0 => {
-            return named(
-                "etcd endpoints",
-                "https:// endpoints need TLS settings (FERRY_ETCD_CA_CERT)",
-            );
-        }
-        None => {}
-    }
-    Ok(())
-}
-
-/// The etcd user and TLS variables (module docs).
-fn etcd_overrides(
-    etcd: &mut EtcdConfig,
-    get: &impl Fn(&str) -> Option<String>,
-) -> Result<(), Error> {
-    let password = match (get("FERRY_ETCD_PASSWORD"), get("FERRY_ETCD_PASSWORD_FILE")) {
-        (Some(_), Some(_)) => {
-            return Err(Error::invalid(
-                Subject::Named("FERRY_ETCD_PASSWORD and FERRY_ETCD_PASSWORD_FILE".into()),
-                "both are set; choose one",
-            ))
-        }
-        (Some(p), None) => Some(p),
-        (None, Some(path)) => {
-            let text = std::fs::read_to_string(path.trim()).map_err(|e| {
-                Error::invalid(
-                    Subject::Named(format!("FERRY_ETCD_PASSWORD_FILE='{path}'").into()),
-                    format!("cannot be read: {e}"),
-                )
-            })?;
-            Some(text.trim_end_matches(['\r', '\n']).to_owned())
-        }
-        (None, None) => None,
-    };
-    match (get("FERRY_ETCD_USER"), password) {
-        (Some(name), Some(password)) => {
-            etcd.user = Some(EtcdUser {
-                name: name.trim().to_owned(),
-                password,
-            })
-        }
-        (None, None) => {}
-        (Some(_), None) => {
-            return Err(Error::invalid(
-                Subject::Named("FERRY_ETCD_USER".into()),
-                "needs FERRY_ETCD_PASSWORD or FERRY_ETCD_PASSWORD_FILE",
-            ))
-        }
-        (None, Some(_)) => {
-            return Err(Error::invalid(
-                Subject::Named("FERRY_ETCD_PASSWORD".into()),
-                "needs FERRY_ETCD_USER",
-            ))
-        }
-    }
-    let path = |name: &str| get(name).map(|v| PathBuf::from(v.trim()));
-    let ca_cert = path("FERRY_ETCD_CA_CERT");
-    let client_cert = path("FERRY_ETCD_CERT");
-    let client_key = path("FERRY_ETCD_KEY");
-    let domain = get("FERRY_ETCD_TLS_DOMAIN").map(|d| d.trim().to_owned());
-    if ca_cert.is_some() || client_cert.is_some() || client_key.is_some() || domain.is_some() {
-        etcd.tls = Some(EtcdTls {
-            ca_cert,
-            client_cert,
-            client_key,
-            domain,
-        });
-    }
-    Ok(())
-}
-
 /// The store key of `agent`'s metadata under `label`: `<namespace>/<agent>/<label>`.
 pub(crate) fn store_key(namespace: &str, agent: &str, label: &str) -> String {
     if namespace.is_empty() {
@@ -621,6 +287,7 @@ pub(crate) fn store_key(namespace: &str, agent: &str, label: &str) -> String {
 mod tests {
     use super::*;
     use std::collections::HashMap;
+    use std::sync::Arc;
 
     fn with(vars: &[(&str, &str)]) -> Result<ExchangeConfig, Error> {
         let map: HashMap<String, String> = vars
@@ -667,6 +334,36 @@ mod tests {
         assert!(e.to_string().contains("choose one"), "{e}");
         assert!(with(&[("FERRY_STORE_NAMESPACE", "a//b")]).is_err());
         assert!(with(&[("FERRY_P2P_LISTEN", "everywhere")]).is_err());
+    }
+
+    #[test]
+    fn each_store_is_selected_by_its_variable_and_only_one_at_a_time() {
+        match with(&[("FERRY_INPROCESS_STORE", "pipeline")])
+            .unwrap()
+            .store
+        {
+            StoreConfig::InProcess(c) => assert_eq!(c.name, "pipeline"),
+            other => panic!("expected the in-process store, got {other:?}"),
+        }
+        let e = with(&[
+            ("FERRY_INPROCESS_STORE", "p"),
+            ("FERRY_TCPSTORE_ENDPOINT", "127.0.0.1:1"),
+        ])
+        .unwrap_err();
+        assert!(e.to_string().contains("choose one"), "{e}");
+        assert!(e.to_string().contains("FERRY_INPROCESS_STORE"), "{e}");
+        // A store's own variables apply only to it.
+        let c = with(&[
+            ("FERRY_INPROCESS_STORE", "p"),
+            ("FERRY_STORE_WATCH_INTERVAL_MS", "5"),
+        ])
+        .unwrap();
+        assert!(matches!(c.store, StoreConfig::InProcess(_)));
+        let bad = ExchangeConfig {
+            store: StoreConfig::InProcess(InProcessConfig::new("")),
+            ..ExchangeConfig::default()
+        };
+        assert!(bad.validated().is_err());
     }
 
     #[test]

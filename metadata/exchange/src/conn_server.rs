@@ -20,20 +20,21 @@
 //! been handshaking, idle or parked the longest, preferring connections that were never
 //! served a request (so a flood of idle connections cannot push out a working client;
 //! the victim is shut down at once); when every
-//! connection is busy, the new one is closed at once. Neither blocks the accept thread:
+//! connection is busy, the new one is closed at once. A connection from an address that
+//! already has `max_connections_per_source` open is closed at once, evicting nobody. Neither blocks the accept thread:
 //! a shutdown is one system call, and the evicted connection's thread cleans up after
 //! itself.
 
 use std::collections::HashMap;
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use ferry_storage::Error;
 
-use crate::util::{io_error, nonzero};
+use crate::util::{io_error, lock, nonzero};
 
 /// Stack of a connection thread: handlers keep their buffers on the heap.
 const CONN_STACK_BYTES: usize = 256 << 10;
@@ -43,6 +44,9 @@ const CONN_STACK_BYTES: usize = 256 << 10;
 pub struct ConnLimits {
     /// Most connections served at once.
     pub max_connections: usize,
+    /// Most connections from one source IP address; a new one past it is refused at
+    /// once (it evicts nobody), so one address cannot take the server over.
+    pub max_connections_per_source: usize,
     /// A connection with no request in progress is closed after this long.
     pub idle_timeout: Duration,
     /// A request (and the hello) must arrive whole within this time of its first byte.
@@ -62,6 +66,9 @@ pub struct ConnStats {
     pub refused_full: AtomicU64,
     /// Connections shut down to make room for a new one (longest idle first).
     pub evicted: AtomicU64,
+    /// Connections closed at accept: their source address had
+    /// `max_connections_per_source` open.
+    pub refused_source: AtomicU64,
     /// Connections shut down because their deadline passed.
     pub timed_out: AtomicU64,
     /// Connections open now.
@@ -204,6 +211,8 @@ pub type Handler = Arc<dyn Fn(TcpStream, &Arc<ConnCtx>) + Send + Sync>;
 struct Entry {
     /// A clone of the socket, to shut it down from the accept or watchdog thread.
     stream: TcpStream,
+    /// The client's IP address (for the per-source limit).
+    source: Option<IpAddr>,
     ctx: Arc<ConnCtx>,
 }
 
@@ -221,10 +230,6 @@ struct Core {
     watchdog_lock: Mutex<()>,
     stats: Arc<ConnStats>,
     handler: Handler,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// A running connection server. Dropping it (or [`ConnServer::stop`]) stops accepting,
@@ -320,11 +325,7 @@ impl ConnServer {
         }
         let mut live = lock(&self.core.live);
         while *live > 0 {
-            live = self
-                .core
-                .live_cv
-                .wait(live)
-                .unwrap_or_else(|e| e.into_inner());
+            live = crate::util::wait(&self.core.live_cv, live);
         }
     }
 }
@@ -358,6 +359,7 @@ fn accept_loop(listener: TcpListener, core: &Arc<Core>) {
 /// Find room for a new connection (evicting the longest-waiting non-busy one if the
 /// server is full) and start its thread; or close it at once.
 fn admit(core: &Arc<Core>, stream: TcpStream, id: u64) {
+    let source = stream.peer_addr().ok().map(|a| a.ip());
     let peer = stream
         .peer_addr()
         .map(|a| a.to_string())
@@ -383,6 +385,17 @@ fn admit(core: &Arc<Core>, stream: TcpStream, id: u64) {
         // limit, so a flood of connections cannot pile up threads.
         let live = *lock(&core.live);
         let mut conns = lock(&core.conns);
+        let per_source = core.limits.max_connections_per_source;
+        let from_source = conns.values().filter(|e| e.source == source).count();
+        if from_source >= per_source {
+            log::warn!(
+                "{} server: refusing {}: {per_source} connections from that address (max_connections_per_source)",
+                core.what,
+                ctx.peer
+            );
+            core.stats.refused_source.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         if conns.len() >= max || live >= max.saturating_mul(2) {
             let victim = conns
                 .iter()
@@ -424,6 +437,7 @@ fn admit(core: &Arc<Core>, stream: TcpStream, id: u64) {
             id,
             Entry {
                 stream: clone,
+                source,
                 ctx: ctx.clone(),
             },
         );
@@ -477,11 +491,7 @@ fn watchdog(core: &Core) {
     let tick = (shortest / 8).clamp(Duration::from_millis(5), Duration::from_millis(250));
     let mut guard = lock(&core.watchdog_lock);
     while !core.stop.load(Ordering::Acquire) {
-        guard = core
-            .watchdog_cv
-            .wait_timeout(guard, tick)
-            .unwrap_or_else(|e| e.into_inner())
-            .0;
+        guard = crate::util::wait_timeout(&core.watchdog_cv, guard, tick);
         let now = core.clock.now_ms();
         let conns = lock(&core.conns);
         for e in conns.values() {

@@ -21,6 +21,8 @@ pub enum Route {
     Etcd,
     /// The TCPStore store.
     TcpStore,
+    /// The in-process store.
+    InProcess,
 }
 
 impl Route {
@@ -30,6 +32,7 @@ impl Route {
             Route::P2p => "p2p",
             Route::Etcd => "etcd",
             Route::TcpStore => "tcpstore",
+            Route::InProcess => "in-process",
         }
     }
 }
@@ -224,13 +227,13 @@ impl EventQueue {
     }
 
     fn ledger(&self) -> std::sync::MutexGuard<'_, Ledger> {
-        self.ledger.lock().unwrap_or_else(|e| e.into_inner())
+        crate::util::lock(&self.ledger)
     }
 
     fn pushed(&self) {
         if self.waiting_consumers.load(Ordering::SeqCst) > 0 {
             // Taking the lock orders this wake-up after the waiter's emptiness check.
-            drop(self.ready_lock.lock().unwrap_or_else(|e| e.into_inner()));
+            drop(crate::util::lock(&self.ready_lock));
             self.ready.notify_all();
         }
     }
@@ -261,17 +264,13 @@ impl EventQueue {
         }
         let deadline = crate::util::deadline_after(start, timeout);
         self.waiting_consumers.fetch_add(1, Ordering::SeqCst);
-        let mut guard = self.ready_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = crate::util::lock(&self.ready_lock);
         while !self.ready_now() {
             let now = std::time::Instant::now();
             if now >= deadline {
                 break;
             }
-            guard = self
-                .ready
-                .wait_timeout(guard, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            guard = crate::util::wait_timeout(&self.ready, guard, deadline - now);
         }
         drop(guard);
         self.waiting_consumers.fetch_sub(1, Ordering::SeqCst);

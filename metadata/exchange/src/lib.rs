@@ -23,25 +23,34 @@
 //!   challenge–response with a shared secret), frames bound to that name, heads
 //!   authenticated before payloads are read. Trust model: `README.md`.
 //! - [`tcpstore`]: a client of PyTorch's c10d TCPStore protocol and Ferry's own server.
-//! - `etcd` (cargo feature `etcd`): the etcd backend, with leases and watches.
+//! - The stores (`stores/`, one folder each: etcd behind the cargo feature `etcd`,
+//!   TCPStore, in-process), all following one contract (`contract.rs`: what a store
+//!   receives, emits and guarantees); `stores/mod.rs` is their one registration.
 //!
-//! Configuration and its environment variables: [`config`].
+//! Configuration and its environment variables: [`config`] (each part's settings live
+//! in its folder: `p2p/config.rs`, `stores/*/config.rs`).
 
 pub mod config;
 mod conn_server;
-#[cfg(feature = "etcd")]
-mod etcd;
+mod contract;
 mod events;
 mod local;
 mod manager;
 pub mod p2p;
+mod parse;
+mod stores;
+mod stream;
 pub mod tcpstore;
+#[cfg(feature = "tls")]
+mod tls;
 mod util;
 
 pub use config::{
-    EtcdConfig, EtcdTls, EtcdUser, ExchangeConfig, P2pConfig, StoreConfig, TcpStoreConfig,
+    EtcdConfig, EtcdTls, EtcdUser, ExchangeConfig, InProcessConfig, P2pConfig, StoreConfig,
+    TcpStoreConfig,
 };
 pub use conn_server::ConnStats;
 pub use events::{Event, Lost, Route, FULL_LABEL};
 pub use local::{check_agent_name, check_label, NAME_LEN_MAX_BYTES};
 pub use manager::{Manager, Via};
+pub use stream::{Stream, TlsConfig, TlsContext};

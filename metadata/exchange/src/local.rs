@@ -8,6 +8,7 @@ use std::sync::{Arc, RwLock};
 use ferry_storage::{Error, Subject};
 
 use crate::events::FULL_LABEL;
+use crate::util::{read, write};
 
 /// Longest agent name or label, in bytes (it travels with a one-byte length).
 pub const NAME_LEN_MAX_BYTES: usize = 255;
@@ -58,26 +59,19 @@ pub(crate) struct LocalMd {
 
 impl LocalMd {
     pub(crate) fn set_full(&self, blob: Arc<[u8]>) {
-        *self.full.write().unwrap_or_else(|e| e.into_inner()) = Some(blob);
+        *write(&self.full) = Some(blob);
     }
 
     pub(crate) fn set_partial(&self, label: &str, blob: Arc<[u8]>) {
-        self.partial
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(label.to_owned(), blob);
+        write(&self.partial).insert(label.to_owned(), blob);
     }
 
     /// The snapshot stored under `label` ([`FULL_LABEL`] for the full metadata).
     pub(crate) fn get(&self, label: &str) -> Option<Arc<[u8]>> {
         if label == FULL_LABEL {
-            self.full.read().unwrap_or_else(|e| e.into_inner()).clone()
+            read(&self.full).clone()
         } else {
-            self.partial
-                .read()
-                .unwrap_or_else(|e| e.into_inner())
-                .get(label)
-                .cloned()
+            read(&self.partial).get(label).cloned()
         }
     }
 }

@@ -1,19 +1,21 @@
-//! The agent-owned manager: routes each call to a backend, owns the workers and the
-//! event queue.
+//! The agent-owned manager: routes each call — a peer address to P2P, a name to the
+//! configured store (started by `stores::start`, driven through the store contract in
+//! `contract.rs`) — and owns the workers and the event queue. It knows no store.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{SyncSender, TrySendError};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread::JoinHandle;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 
 use ferry_storage::{Error, Subject};
 
-use crate::config::{store_key, ExchangeConfig, StoreConfig, TcpStoreConfig};
-use crate::events::{Event, EventQueue, Route, FULL_LABEL};
-use crate::local::{check_agent_name, check_label, LocalMd};
+use crate::config::ExchangeConfig;
+use crate::contract::{Shared, StoreCmd, StoreWorker};
+use crate::events::{Event, Route, FULL_LABEL};
+use crate::local::{check_agent_name, check_label};
 use crate::p2p::{self, ListenerStats};
-use crate::tcpstore::{self, ServerHandle};
+use crate::stores;
+use crate::tcpstore::ServerHandle;
+use crate::util::lock;
 
 /// Where a call goes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -22,42 +24,6 @@ pub enum Via {
     Peer(SocketAddr),
     /// The configured store (etcd or TCPStore), by agent name.
     Store,
-}
-
-/// State shared by the manager and its workers. Workers read the local snapshots and
-/// push events; they hold nothing of the agent's.
-pub(crate) struct Shared {
-    pub(crate) agent: String,
-    pub(crate) local: LocalMd,
-    pub(crate) events: EventQueue,
-    pub(crate) stop: AtomicBool,
-    /// Fetches written by the caller's thread (P2P and TCPStore direct paths).
-    pub(crate) direct_fetches: AtomicU64,
-    pub(crate) config: ExchangeConfig,
-    pub(crate) namespace: String,
-}
-
-impl Shared {
-    pub(crate) fn stopping(&self) -> bool {
-        self.stop.load(Ordering::Acquire)
-    }
-
-    /// Queue an event for the agent without waiting. False when it was not queued:
-    /// shutting down, or the queue is full (then it is reported to the agent as an
-    /// [`Event::Overflow`], see `EventQueue`).
-    pub(crate) fn emit(&self, event: Event) -> bool {
-        log::debug!(
-            "exchange of '{}': {}",
-            self.agent,
-            crate::events::EventText(&event)
-        );
-        self.events.push(event, &self.stop)
-    }
-
-    /// Store key of `agent`'s metadata under `label`.
-    pub(crate) fn key(&self, agent: &str, label: &str) -> String {
-        store_key(&self.namespace, agent, label)
-    }
 }
 
 /// `Some(x)` as `x`, `None` as `none`, for log lines.
@@ -88,66 +54,6 @@ impl std::fmt::Display for ViaText<'_> {
     }
 }
 
-/// Work for a store backend.
-pub(crate) enum StoreCmd {
-    /// Publish our metadata under `label`.
-    Publish { label: String, blob: Arc<[u8]> },
-    /// Fetch `agent`'s metadata under `label`, waiting up to the fetch timeout.
-    Fetch { agent: String, label: String },
-    /// A fetch whose GET (at `since`) found the key missing: wait for it, up to the
-    /// fetch timeout counted from `since`.
-    WaitFor {
-        agent: String,
-        label: String,
-        since: std::time::Instant,
-    },
-    /// Delete everything we published.
-    Withdraw,
-}
-
-/// A running store backend: its command queues and threads.
-pub(crate) struct StoreWorker {
-    pub(crate) route: Route,
-    /// Where the store is, for error messages.
-    pub(crate) endpoint: String,
-    /// Publish and withdraw (and fetch when `fetches` is `None`).
-    pub(crate) ops: CmdSender,
-    /// Fetches, when the backend runs them on a thread of their own.
-    pub(crate) fetches: Option<CmdSender>,
-    /// The TCPStore backend's direct GET path (fetches written by the caller's thread).
-    pub(crate) direct: Option<Arc<tcpstore::direct::Direct>>,
-    pub(crate) threads: Vec<JoinHandle<()>>,
-}
-
-/// The sending end of a store backend's bounded command queue.
-pub(crate) enum CmdSender {
-    /// A thread blocked on a std channel.
-    Std(SyncSender<StoreCmd>),
-    /// An async task (etcd).
-    #[cfg(feature = "etcd")]
-    Tokio(tokio::sync::mpsc::Sender<StoreCmd>),
-}
-
-impl CmdSender {
-    fn try_send(&self, cmd: StoreCmd, limit: usize) -> Result<(), Error> {
-        const WHAT: &str = "store command queue";
-        match self {
-            CmdSender::Std(tx) => queue(tx, cmd, WHAT, limit),
-            #[cfg(feature = "etcd")]
-            CmdSender::Tokio(tx) => match tx.try_send(cmd) {
-                Ok(()) => Ok(()),
-                Err(tokio::sync::mpsc::error::TrySendError::Full(_)) => {
-                    Err(Error::Capacity { what: WHAT, limit })
-                }
-                Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) => Err(Error::backend(
-                    "exchange",
-                    format!("the worker behind the {WHAT} has stopped"),
-                )),
-            },
-        }
-    }
-}
-
 /// The agent's metadata-exchange manager. See the crate docs.
 pub struct Manager {
     shared: Arc<Shared>,
@@ -157,38 +63,16 @@ pub struct Manager {
     embedded: Option<ServerHandle>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 impl Manager {
     /// A manager for agent `agent`: starts the P2P listener, the embedded TCPStore server
-    /// and the store backend that `config` asks for. The P2P client worker starts on the
+    /// and the store that `config` asks for. The P2P client starts on the
     /// first call that names a peer address.
     pub fn new(agent: &str, config: ExchangeConfig) -> Result<Manager, Error> {
         check_agent_name(agent)?;
         let mut config = config.validated()?;
         let namespace = config.normalized_namespace()?;
-        let embedded = match config.embedded_store {
-            Some(addr) => {
-                let server = tcpstore::serve(addr, config.embedded_store_limits.clone())?;
-                if matches!(config.store, StoreConfig::None) {
-                    config.store =
-                        StoreConfig::TcpStore(TcpStoreConfig::new(server.local_addr().to_string()));
-                }
-                Some(server)
-            }
-            None => None,
-        };
-        let shared = Arc::new(Shared {
-            agent: agent.to_owned(),
-            local: LocalMd::default(),
-            events: EventQueue::new(config.event_capacity),
-            stop: AtomicBool::new(false),
-            direct_fetches: AtomicU64::new(0),
-            config,
-            namespace,
-        });
+        let embedded = stores::start_embedded(&mut config)?;
+        let shared = Arc::new(Shared::new(agent, config, namespace));
         let mut manager = Manager {
             shared: shared.clone(),
             listener: None,
@@ -197,19 +81,7 @@ impl Manager {
             embedded,
         };
         // From here on, an error drops `manager`, which stops what already started.
-        manager.store = match &shared.config.store {
-            StoreConfig::None => None,
-            StoreConfig::TcpStore(ts) => Some(tcpstore::backend::start(shared.clone(), ts)?),
-            #[cfg(feature = "etcd")]
-            StoreConfig::Etcd(etcd) => Some(crate::etcd::start(shared.clone(), etcd)?),
-            #[cfg(not(feature = "etcd"))]
-            StoreConfig::Etcd(_) => {
-                return Err(Error::NotSupported {
-                    backend: "exchange".into(),
-                    what: "the etcd metadata store: this build of ferry-exchange lacks its `etcd` cargo feature".into(),
-                })
-            }
-        };
+        manager.store = stores::start(&shared)?;
         if let Some(listen) = shared.config.p2p.listen {
             manager.listener = Some(p2p::Listener::start(shared.clone(), listen)?);
         }
@@ -246,6 +118,12 @@ impl Manager {
     /// Where the P2P listener listens, if it runs.
     pub fn p2p_listen_addr(&self) -> Option<SocketAddr> {
         self.listener.as_ref().map(p2p::Listener::local_addr)
+    }
+
+    /// Counters of the P2P listener's connection core (refused at the limits, evicted,
+    /// timed out, open), if it runs.
+    pub fn p2p_conn_stats(&self) -> Option<&crate::ConnStats> {
+        self.listener.as_ref().map(p2p::Listener::conn_stats)
     }
 
     /// Counters of the P2P listener, if it runs.
@@ -395,7 +273,7 @@ impl Manager {
         }
         match client.as_ref() {
             Some(c) => call(c),
-            None => Err(Error::backend("p2p", "the client worker did not start")),
+            None => Err(Error::backend("p2p", "the client did not start")),
         }
     }
 
@@ -410,32 +288,7 @@ impl Manager {
                 .into(),
             });
         };
-        if let (StoreCmd::Fetch { agent, label }, Some(direct)) = (&cmd, &store.direct) {
-            if direct.try_fetch(agent, label) {
-                return Ok(());
-            }
-        }
-        let tx = match (&cmd, &store.fetches) {
-            (StoreCmd::Fetch { .. }, Some(fetches)) => fetches,
-            _ => &store.ops,
-        };
-        tx.try_send(cmd, self.shared.config.command_capacity)
-    }
-}
-
-pub(crate) fn queue<T>(
-    tx: &SyncSender<T>,
-    cmd: T,
-    what: &'static str,
-    limit: usize,
-) -> Result<(), Error> {
-    match tx.try_send(cmd) {
-        Ok(()) => Ok(()),
-        Err(TrySendError::Full(_)) => Err(Error::Capacity { what, limit }),
-        Err(TrySendError::Disconnected(_)) => Err(Error::backend(
-            "exchange",
-            format!("the worker behind the {what} has stopped"),
-        )),
+        store.submit(cmd, self.shared.config.command_capacity)
     }
 }
 
@@ -447,14 +300,7 @@ impl Drop for Manager {
         }
         drop(lock(&self.p2p_client).take());
         if let Some(store) = self.store.take() {
-            if let Some(direct) = &store.direct {
-                direct.stop();
-            }
-            drop(store.ops);
-            drop(store.fetches);
-            for t in store.threads {
-                let _unused = t.join();
-            }
+            store.stop();
         }
         if let Some(server) = self.embedded.take() {
             server.stop();

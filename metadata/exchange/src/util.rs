@@ -3,9 +3,44 @@
 use std::fmt::Display;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::{Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use ferry_storage::Error;
+
+/// Lock `m`, ignoring poisoning. Every lock of this crate guards data kept consistent
+/// at each step (queues, maps, counters), so a panic on another thread while holding it
+/// leaves nothing half-done that the next user could trip on. The crate's one helper of
+/// this kind (with [`read`], [`write`] and [`wait_timeout`]).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// [`lock`] for the read side of an `RwLock`.
+pub(crate) fn read<T>(l: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    l.read().unwrap_or_else(|e| e.into_inner())
+}
+
+/// [`lock`] for the write side of an `RwLock`.
+pub(crate) fn write<T>(l: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+    l.write().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `Condvar::wait_timeout`, ignoring poisoning as [`lock`] does.
+pub(crate) fn wait_timeout<'a, T>(
+    cv: &Condvar,
+    guard: MutexGuard<'a, T>,
+    timeout: Duration,
+) -> MutexGuard<'a, T> {
+    cv.wait_timeout(guard, timeout)
+        .map(|(g, _)| g)
+        .unwrap_or_else(|e| e.into_inner().0)
+}
+
+/// `Condvar::wait`, ignoring poisoning as [`lock`] does.
+pub(crate) fn wait<'a, T>(cv: &Condvar, guard: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
+    cv.wait(guard).unwrap_or_else(|e| e.into_inner())
+}
 
 /// Turn an I/O error of `backend` into Ferry's error, naming what was being done.
 /// Timeouts (which Linux reports as `EAGAIN` on a socket read) get `ETIMEDOUT`.

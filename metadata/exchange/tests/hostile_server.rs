@@ -8,12 +8,15 @@ mod attacks;
 mod common;
 
 use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use attacks::*;
 use common::{blob, FakeAgent, LONG};
-use ferry_exchange::tcpstore::{proto, serve, ServerConfig, ServerHandle};
+use ferry_exchange::tcpstore::{
+    proto, serve, ClientOptions, ServerConfig, ServerHandle, TcpStoreClient,
+};
 use ferry_exchange::{ExchangeConfig, P2pConfig, Via, FULL_LABEL};
 
 /// One scenario at a time: they share the process whose memory is measured.
@@ -26,6 +29,9 @@ fn serial() -> MutexGuard<'static, ()> {
 fn config() -> ServerConfig {
     ServerConfig {
         max_connections: 600,
+        // The attacks and the good client all come from 127.0.0.1.
+        max_connections_per_source: 1 << 20,
+        tls: None,
         idle_timeout: Duration::from_secs(3),
         request_timeout: Duration::from_secs(1),
         park_timeout: Duration::from_secs(20),
@@ -436,6 +442,9 @@ fn p2p_config() -> ExchangeConfig {
     c.p2p.listen = Some(P2pConfig::LOOPBACK_EPHEMERAL);
     c.p2p.max_frame_bytes = 1 << 20;
     c.p2p.idle_timeout = Duration::from_secs(2);
+    // The attacks and the good peer all come from 127.0.0.1: these scenarios test the
+    // eviction at max_connections, not the per-source limit (tested below).
+    c.p2p.max_connections_per_source = 1 << 20;
     c.io_timeout = Duration::from_secs(1);
     c
 }
@@ -730,4 +739,97 @@ fn p2p_frame_trickled_after_the_hello() {
             }
         },
     );
+}
+
+/// A connection to `to` from `source` (bound before connecting).
+fn connect_from(source: std::net::IpAddr, to: SocketAddr) -> std::net::TcpStream {
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+    socket.bind(&SocketAddr::new(source, 0).into()).unwrap();
+    socket.connect(&to.into()).unwrap();
+    socket.into()
+}
+
+/// Whether the server closed `s` (end of file or reset within 5 s).
+fn closed_by_server(s: &mut std::net::TcpStream) -> bool {
+    use std::io::Read;
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut byte = [0u8; 1];
+    matches!(s.read(&mut byte), Ok(0) | Err(_))
+}
+
+/// The per-source limit: with `max_connections_per_source` = 64, the 65th connection
+/// from 127.0.0.1 is closed at once, while 127.0.0.2 (also loopback on Linux) still
+/// connects and is served; `refused_source` counts it.
+#[test]
+fn tcpstore_per_source_limit_refuses_the_65th_connection_from_one_address() {
+    let _serial = serial();
+    let c = ServerConfig {
+        max_connections: 200,
+        max_connections_per_source: 64,
+        ..config()
+    };
+    let server = serve("127.0.0.1:0".parse().unwrap(), c).unwrap();
+    let addr = server.local_addr();
+    let one: std::net::IpAddr = [127, 0, 0, 1].into();
+    let two: std::net::IpAddr = [127, 0, 0, 2].into();
+    let held: Vec<std::net::TcpStream> = (0..64).map(|_| connect_from(one, addr)).collect();
+    let deadline = Instant::now() + LONG;
+    while server.conn_stats().open.load(Ordering::Relaxed) < 64 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // The 65th from 127.0.0.1: accepted by the kernel, closed by the server at once.
+    let mut s65 = connect_from(one, addr);
+    assert!(
+        closed_by_server(&mut s65),
+        "the 65th connection from 127.0.0.1 was served"
+    );
+    assert_eq!(
+        server.conn_stats().refused_source.load(Ordering::Relaxed),
+        1
+    );
+    // Another address connects and is served meanwhile.
+    let mut other = TcpStoreClient::from_stream(connect_from(two, addr), ClientOptions::default())
+        .expect("127.0.0.2 is served");
+    other.set(b"/from-two", b"yes").unwrap();
+    assert_eq!(other.get(b"/from-two").unwrap(), b"yes");
+    assert_eq!(server.conn_stats().open.load(Ordering::Relaxed), 65);
+    drop(held);
+}
+
+/// The same limit on the P2P listener: 64 hellos from 127.0.0.1 held open, the 65th
+/// closed at once, a peer on 127.0.0.2 fetches meanwhile.
+#[test]
+fn p2p_per_source_limit_refuses_the_65th_connection_from_one_address() {
+    let _serial = serial();
+    let mut cfg = ExchangeConfig::default();
+    cfg.p2p.listen = Some(P2pConfig::LOOPBACK_EPHEMERAL);
+    cfg.p2p.max_connections = 200;
+    cfg.p2p.max_connections_per_source = 64;
+    let target = FakeAgent::new("target-0", cfg);
+    let md = blob("target-0", 1000);
+    target.manager.set_local_md(md.clone());
+    let addr = target.manager.p2p_listen_addr().unwrap();
+    let one: std::net::IpAddr = [127, 0, 0, 1].into();
+    let held: Vec<std::net::TcpStream> = (0..64).map(|_| connect_from(one, addr)).collect();
+    let stats = target.manager.p2p_conn_stats().unwrap();
+    let deadline = Instant::now() + LONG;
+    while stats.open.load(Ordering::Relaxed) < 64 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let mut s65 = connect_from(one, addr);
+    assert!(
+        closed_by_server(&mut s65),
+        "the 65th connection from 127.0.0.1 was served"
+    );
+    assert_eq!(stats.refused_source.load(Ordering::Relaxed), 1);
+    // A connection from 127.0.0.2 is served: the listener sends its hello.
+    let mut other = connect_from([127, 0, 0, 2].into(), addr);
+    other
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let mut magic = [0u8; 4];
+    std::io::Read::read_exact(&mut other, &mut magic).expect("127.0.0.2 is served");
+    assert_eq!(&magic, b"FRYX");
+    drop(held);
 }

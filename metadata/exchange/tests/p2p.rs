@@ -213,7 +213,7 @@ fn refused(a: &FakeAgent) -> u64 {
 
 /// A hand-made client of the listener at `to`: hello as `name` (with `secret`, the
 /// proof too), then a writer of frames. Returns the socket and the writer.
-fn rogue(to: SocketAddr, name: &str, secret: Option<&[u8]>) -> (TcpStream, FrameWriter) {
+fn rogue(to: SocketAddr, name: &str, secret: Option<&[u8]>) -> (TcpStream, FrameWriter<TcpStream>) {
     let (mut s, theirs) = raw_hello(to);
     let ours = Hello {
         auth: secret.is_some(),
@@ -499,4 +499,60 @@ fn listener_binds_only_what_it_is_told() {
     drop(m);
     // The port is free again after drop: the listener and its threads are gone.
     std::net::TcpListener::bind(a).expect("port released");
+}
+
+/// A fetch from a fresh agent `b` to `a`: time from the call to the load.
+fn timed_fetch(b: &mut FakeAgent, a: &FakeAgent, md: &[u8]) -> Duration {
+    let start = std::time::Instant::now();
+    b.manager
+        .fetch_remote_md(a.manager.agent_name(), Via::Peer(addr(a)), None)
+        .unwrap();
+    b.wait_md(a.manager.agent_name(), FULL_LABEL, md, LONG);
+    start.elapsed()
+}
+
+#[test]
+fn a_black_holed_peer_does_not_delay_fetches_from_others() {
+    let a = FakeAgent::new("healthy-0", listening(None));
+    let md = blob("healthy-0", 2000);
+    a.manager.set_local_md(md.clone());
+    // Baseline: fetches over a fresh connection (connect and hello included).
+    let mut baseline = Duration::ZERO;
+    for i in 0..3 {
+        let mut b = FakeAgent::new(&format!("base-{i}"), listening(None));
+        baseline = baseline.max(timed_fetch(&mut b, &a, &md));
+    }
+    // Listeners that accept and never answer: each hello to them waits out the I/O
+    // timeout (2 s here).
+    let holes: Vec<std::net::TcpListener> = (0..4)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let mut held = Vec::new();
+    let mut b = FakeAgent::new("fetcher-0", listening(None));
+    for (i, hole) in holes.iter().enumerate() {
+        b.manager
+            .fetch_remote_md(
+                &format!("hole-{i}"),
+                Via::Peer(hole.local_addr().unwrap()),
+                None,
+            )
+            .unwrap();
+    }
+    for hole in &holes {
+        let (s, _) = hole.accept().unwrap();
+        held.push(s);
+    }
+    // Every black-holed hello is in flight; a fetch from a healthy peer is not held up.
+    let delayed = timed_fetch(&mut b, &a, &md);
+    println!("fresh fetch: baseline {baseline:?}, beside 4 black holes {delayed:?}");
+    assert!(
+        delayed <= baseline + Duration::from_millis(100),
+        "fetch beside black-holed peers took {delayed:?} (baseline {baseline:?})"
+    );
+    // The black-holed fetches fail with a timeout, each on its own.
+    for i in 0..holes.len() {
+        let e = b.wait_fetch_failure(&format!("hole-{i}"), LONG);
+        assert!(e.to_string().contains("timed out"), "{e}");
+    }
+    drop(held);
 }

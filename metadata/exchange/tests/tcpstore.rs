@@ -61,6 +61,80 @@ fn client_and_server_speak_the_protocol() {
     setter.join().unwrap();
 }
 
+/// The operations of torch's client beyond the basic ones, on one connection: the
+/// checks that every reply was read in step are the next operation's answer.
+fn torch_ops_round(c: &mut TcpStoreClient, addr: SocketAddr, queues: bool, barrier: bool) {
+    c.multi_set(&[(b"/m1", b"one"), (b"/m2", b""), (b"/m3", b"three")])
+        .unwrap();
+    assert_eq!(
+        c.multi_get(&[b"/m1", b"/m2", b"/m3"]).unwrap(),
+        vec![b"one".to_vec(), Vec::new(), b"three".to_vec()]
+    );
+    assert_eq!(
+        c.multi_get_wait(&[b"/m3", b"/m1"], LONG).unwrap(),
+        Some(vec![b"three".to_vec(), b"one".to_vec()])
+    );
+    assert_eq!(
+        c.multi_get_wait(&[b"/m1", b"/never"], Duration::from_millis(50))
+            .unwrap(),
+        None
+    );
+    c.append(b"/ap", b"ab").unwrap();
+    c.append(b"/ap", b"cd").unwrap();
+    assert_eq!(c.get(b"/ap").unwrap(), b"abcd");
+    // The store-based barrier works on every server (ADD + WAIT).
+    let other = std::thread::spawn(move || client(addr).add_barrier(b"/ab", 2, LONG).unwrap());
+    assert!(c.add_barrier(b"/ab", 2, LONG).unwrap());
+    assert!(other.join().unwrap());
+    if queues {
+        assert_eq!(c.queue_len(b"/q").unwrap(), 0);
+        assert_eq!(c.queue_pop(b"/q").unwrap(), None);
+        c.queue_push(b"/q", b"first").unwrap();
+        c.queue_push(b"/q", b"second").unwrap();
+        assert_eq!(c.queue_len(b"/q").unwrap(), 2);
+        assert_eq!(c.queue_pop(b"/q").unwrap().as_deref(), Some(&b"first"[..]));
+        assert_eq!(
+            c.queue_pop_wait(b"/q", LONG).unwrap().as_deref(),
+            Some(&b"second"[..])
+        );
+        // A blocking pop woken by another client's push.
+        let pusher = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            client(addr).queue_push(b"/q", b"late").unwrap();
+        });
+        assert_eq!(
+            c.queue_pop_wait(b"/q", LONG).unwrap().as_deref(),
+            Some(&b"late"[..])
+        );
+        pusher.join().unwrap();
+        assert_eq!(
+            c.queue_pop_wait(b"/q", Duration::from_millis(50)).unwrap(),
+            None
+        );
+    }
+    if barrier {
+        // BARRIER: a single client times out (the wait is canceled, the connection
+        // stays usable), the second one releases both.
+        assert!(!c.barrier(b"/bar", 3, Duration::from_millis(50)).unwrap());
+        assert_eq!(
+            c.get(b"/m1").unwrap(),
+            b"one",
+            "usable after a canceled barrier"
+        );
+        let other = std::thread::spawn(move || client(addr).barrier(b"/bar", 3, LONG).unwrap());
+        assert!(c.barrier(b"/bar", 3, LONG).unwrap());
+        assert!(other.join().unwrap());
+    }
+}
+
+#[test]
+fn client_speaks_torch_operations_to_ferry_server() {
+    let server = serve("127.0.0.1:0".parse().unwrap(), ServerConfig::default()).unwrap();
+    let mut c = client(server.local_addr());
+    torch_ops_round(&mut c, server.local_addr(), true, true);
+    assert!(!c.is_broken());
+}
+
 #[test]
 fn server_drops_protocol_violations_and_keeps_serving() {
     let server = serve("127.0.0.1:0".parse().unwrap(), ServerConfig::default()).unwrap();
@@ -501,6 +575,9 @@ fn interop_ferry_client_with_torch_servers() {
         c.set(user_key("from-ferry").as_bytes(), b"hello torch")
             .unwrap();
         assert_eq!(torch.line(), "hello torch", "libuv={libuv}");
+        // torch's further operations (QUEUE_* need libuv; BARRIER needs torch 2.12, so
+        // it is exercised against Ferry's server only).
+        torch_ops_round(&mut c, torch.addr, libuv, false);
 
         // Discovery through torch's server, fetch before publish included.
         let cfg = store_config(torch.addr, "interop");

@@ -144,7 +144,7 @@ pub fn connect(plan: &Plan) -> Result<Peers, String> {
                 config.store = StoreConfig::TcpStore(TcpStoreConfig::new(addr.clone()));
                 addr
             }
-            StoreConfig::Etcd(_) => {
+            StoreConfig::Etcd(_) | StoreConfig::InProcess(_) => {
                 return Err("--role auto spawns its target with a TCPStore: give --tcpstore, or run the sides with --role initiator|target".into())
             }
         };

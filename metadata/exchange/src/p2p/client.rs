@@ -9,8 +9,12 @@
 //! caller's own thread: a small frame into an empty send buffer, so it never waits on
 //! the network, and no worker has to wake up to send it. Everything else — connecting
 //! and the hello, pushing metadata (large frames), invalidations, fetches to peers
-//! without an idle connection, and retries — goes through the bounded queue of the
-//! client **worker**.
+//! without an idle connection, and retries — is queued (bounded by the command
+//! capacity) in the **lane** of its peer address and done by a small pool of **lane
+//! threads** (at most [`LANES_MAX`]): one lane is served by one thread at a time, so
+//! requests to a peer keep their order, while lanes run in parallel, so a peer that
+//! is slow or unreachable (a connect or hello that takes up to the I/O timeout) holds
+//! up only its own lane, never another peer's.
 //!
 //! A connection that fails (peer closed it, reset, refused a frame) is closed by its
 //! reader; its pending requests are retried once on a fresh connection when the
@@ -19,8 +23,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::net::{Shutdown, SocketAddr, TcpStream};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -28,12 +31,18 @@ use ferry_storage::{Error, Subject};
 
 use super::frame::{FrameReader, FrameSettings, FrameWriter, FramedConn, Kind, RecvError, Role};
 use super::BACKEND;
+use crate::contract::Shared;
 use crate::events::{Event, Route};
-use crate::manager::{queue, Shared};
-use crate::util::{io_error, is_timeout, nonzero};
+use crate::stream::{Stream, TlsContext};
+use crate::util::{io_error, is_timeout, lock, nonzero};
 
 /// Most outbound connections kept open for reuse.
 const CONN_CACHE_MAX: usize = 64;
+/// Most lane threads: peers connected to (or written to) at the same time.
+pub(crate) const LANES_MAX: usize = 16;
+/// Stack of a lane thread (the hello and frame code keep their buffers on the heap, as
+/// the listener's connection threads, which run the same code on 256 KiB).
+const LANE_STACK_BYTES: usize = 256 << 10;
 
 /// What a request asks of a peer's listener.
 pub(crate) enum Request {
@@ -56,7 +65,7 @@ impl Request {
     }
 }
 
-/// Work for the client worker.
+/// Work for a lane.
 struct Cmd {
     to: SocketAddr,
     request: Request,
@@ -87,10 +96,6 @@ struct OutConn {
     pending: Mutex<PendingQueue>,
     /// A clone of the socket, to shut it down without the writer lock.
     socket: TcpStream,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl OutConn {
@@ -140,26 +145,90 @@ enum WriteError {
     Invalid(Request, std::io::Error),
 }
 
-/// State shared by the client handle, its worker and the reader threads.
+/// The lanes: queued commands per peer address, and the pool that serves them.
+#[derive(Default)]
+struct Lanes {
+    /// Commands per peer, in order.
+    queued: HashMap<SocketAddr, VecDeque<Cmd>>,
+    /// Commands in `queued`, all peers together (bounded by the command capacity).
+    queued_len: usize,
+    /// Peers with queued commands and no thread serving them, in arrival order.
+    ready: VecDeque<SocketAddr>,
+    /// Peers a lane thread is serving now.
+    busy: Vec<SocketAddr>,
+    /// Lane threads waiting for a ready lane.
+    idle_threads: usize,
+    threads: Vec<JoinHandle<()>>,
+    stop: bool,
+}
+
+/// State shared by the client handle, its lane threads and the reader threads.
 struct Inner {
     shared: Arc<Shared>,
-    /// The worker's queue; taken at stop, which ends the worker.
-    commands: Mutex<Option<SyncSender<Cmd>>>,
+    /// TLS to every peer, when configured.
+    tls: Option<TlsContext>,
+    lanes: Mutex<Lanes>,
+    lanes_cv: Condvar,
     conns: Mutex<HashMap<SocketAddr, Arc<OutConn>>>,
     readers: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl Inner {
-    fn queue(&self, cmd: Cmd) -> Result<(), Error> {
-        match &*lock(&self.commands) {
-            Some(tx) => queue(
-                tx,
+    /// Queue `cmd` in its peer's lane, starting a lane thread if none is free (at
+    /// most [`LANES_MAX`]). Never waits on the network.
+    fn queue(self: &Arc<Self>, cmd: Cmd) -> Result<(), Error> {
+        self.queue_or_return(cmd).map_err(|b| b.1)
+    }
+
+    /// [`Self::queue`], giving the command back with the error.
+    fn queue_or_return(self: &Arc<Self>, cmd: Cmd) -> Result<(), Box<(Cmd, Error)>> {
+        let limit = self.shared.config.command_capacity;
+        let mut lanes = lock(&self.lanes);
+        if lanes.stop {
+            return Err(Box::new((
                 cmd,
-                "p2p command queue",
-                self.shared.config.command_capacity,
-            ),
-            None => Err(Error::backend(BACKEND, "the client is stopping")),
+                Error::backend(BACKEND, "the client is stopping"),
+            )));
         }
+        if lanes.queued_len >= limit {
+            let what = "p2p command queue";
+            return Err(Box::new((cmd, Error::Capacity { what, limit })));
+        }
+        let to = cmd.to;
+        lanes.queued.entry(to).or_default().push_back(cmd);
+        lanes.queued_len += 1;
+        if !lanes.busy.contains(&to) && !lanes.ready.contains(&to) {
+            lanes.ready.push_back(to);
+        }
+        let want_thread = lanes.idle_threads == 0 && lanes.threads.len() < LANES_MAX;
+        if want_thread {
+            lanes.threads.retain(|t| !t.is_finished());
+            let inner = self.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("ferry-p2p-lane-{}", self.shared.agent))
+                .stack_size(LANE_STACK_BYTES)
+                .spawn(move || lane_loop(&inner));
+            match spawned {
+                Ok(t) => lanes.threads.push(t),
+                // The running lane threads get to it.
+                Err(e) if !lanes.threads.is_empty() => {
+                    log::warn!("p2p: cannot start another lane thread: {e}")
+                }
+                Err(e) => {
+                    let error = io_error(BACKEND, "spawning a lane thread", &e);
+                    let lane = lanes.queued.get_mut(&to);
+                    if let Some(cmd) = lane.and_then(VecDeque::pop_back) {
+                        lanes.queued_len -= 1;
+                        return Err(Box::new((cmd, error)));
+                    }
+                    // Unreachable: the command was just queued.
+                    return Ok(());
+                }
+            }
+        }
+        drop(lanes);
+        self.lanes_cv.notify_one();
+        Ok(())
     }
 
     fn conn(&self, to: SocketAddr) -> Option<Arc<OutConn>> {
@@ -197,37 +266,28 @@ impl Inner {
     }
 }
 
-/// The running client: the worker and the connections with their readers.
+/// The running client: the lanes and the connections with their readers.
 pub(crate) struct Client {
     inner: Arc<Inner>,
-    worker: Option<JoinHandle<()>>,
 }
 
 impl Client {
-    /// Start the worker (connections and their readers start on demand).
+    /// The client (lane threads, connections and their readers start on demand).
     pub(crate) fn start(shared: Arc<Shared>) -> Result<Client, Error> {
-        let (tx, rx) = sync_channel(shared.config.command_capacity);
+        let tls = crate::stream::load(shared.config.p2p.tls.as_ref())?;
         let inner = Arc::new(Inner {
             shared,
-            commands: Mutex::new(Some(tx)),
+            tls,
+            lanes: Mutex::new(Lanes::default()),
+            lanes_cv: Condvar::new(),
             conns: Mutex::new(HashMap::new()),
             readers: Mutex::new(Vec::new()),
         });
-        let worker = {
-            let inner = inner.clone();
-            std::thread::Builder::new()
-                .name(format!("ferry-p2p-client-{}", inner.shared.agent))
-                .spawn(move || worker_loop(&inner, &rx))
-                .map_err(|e| io_error(BACKEND, "spawning the client worker", &e))?
-        };
-        Ok(Client {
-            inner,
-            worker: Some(worker),
-        })
+        Ok(Client { inner })
     }
 
     /// Ask the listener at `to` for `agent`'s metadata under `label`. Written on this
-    /// thread when an idle connection to `to` exists, else queued for the worker.
+    /// thread when an idle connection to `to` exists, else queued in its lane.
     pub(crate) fn fetch(&self, to: SocketAddr, agent: &str, label: &str) -> Result<(), Error> {
         let request = Request::Fetch {
             agent: agent.to_owned(),
@@ -273,7 +333,7 @@ impl Client {
         }
     }
 
-    /// Push our metadata under `label` to the listener at `to` (through the worker).
+    /// Push our metadata under `label` to the listener at `to` (through its lane).
     pub(crate) fn send(&self, to: SocketAddr, label: &str, blob: Arc<[u8]>) -> Result<(), Error> {
         self.inner.queue(Cmd {
             to,
@@ -285,7 +345,7 @@ impl Client {
         })
     }
 
-    /// Tell the listener at `to` to drop our metadata (through the worker).
+    /// Tell the listener at `to` to drop our metadata (through its lane).
     pub(crate) fn invalidate(&self, to: SocketAddr) -> Result<(), Error> {
         self.inner.queue(Cmd {
             to,
@@ -296,14 +356,19 @@ impl Client {
 }
 
 impl Drop for Client {
-    /// Stop the worker, close every connection, join every thread. The manager has
-    /// raised the stop flag.
+    /// Stop the lane threads, close every connection, join every thread. The manager
+    /// has raised the stop flag.
     fn drop(&mut self) {
-        drop(lock(&self.inner.commands).take());
-        if let Some(worker) = self.worker.take() {
-            let _unused = worker.join();
+        let threads = {
+            let mut lanes = lock(&self.inner.lanes);
+            lanes.stop = true;
+            std::mem::take(&mut lanes.threads)
+        };
+        self.inner.lanes_cv.notify_all();
+        for t in threads {
+            let _unused = t.join();
         }
-        // The worker is gone: no connection starts any more.
+        // The lane threads are gone: no connection starts any more.
         for conn in lock(&self.inner.conns).values() {
             let _unused = conn.socket.shutdown(Shutdown::Both);
         }
@@ -314,56 +379,81 @@ impl Drop for Client {
     }
 }
 
-fn worker_loop(inner: &Arc<Inner>, commands: &Receiver<Cmd>) {
-    // Ends when the client drops the only sender.
-    while let Ok(Cmd {
+/// A lane thread: serve ready lanes (one at a time, every command of it in order)
+/// until the client stops.
+fn lane_loop(inner: &Arc<Inner>) {
+    let mut lanes = lock(&inner.lanes);
+    loop {
+        if lanes.stop {
+            return;
+        }
+        let Some(to) = lanes.ready.pop_front() else {
+            lanes.idle_threads += 1;
+            lanes = crate::util::wait(&inner.lanes_cv, lanes);
+            lanes.idle_threads -= 1;
+            continue;
+        };
+        lanes.busy.push(to);
+        while let Some(cmd) = lanes.queued.get_mut(&to).and_then(VecDeque::pop_front) {
+            lanes.queued_len -= 1;
+            drop(lanes);
+            if inner.shared.stopping() {
+                lanes = lock(&inner.lanes);
+                break;
+            }
+            run_cmd(inner, cmd);
+            lanes = lock(&inner.lanes);
+        }
+        lanes.queued.remove(&to);
+        lanes.busy.retain(|a| *a != to);
+    }
+}
+
+/// One command of a lane: on the connection to its peer, made first if there is none.
+fn run_cmd(inner: &Arc<Inner>, cmd: Cmd) {
+    let Cmd {
         to,
         request,
         retried,
-    }) = commands.recv()
-    {
-        if inner.shared.stopping() {
-            return;
-        }
-        let (conn, fresh) = match inner.conn(to) {
-            Some(conn) => (conn, false),
-            None => match connect(inner, to) {
-                Ok(conn) => (conn, true),
-                Err(error) => {
-                    inner.fail(to, request, error);
-                    continue;
-                }
-            },
-        };
-        let mut w = lock(&conn.writer);
-        // A request written on a connection made for it is not retried: the peer
-        // refused it, not an idle timeout.
-        match conn.write(&mut w, &inner.shared.agent, request, retried || fresh) {
-            Ok(()) => {}
-            Err(WriteError::Invalid(request, e)) => inner.fail(
-                to,
-                request,
-                Error::invalid(
-                    Subject::Named(format!("p2p frame to {to}").into()),
-                    e.to_string(),
-                ),
+    } = cmd;
+    let (conn, fresh) = match inner.conn(to) {
+        Some(conn) => (conn, false),
+        None => match connect(inner, to) {
+            Ok(conn) => (conn, true),
+            Err(error) => {
+                inner.fail(to, request, error);
+                return;
+            }
+        },
+    };
+    let mut w = lock(&conn.writer);
+    // A request written on a connection made for it is not retried: the peer refused
+    // it, not an idle timeout.
+    match conn.write(&mut w, &inner.shared.agent, request, retried || fresh) {
+        Ok(()) => {}
+        Err(WriteError::Invalid(request, e)) => inner.fail(
+            to,
+            request,
+            Error::invalid(
+                Subject::Named(format!("p2p frame to {to}").into()),
+                e.to_string(),
             ),
-            Err(WriteError::Closed(request)) => {
-                // The reader closed it just now: once more on a fresh connection.
-                drop(w);
-                inner.forget(&conn);
-                if retried {
-                    inner.fail(to, request, closed_error(to));
-                } else {
-                    let _unused = retry(
-                        inner,
-                        Cmd {
-                            to,
-                            request,
-                            retried: true,
-                        },
-                    );
-                }
+        ),
+        Err(WriteError::Closed(request)) => {
+            // The reader closed it just now: once more on a fresh connection.
+            drop(w);
+            inner.forget(&conn);
+            if retried {
+                inner.fail(to, request, closed_error(to));
+            } else {
+                let _unused = retry(
+                    inner,
+                    Cmd {
+                        to,
+                        request,
+                        retried: true,
+                    },
+                );
             }
         }
     }
@@ -385,6 +475,14 @@ fn connect(inner: &Arc<Inner>, to: SocketAddr) -> Result<Arc<OutConn>, Error> {
     let socket = stream
         .try_clone()
         .map_err(|e| io_error(BACKEND, format_args!("connection to {to}"), &e))?;
+    let stream = match &inner.tls {
+        None => Stream::Plain(stream),
+        Some(tls) => {
+            let _unused = stream.set_read_timeout(Some(nonzero(config.io_timeout)));
+            tls.connect(stream, &to.ip().to_string())
+                .map_err(|e| io_error(BACKEND, format_args!("TLS to {to}"), &e))?
+        }
+    };
     let settings = FrameSettings {
         secret: config.p2p.secret.clone(),
         max_frame_bytes: config.p2p.max_frame_bytes,
@@ -433,7 +531,7 @@ fn connect(inner: &Arc<Inner>, to: SocketAddr) -> Result<Arc<OutConn>, Error> {
 
 /// Read replies of one connection until it fails or the client stops; then close it
 /// and settle what is pending.
-fn read_loop(inner: &Inner, conn: &Arc<OutConn>, mut reader: FrameReader) {
+fn read_loop(inner: &Arc<Inner>, conn: &Arc<OutConn>, mut reader: FrameReader) {
     let shared = &inner.shared;
     let io_timeout = shared.config.io_timeout;
     let failure = loop {
@@ -497,23 +595,21 @@ fn read_loop(inner: &Inner, conn: &Arc<OutConn>, mut reader: FrameReader) {
     }
 }
 
-/// Queue `cmd` for the worker; if that fails, report the request failed.
-fn retry(inner: &Inner, cmd: Cmd) -> Result<(), Error> {
-    let commands = lock(&inner.commands);
-    let Some(tx) = commands.as_ref() else {
+/// Queue `cmd` again; if that fails, report the request failed.
+fn retry(inner: &Arc<Inner>, cmd: Cmd) -> Result<(), Error> {
+    if lock(&inner.lanes).stop {
         return Ok(());
-    };
-    match tx.try_send(cmd) {
+    }
+    match inner.queue_or_return(cmd) {
         Ok(()) => Ok(()),
-        Err(e) => {
-            drop(commands);
-            let cmd = match e {
-                std::sync::mpsc::TrySendError::Full(c)
-                | std::sync::mpsc::TrySendError::Disconnected(c) => c,
-            };
-            let error = Error::Capacity {
-                what: "p2p command queue (retrying a request)",
-                limit: inner.shared.config.command_capacity,
+        Err(failed) => {
+            let (cmd, error) = *failed;
+            let error = match error {
+                Error::Capacity { limit, .. } => Error::Capacity {
+                    what: "p2p command queue (retrying a request)",
+                    limit,
+                },
+                other => other,
             };
             inner.fail(cmd.to, cmd.request, error.clone());
             Err(error)

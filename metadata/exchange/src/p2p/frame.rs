@@ -46,6 +46,7 @@ use std::time::{Duration, Instant};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
+use crate::stream::Stream;
 use crate::util::{deadline_after, nonzero};
 
 type HmacSha256 = Hmac<Sha256>;
@@ -161,6 +162,12 @@ pub trait Source: Read {
 }
 
 impl Source for TcpStream {
+    fn set_timeout(&self, timeout: Duration) -> io::Result<()> {
+        self.set_read_timeout(Some(timeout))
+    }
+}
+
+impl Source for Stream {
     fn set_timeout(&self, timeout: Duration) -> io::Result<()> {
         self.set_read_timeout(Some(timeout))
     }
@@ -288,7 +295,7 @@ pub struct FrameSettings {
 }
 
 /// The sending half of a connection.
-pub struct FrameWriter<W: Write = TcpStream> {
+pub struct FrameWriter<W: Write = Stream> {
     stream: W,
     secret: Option<Arc<[u8]>>,
     peer_nonce: [u8; 16],
@@ -304,7 +311,7 @@ pub struct FrameWriter<W: Write = TcpStream> {
 }
 
 /// The receiving half of a connection.
-pub struct FrameReader<S: Source = TcpStream> {
+pub struct FrameReader<S: Source = Stream> {
     stream: S,
     secret: Option<Arc<[u8]>>,
     my_nonce: [u8; 16],
@@ -335,7 +342,7 @@ fn io_refused(why: String) -> RecvError {
 
 /// Read exactly `buf.len()` bytes by `deadline` (the socket timeout is set to what is
 /// left before each read).
-fn read_exact_by(stream: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> io::Result<()> {
+fn read_exact_by(stream: &mut Stream, buf: &mut [u8], deadline: Instant) -> io::Result<()> {
     let mut got = 0;
     while got < buf.len() {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -361,7 +368,7 @@ impl FramedConn {
     /// with `role` named `name`. Both sides must agree on authentication. The whole
     /// exchange must finish within `settings.io_timeout`.
     pub fn handshake(
-        mut stream: TcpStream,
+        mut stream: Stream,
         role: Role,
         name: &str,
         settings: &FrameSettings,
@@ -437,7 +444,7 @@ impl FramedConn {
 
     /// The socket (for its addresses and shutdown).
     pub fn stream(&self) -> &TcpStream {
-        &self.reader.stream
+        self.reader.stream.socket()
     }
 
     /// The agent name the peer gave in its hello (proven when a secret is set).
@@ -1045,10 +1052,20 @@ mod tests {
         let b = settings(b);
         let t = std::thread::spawn(move || {
             let (s, _) = listener.accept().unwrap();
-            FramedConn::handshake(s, Role::Accepting, "agent-b", &b)
+            FramedConn::handshake(
+                crate::stream::Stream::Plain(s),
+                Role::Accepting,
+                "agent-b",
+                &b,
+            )
         });
         let s = TcpStream::connect(addr).unwrap();
-        let a = FramedConn::handshake(s, Role::Connecting, "agent-a", &settings(a));
+        let a = FramedConn::handshake(
+            crate::stream::Stream::Plain(s),
+            Role::Connecting,
+            "agent-a",
+            &settings(a),
+        );
         (a, t.join().unwrap())
     }
 

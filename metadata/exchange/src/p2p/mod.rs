@@ -11,19 +11,23 @@
 //! [`ListenerStats::connections_refused`].
 
 mod client;
+pub(crate) mod config;
 pub mod frame;
+
+pub use config::P2pConfig;
 
 pub(crate) use client::Client;
 
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use ferry_storage::Error;
 
 use crate::conn_server::{ConnCtx, ConnLimits, ConnServer, ConnStats};
+use crate::contract::Shared;
 use crate::events::{Event, Route, FULL_LABEL};
-use crate::manager::Shared;
+use crate::stream::Stream;
 use frame::{FrameSettings, FramedConn, Kind, RecvError, Role};
 
 pub(crate) const BACKEND: &str = "p2p";
@@ -58,12 +62,14 @@ impl Listener {
         // first byte; a connection between frames is closed after the idle timeout.
         let limits = ConnLimits {
             max_connections: p2p.max_connections,
+            max_connections_per_source: p2p.max_connections_per_source,
             idle_timeout: p2p.idle_timeout,
             request_timeout: shared.config.io_timeout,
             park_timeout: p2p.idle_timeout,
             write_timeout: shared.config.io_timeout,
         };
         let stats = Arc::new(ListenerStats::default());
+        let tls = crate::stream::load(p2p.tls.as_ref())?;
         let (handler_shared, handler_stats) = (shared.clone(), stats.clone());
         let server = ConnServer::start(
             BACKEND,
@@ -73,6 +79,22 @@ impl Listener {
                 handler_stats
                     .connections_accepted
                     .fetch_add(1, Ordering::Relaxed);
+                let stream = match &tls {
+                    None => Stream::Plain(stream),
+                    // The handshake deadline of the core covers the TLS handshake.
+                    Some(tls) => match tls.accept(stream) {
+                        Ok(s) => s,
+                        Err(e) => {
+                            if !handler_shared.stopping() {
+                                log::warn!("p2p listener: TLS from {}: {e}", ctx.peer());
+                                handler_stats
+                                    .connections_refused
+                                    .fetch_add(1, Ordering::Relaxed);
+                            }
+                            return;
+                        }
+                    },
+                };
                 serve_connection(stream, ctx, &handler_shared, &handler_stats);
             }),
         )?;
@@ -92,7 +114,6 @@ impl Listener {
 
     /// Counters of the connection-server core (refused at the limit, evicted, timed
     /// out).
-    #[allow(dead_code)]
     pub(crate) fn conn_stats(&self) -> &ConnStats {
         self.server.stats()
     }
@@ -111,14 +132,14 @@ impl Listener {
 /// `Load` or `Invalidate` is only ever about the connection's own agent. `ctx` carries
 /// the connection-server core's deadlines.
 pub(crate) fn serve_connection(
-    stream: TcpStream,
+    stream: Stream,
     ctx: &ConnCtx,
     shared: &Shared,
     stats: &ListenerStats,
 ) {
     let peer = ctx.peer();
     let p2p = &shared.config.p2p;
-    let _unused = stream.set_nodelay(true);
+    let _unused = stream.socket().set_nodelay(true);
     let settings = FrameSettings {
         secret: p2p.secret.clone(),
         max_frame_bytes: p2p.max_frame_bytes,

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use ferry_storage::Error;
 
 use super::proto::{self, op};
+use crate::stream::{Stream, TlsContext};
 use crate::util::{connect, io_error, nonzero};
 
 const BACKEND: &str = "tcpstore";
@@ -29,6 +30,8 @@ pub struct ClientOptions {
     pub ping: bool,
     /// Largest value accepted in a reply.
     pub max_value_bytes: usize,
+    /// Mutual TLS to the server (cargo feature `tls`; the server must use it too).
+    pub tls: Option<TlsContext>,
 }
 
 impl Default for ClientOptions {
@@ -37,13 +40,14 @@ impl Default for ClientOptions {
             io_timeout: Duration::from_secs(5),
             ping: true,
             max_value_bytes: 256 << 20,
+            tls: None,
         }
     }
 }
 
 /// One connection to a TCPStore server. One request in flight at a time.
 pub struct TcpStoreClient {
-    stream: TcpStream,
+    stream: Stream,
     endpoint: String,
     options: ClientOptions,
     request: Vec<u8>,
@@ -54,10 +58,39 @@ impl TcpStoreClient {
     /// Connect to `endpoint` (`HOST:PORT`) and do the handshake (VALIDATE, then PING
     /// if enabled).
     pub fn connect(endpoint: &str, options: ClientOptions) -> Result<TcpStoreClient, Error> {
-        let stream = connect(BACKEND, endpoint, options.io_timeout)?;
+        let sock = connect(BACKEND, endpoint, options.io_timeout)?;
+        let stream = match &options.tls {
+            None => Stream::Plain(sock),
+            Some(tls) => {
+                let host = endpoint.rsplit_once(':').map_or(endpoint, |(h, _)| h);
+                let host = host.trim_start_matches('[').trim_end_matches(']');
+                tls.connect(sock, host)
+                    .map_err(|e| io_error(BACKEND, format_args!("TLS to {endpoint}"), &e))?
+            }
+        };
+        Self::handshake(stream, endpoint.to_owned(), options)
+    }
+
+    /// Do the handshake on a stream connected by the caller (bound to a source address,
+    /// say); it gets `TCP_NODELAY` and the I/O timeout.
+    pub fn from_stream(stream: TcpStream, options: ClientOptions) -> Result<TcpStoreClient, Error> {
+        let stream = Stream::Plain(stream);
+        let endpoint = stream
+            .peer_addr()
+            .map_or_else(|_| "?".to_owned(), |a| a.to_string());
+        crate::util::configure(stream.socket(), options.io_timeout)
+            .map_err(|e| io_error(BACKEND, format_args!("configuring {endpoint}"), &e))?;
+        Self::handshake(stream, endpoint, options)
+    }
+
+    fn handshake(
+        stream: Stream,
+        endpoint: String,
+        options: ClientOptions,
+    ) -> Result<TcpStoreClient, Error> {
         let mut client = TcpStoreClient {
             stream,
-            endpoint: endpoint.to_owned(),
+            endpoint,
             options,
             request: Vec::with_capacity(256),
             broken: false,
@@ -77,7 +110,10 @@ impl TcpStoreClient {
                 client.broken = true;
                 return Err(Error::backend(
                     BACKEND,
-                    format!("PING to {endpoint}: echo {echo:#x} differs from nonce {nonce:#x}"),
+                    format!(
+                        "PING to {}: echo {echo:#x} differs from nonce {nonce:#x}",
+                        client.endpoint
+                    ),
                 ));
             }
         }
@@ -92,7 +128,7 @@ impl TcpStoreClient {
     /// The connection itself, after the handshake, for a caller that speaks the
     /// protocol on its own (it has `TCP_NODELAY` and the I/O timeout on reads and
     /// writes).
-    pub fn into_stream(self) -> TcpStream {
+    pub fn into_stream(self) -> Stream {
         self.stream
     }
 
@@ -146,11 +182,21 @@ impl TcpStoreClient {
         self.begin(op::WAIT);
         self.put_keys(keys);
         self.send("WAIT")?;
+        self.await_parked("WAIT", timeout)
+    }
+
+    /// The reply of a parked request (WAIT, BARRIER): `STOP_WAITING` within `timeout`,
+    /// else the cancel sequence; returns whether it came.
+    fn await_parked(&mut self, what: &'static str, timeout: Duration) -> Result<bool, Error> {
         let deadline = crate::util::deadline_after(Instant::now(), timeout);
         let waited = self.stream.set_read_timeout(Some(nonzero(timeout)));
         if let Err(e) = waited {
             self.broken = true;
-            return Err(io_error(BACKEND, "WAIT: setting the deadline", &e));
+            return Err(io_error(
+                BACKEND,
+                format_args!("{what}: setting the deadline"),
+                &e,
+            ));
         }
         let reply = proto::read_u8(&mut self.stream);
         let restored = self
@@ -158,11 +204,15 @@ impl TcpStoreClient {
             .set_read_timeout(Some(nonzero(self.options.io_timeout)));
         if let Err(e) = restored {
             self.broken = true;
-            return Err(io_error(BACKEND, "WAIT: restoring the timeout", &e));
+            return Err(io_error(
+                BACKEND,
+                format_args!("{what}: restoring the timeout"),
+                &e,
+            ));
         }
         match reply {
             Ok(proto::STOP_WAITING) => Ok(true),
-            Ok(other) => Err(self.protocol("WAIT", format!("reply byte {other}"))),
+            Ok(other) => Err(self.protocol(what, format!("reply byte {other}"))),
             Err(e) if crate::util::is_timeout(&e) => {
                 debug_assert!(Instant::now() + Duration::from_millis(50) >= deadline);
                 self.cancel_wait()
@@ -171,11 +221,133 @@ impl TcpStoreClient {
                 self.broken = true;
                 Err(io_error(
                     BACKEND,
-                    format_args!("WAIT on {}", self.endpoint),
+                    format_args!("{what} on {}", self.endpoint),
                     &e,
                 ))
             }
         }
+    }
+
+    /// MULTI_GET without waiting: the values of `keys`, in order (a missing key gives an
+    /// empty vector on libuv servers and Ferry's; torch's legacy server closes the
+    /// connection). torch's `multi_get` is [`Self::wait`] then this:
+    /// [`Self::multi_get_wait`].
+    pub fn multi_get(&mut self, keys: &[&[u8]]) -> Result<Vec<Vec<u8>>, Error> {
+        self.begin(op::MULTI_GET);
+        self.put_keys(keys);
+        self.send("MULTI_GET")?;
+        let max = self.options.max_value_bytes;
+        let n = keys.len();
+        self.read("MULTI_GET", |r| {
+            (0..n).map(|_| proto::read_bytes(r, max)).collect()
+        })
+    }
+
+    /// torch's `multi_get`: WAIT for every key (up to `timeout`), then MULTI_GET;
+    /// `Ok(None)` when they did not all appear in time.
+    pub fn multi_get_wait(
+        &mut self,
+        keys: &[&[u8]],
+        timeout: Duration,
+    ) -> Result<Option<Vec<Vec<u8>>>, Error> {
+        if !self.wait(keys, timeout)? {
+            return Ok(None);
+        }
+        self.multi_get(keys).map(Some)
+    }
+
+    /// MULTI_SET: set every `(key, value)` (one request, no reply; wakes waiters).
+    pub fn multi_set(&mut self, pairs: &[(&[u8], &[u8])]) -> Result<(), Error> {
+        self.begin(op::MULTI_SET);
+        proto::put_u64(&mut self.request, pairs.len() as u64);
+        for (key, value) in pairs {
+            proto::put_bytes(&mut self.request, key);
+            proto::put_bytes(&mut self.request, value);
+        }
+        self.send("MULTI_SET")
+    }
+
+    /// APPEND `value` to the value at `key` (created if missing; no reply).
+    pub fn append(&mut self, key: &[u8], value: &[u8]) -> Result<(), Error> {
+        self.begin(op::APPEND);
+        proto::put_bytes(&mut self.request, key);
+        proto::put_bytes(&mut self.request, value);
+        self.send("APPEND")
+    }
+
+    /// QUEUE_PUSH `value` onto the queue at `key` (no reply; wakes one waiter). libuv
+    /// servers (torch >= 2.8) and Ferry's; the legacy server closes the connection.
+    pub fn queue_push(&mut self, key: &[u8], value: &[u8]) -> Result<(), Error> {
+        self.begin(op::QUEUE_PUSH);
+        proto::put_bytes(&mut self.request, key);
+        proto::put_bytes(&mut self.request, value);
+        self.send("QUEUE_PUSH")
+    }
+
+    /// QUEUE_POP without waiting: the front value, or `None` when the queue is empty.
+    pub fn queue_pop(&mut self, key: &[u8]) -> Result<Option<Vec<u8>>, Error> {
+        self.begin(op::QUEUE_POP);
+        proto::put_bytes(&mut self.request, key);
+        self.send("QUEUE_POP")?;
+        let max = self.options.max_value_bytes;
+        self.read("QUEUE_POP", |r| {
+            let len = proto::read_i64(r)?;
+            if len > 0 {
+                proto::read_bytes(r, max).map(Some)
+            } else {
+                Ok(None)
+            }
+        })
+    }
+
+    /// torch's `queue_pop(block=True)`: WAIT for the queue (up to `timeout`), then
+    /// QUEUE_POP; `Ok(None)` when nothing came in time (or another client took it).
+    pub fn queue_pop_wait(
+        &mut self,
+        key: &[u8],
+        timeout: Duration,
+    ) -> Result<Option<Vec<u8>>, Error> {
+        if !self.wait(&[key], timeout)? {
+            return Ok(None);
+        }
+        self.queue_pop(key)
+    }
+
+    /// QUEUE_LEN: how many values the queue at `key` holds.
+    pub fn queue_len(&mut self, key: &[u8]) -> Result<i64, Error> {
+        self.begin(op::QUEUE_LEN);
+        proto::put_bytes(&mut self.request, key);
+        self.send("QUEUE_LEN")?;
+        self.read("QUEUE_LEN", proto::read_i64)
+    }
+
+    /// BARRIER (torch >= 2.12 servers and Ferry's): count this client in at `key` and
+    /// wait until `world` clients have (up to `timeout`); `Ok(false)` on timeout (the
+    /// wait is canceled; the count stays).
+    pub fn barrier(&mut self, key: &[u8], world: i64, timeout: Duration) -> Result<bool, Error> {
+        self.begin(op::BARRIER);
+        proto::put_bytes(&mut self.request, key);
+        proto::put_i64(&mut self.request, world);
+        self.send("BARRIER")?;
+        self.await_parked("BARRIER", timeout)
+    }
+
+    /// The barrier of torch's servers without a BARRIER op (torch's
+    /// `store_based_barrier`): ADD 1 to `key`, then WAIT for `<key>/done`, which the
+    /// client that brings the count to `world` sets. Returns whether all arrived
+    /// within `timeout`.
+    pub fn add_barrier(
+        &mut self,
+        key: &[u8],
+        world: i64,
+        timeout: Duration,
+    ) -> Result<bool, Error> {
+        let mut done = key.to_vec();
+        done.extend_from_slice(b"/done");
+        if self.add(key, 1)? >= world {
+            self.set(&done, b"1")?;
+        }
+        self.wait(&[&done], timeout)
     }
 
     /// The timeout sequence: CANCEL_WAIT, then 1 (canceled) or 0 then 1 (the keys came
@@ -281,7 +453,7 @@ impl TcpStoreClient {
     fn read<T>(
         &mut self,
         what: &'static str,
-        f: impl FnOnce(&mut TcpStream) -> std::io::Result<T>,
+        f: impl FnOnce(&mut Stream) -> std::io::Result<T>,
     ) -> Result<T, Error> {
         f(&mut self.stream).map_err(|e| {
             self.broken = true;

@@ -1,9 +1,7 @@
-//! PyTorch's c10d TCPStore protocol: Ferry's client ([`TcpStoreClient`]), Ferry's own
-//! server ([`serve`]), and the metadata backend built on the client.
+//! PyTorch's c10d TCPStore protocol: Ferry's client ([`TcpStoreClient`]) and Ferry's own
+//! server ([`serve`]). The metadata store built on the client is `stores/tcpstore/`.
 
-pub(crate) mod backend;
 mod client;
-pub(crate) mod direct;
 pub mod proto;
 mod server;
 

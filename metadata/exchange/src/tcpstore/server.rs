@@ -37,6 +37,8 @@ use ferry_storage::{Error, Subject};
 
 use super::proto::{self, parse_request, ParseError, Parsed, Request, RequestLimits};
 use crate::conn_server::{ByteBudget, ConnCtx, ConnLimits, ConnServer, ConnStats};
+use crate::stream::{Stream, TlsConfig, TlsContext};
+use crate::util::lock;
 
 const BACKEND: &str = "tcpstore-server";
 /// Values up to this size are copied into the reply; larger ones are written from the
@@ -58,6 +60,11 @@ pub struct ServerConfig {
     /// Most connections served at once; at the limit a new connection takes the slot of
     /// the one idle the longest, or is closed at once when all are busy.
     pub max_connections: usize,
+    /// Most connections from one source IP address; past it a new one is closed at
+    /// once (it evicts nobody).
+    pub max_connections_per_source: usize,
+    /// Mutual TLS (cargo feature `tls`): every client must use it too.
+    pub tls: Option<TlsConfig>,
     /// A connection with no request in progress is closed after this long.
     pub idle_timeout: Duration,
     /// Once a request's first byte arrived, the whole request must arrive within this.
@@ -92,6 +99,8 @@ impl Default for ServerConfig {
     fn default() -> ServerConfig {
         ServerConfig {
             max_connections: 1024,
+            max_connections_per_source: 256,
+            tls: None,
             idle_timeout: Duration::from_secs(600),
             request_timeout: Duration::from_secs(30),
             park_timeout: Duration::from_secs(3600),
@@ -113,6 +122,11 @@ impl Default for ServerConfig {
 /// The environment variables of [`ServerConfig`]: name, field, whether it is in ms.
 const ENV_VARS: &[(&str, &str, bool)] = &[
     ("FERRY_TCPSTORE_MAX_CONNECTIONS", "max_connections", false),
+    (
+        "FERRY_TCPSTORE_MAX_CONNECTIONS_PER_SOURCE",
+        "max_connections_per_source",
+        false,
+    ),
     ("FERRY_TCPSTORE_IDLE_TIMEOUT_MS", "idle_timeout", true),
     ("FERRY_TCPSTORE_REQUEST_TIMEOUT_MS", "request_timeout", true),
     ("FERRY_TCPSTORE_PARK_TIMEOUT_MS", "park_timeout", true),
@@ -177,6 +191,7 @@ impl ServerConfig {
             let u = usize::try_from(n).unwrap_or(usize::MAX);
             match field {
                 "max_connections" => self.max_connections = u,
+                "max_connections_per_source" => self.max_connections_per_source = u,
                 "idle_timeout" => self.idle_timeout = d,
                 "request_timeout" => self.request_timeout = d,
                 "park_timeout" => self.park_timeout = d,
@@ -226,6 +241,10 @@ impl ServerConfig {
         }
         for (what, n) in [
             ("max_connections", self.max_connections),
+            (
+                "max_connections_per_source",
+                self.max_connections_per_source,
+            ),
             ("max_key_bytes", self.max_key_bytes),
             ("max_keys_per_request", self.max_keys_per_request),
             ("max_keys", self.max_keys),
@@ -273,7 +292,7 @@ pub struct ServerHandle {
     shared: Arc<Shared>,
 }
 
-type Writer = Arc<Mutex<TcpStream>>;
+type Writer = Arc<Mutex<Stream>>;
 type Value = Arc<Vec<u8>>;
 type Key = Arc<[u8]>;
 
@@ -317,6 +336,8 @@ struct State {
 
 struct Shared {
     config: ServerConfig,
+    /// TLS on every connection, when configured.
+    tls: Option<TlsContext>,
     limits: RequestLimits,
     state: Mutex<State>,
     budget: ByteBudget,
@@ -326,7 +347,9 @@ struct Shared {
 /// store must be reachable from other hosts.
 pub fn serve(listen: SocketAddr, config: ServerConfig) -> Result<ServerHandle, Error> {
     config.check()?;
+    let tls = crate::stream::load(config.tls.as_ref())?;
     let shared = Arc::new(Shared {
+        tls,
         limits: config.request_limits(),
         budget: ByteBudget::new(config.max_buffered_bytes),
         state: Mutex::new(State::default()),
@@ -334,6 +357,7 @@ pub fn serve(listen: SocketAddr, config: ServerConfig) -> Result<ServerHandle, E
     });
     let limits = ConnLimits {
         max_connections: shared.config.max_connections,
+        max_connections_per_source: shared.config.max_connections_per_source,
         idle_timeout: shared.config.idle_timeout,
         request_timeout: shared.config.request_timeout,
         park_timeout: shared.config.park_timeout,
@@ -400,10 +424,6 @@ impl Drop for ServerHandle {
         self.server.stop();
         log::info!("tcpstore server on {} stopped", self.local_addr());
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn bad(msg: impl Into<String>) -> io::Error {
@@ -700,7 +720,7 @@ impl Reply {
             v => self.bytes(v.map(|v| &v[..]).unwrap_or_default()),
         }
     }
-    fn write_to(&self, w: &mut TcpStream) -> io::Result<()> {
+    fn write_to(&self, w: &mut Stream) -> io::Result<()> {
         let mut from = 0;
         for (at, v) in &self.shared {
             w.write_all(&self.head[from..*at])?;
@@ -728,8 +748,7 @@ impl Conn<'_> {
         state: MutexGuard<'_, State>,
         woken: Vec<(Writer, Arc<ConnCtx>)>,
     ) -> io::Result<()> {
-        let mut others: Vec<MutexGuard<'_, TcpStream>> =
-            woken.iter().map(|(w, _)| lock(w)).collect();
+        let mut others: Vec<MutexGuard<'_, Stream>> = woken.iter().map(|(w, _)| lock(w)).collect();
         let mut own = (!self.reply.is_empty()).then(|| lock(&self.writer));
         drop(state);
         for w in others.iter_mut() {
@@ -845,6 +864,19 @@ impl RequestBuf {
 }
 
 fn serve_connection(stream: TcpStream, ctx: &Arc<ConnCtx>, shared: &Shared) {
+    // The handshake deadline of the core covers the TLS handshake.
+    let stream = match &shared.tls {
+        None => Stream::Plain(stream),
+        Some(tls) => match tls.accept(stream) {
+            Ok(s) => s,
+            Err(e) => {
+                if !ctx.closed_by_server() {
+                    log::warn!("tcpstore server: TLS from {}: {e}", ctx.peer());
+                }
+                return;
+            }
+        },
+    };
     let mut rb = RequestBuf::new();
     let result = serve_requests(stream, ctx, shared, &mut rb);
     rb.release(&shared.budget);
@@ -858,7 +890,7 @@ fn serve_connection(stream: TcpStream, ctx: &Arc<ConnCtx>, shared: &Shared) {
 }
 
 fn serve_requests(
-    mut stream: TcpStream,
+    mut stream: Stream,
     ctx: &Arc<ConnCtx>,
     shared: &Shared,
     rb: &mut RequestBuf,

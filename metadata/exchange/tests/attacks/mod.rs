@@ -12,6 +12,22 @@ use std::time::{Duration, Instant};
 
 use ferry_exchange::tcpstore::{proto, ClientOptions, TcpStoreClient};
 
+/// An attacker's connection: from the source address in `FERRY_ATTACK_SOURCE` (say
+/// `127.0.0.2`, so the per-source limit of the target tells attackers from the good
+/// client on 127.0.0.1), else from wherever the kernel picks.
+pub fn attacker_connect(addr: SocketAddr) -> std::io::Result<TcpStream> {
+    let Some(source) = std::env::var("FERRY_ATTACK_SOURCE")
+        .ok()
+        .and_then(|v| v.parse::<std::net::IpAddr>().ok())
+    else {
+        return TcpStream::connect(addr);
+    };
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+    socket.bind(&SocketAddr::new(source, 0).into())?;
+    socket.connect(&addr.into())?;
+    Ok(socket.into())
+}
+
 /// VALIDATE, as every torch client sends it first.
 pub fn validate_bytes() -> Vec<u8> {
     let mut v = vec![proto::op::VALIDATE];
@@ -21,7 +37,7 @@ pub fn validate_bytes() -> Vec<u8> {
 
 /// A raw connection that sent VALIDATE.
 pub fn raw(addr: SocketAddr) -> std::io::Result<TcpStream> {
-    let mut s = TcpStream::connect(addr)?;
+    let mut s = attacker_connect(addr)?;
     s.set_nodelay(true)?;
     s.write_all(&validate_bytes())?;
     Ok(s)
@@ -272,7 +288,7 @@ pub fn random_bytes(addr: SocketAddr, conns: usize, bytes: usize, seed: u64) {
         let Ok(mut s) = (if i % 2 == 0 {
             raw(addr)
         } else {
-            TcpStream::connect(addr)
+            attacker_connect(addr)
         }) else {
             continue;
         };
@@ -321,7 +337,7 @@ pub fn idle_connections(addr: SocketAddr, n: usize, validate: bool) -> Vec<TcpSt
             if validate {
                 raw(addr).ok()
             } else {
-                TcpStream::connect(addr).ok()
+                attacker_connect(addr).ok()
             }
         })
         .collect()
@@ -446,7 +462,7 @@ pub fn p2p_trickle(addr: SocketAddr, n: usize, interval: Duration) -> Vec<JoinHa
     (0..n)
         .map(|_| {
             std::thread::spawn(move || {
-                let Ok(mut s) = TcpStream::connect(addr) else {
+                let Ok(mut s) = attacker_connect(addr) else {
                     return 0;
                 };
                 let hello = p2p_hello();
@@ -467,7 +483,7 @@ pub fn p2p_trickle(addr: SocketAddr, n: usize, interval: Duration) -> Vec<JoinHa
 pub fn p2p_big_frames(addr: SocketAddr, n: usize, len: u32, send: usize) -> Vec<TcpStream> {
     (0..n)
         .filter_map(|_| {
-            let mut s = TcpStream::connect(addr).ok()?;
+            let mut s = attacker_connect(addr).ok()?;
             s.set_write_timeout(Some(Duration::from_secs(10))).ok()?;
             s.write_all(&p2p_hello()).ok()?;
             let mut f = len.to_le_bytes().to_vec();

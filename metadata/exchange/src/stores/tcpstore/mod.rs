@@ -1,4 +1,4 @@
-//! The TCPStore metadata backend: two worker threads, each with its own connection,
+//! The TCPStore store: two worker threads, each with its own connection,
 //! and the direct GET path.
 //!
 //! - The **ops** thread publishes (SET) and withdraws (DELETE_KEY). It remembers what it
@@ -31,41 +31,70 @@
 //!   owner of a restarted store). This assumes owners and watchers use the same watch
 //!   interval (a cluster-wide setting).
 //!
+//! # Liveness: heartbeats
+//! A crashed owner of a live store would otherwise keep its keys forever. So every
+//! owner with something published **beats**: each watch interval its ops thread ADDs 1
+//! to its heartbeat key `<namespace>/<agent>/alive/` (a label cannot contain `/`, so
+//! this is never a metadata key), in the same round in which it checks its keys. A
+//! watcher reads the heartbeats of every peer it watches in **one batched round per
+//! interval** (one CHECK of every watched key and heartbeat, then one MULTI_GET of the
+//! heartbeats; per-peer requests only while some key is missing), and invalidates a
+//! peer whose heartbeat has not changed for [`deletion_grace`]. So a crashed or
+//! partitioned owner is invalidated at its watchers at most
+//! **`TcpStoreConfig::liveness_bound` = 4 × watch interval + I/O timeout** after its
+//! last beat (9 s with the defaults): the watcher sees the last beat up to one interval
+//! late, waits out the grace period, and rounds come once an interval. A peer invalidated this way stays on a bounded list of *lost*
+//! peers, read in the same round: when its heartbeat moves again (a restarted owner,
+//! which publishes before it beats), the watcher GETs its metadata and loads it again
+//! without a new fetch. Owners and watchers must use the same watch interval.
+//!
 //! Keys go on the wire as torch's `TCPStore` sends user keys (`/` prepended), so torch
 //! code can read them with `store.get("<namespace>/<agent>/<label>")`.
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, TryRecvError};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry_storage::Error;
 
-use super::client::{user_key, ClientOptions, TcpStoreClient};
-use super::direct::{Direct, Watched};
-use crate::config::TcpStoreConfig;
+use crate::contract::{Shared, StoreCmd, StoreWorker};
 use crate::events::{Event, Route, FULL_LABEL};
-use crate::manager::{CmdSender, Shared, StoreCmd, StoreWorker};
-use crate::util::{deadline_after, io_error, timeout_error};
+use crate::tcpstore::{user_key, ClientOptions, TcpStoreClient};
+use crate::util::{deadline_after, io_error, lock, timeout_error};
+use direct::{watch_peer, Direct, Watched};
+
+pub(crate) mod config;
+mod direct;
+
+use config::TcpStoreConfig;
 
 const BACKEND: &str = "tcpstore";
 /// Value of a withdrawal mark.
 const WITHDRAWN: &[u8] = b"withdrawn";
 
-/// How long a watcher waits for a missing key without a withdrawal mark to come back
-/// before it invalidates the peer (module docs): 2 × `watch_interval` + `io_timeout`.
+/// How long a watcher waits for a missing key without a withdrawal mark to come back,
+/// or for a heartbeat that does not move, before it invalidates the peer (module
+/// docs): 2 × `watch_interval` + `io_timeout`.
 pub(crate) fn deletion_grace(watch_interval: Duration, io_timeout: Duration) -> Duration {
     watch_interval.saturating_mul(2).saturating_add(io_timeout)
 }
+
+/// The wire key of `agent`'s heartbeat (module docs).
+fn heartbeat_key(shared: &Shared, agent: &str) -> Vec<u8> {
+    let mut key = withdrawn_key(shared, agent);
+    key.extend_from_slice(b"alive/");
+    key
+}
+
+/// Most peers kept on the lost list (invalidated by liveness, watched for a return).
+const LOST_MAX: usize = 1024;
 
 /// The wire key of `agent`'s withdrawal mark (module docs).
 fn withdrawn_key(shared: &Shared, agent: &str) -> Vec<u8> {
     user_key(&shared.key(agent, "")).into_bytes()
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 /// Longest single WAIT while other fetches may be pending.
 const WAIT_SLICE: Duration = Duration::from_millis(50);
 /// How often idle threads look at the stop flag.
@@ -78,6 +107,7 @@ pub(crate) fn start(shared: Arc<Shared>, config: &TcpStoreConfig) -> Result<Stor
     let options = ClientOptions {
         io_timeout: shared.config.io_timeout,
         ping: config.ping,
+        tls: crate::stream::load(config.tls.as_ref())?,
         ..ClientOptions::default()
     };
     let mut threads = Vec::with_capacity(2);
@@ -115,6 +145,8 @@ pub(crate) fn start(shared: Arc<Shared>, config: &TcpStoreConfig) -> Result<Stor
         watch_interval: config.watch_interval,
         grace: deletion_grace(config.watch_interval, shared.config.io_timeout),
         missing_since: HashMap::new(),
+        beats: HashMap::new(),
+        lost: VecDeque::new(),
         watch_outage: false,
         get_first: true,
     };
@@ -135,9 +167,9 @@ pub(crate) fn start(shared: Arc<Shared>, config: &TcpStoreConfig) -> Result<Stor
     Ok(StoreWorker {
         route: Route::TcpStore,
         endpoint: config.endpoint.clone(),
-        ops: CmdSender::Std(ops_tx),
-        fetches: Some(CmdSender::Std(fetch_tx)),
-        direct: Some(direct),
+        ops: Box::new(ops_tx),
+        fetches: Some(Box::new(fetch_tx)),
+        direct: Some(direct as Arc<dyn crate::contract::DirectFetch>),
         threads,
     })
 }
@@ -164,28 +196,27 @@ struct Ops {
 
 impl Ops {
     fn run(mut self, commands: Receiver<StoreCmd>) {
+        // The heartbeat keeps its schedule however busy the queue is.
+        let mut next_beat = deadline_after(Instant::now(), self.retry_interval);
         loop {
             let wait = if self.published.is_empty() {
                 IDLE_TICK
             } else {
-                self.retry_interval
+                next_beat.saturating_duration_since(Instant::now())
             };
-            let cmd = match commands.recv_timeout(wait) {
-                Ok(cmd) => cmd,
-                Err(RecvTimeoutError::Timeout) => {
-                    if self.shared.stopping() {
-                        return;
-                    }
-                    if !self.published.is_empty() {
-                        self.refresh();
-                    }
-                    continue;
-                }
-                Err(RecvTimeoutError::Disconnected) => return,
-            };
+            let received = commands.recv_timeout(wait);
             if self.shared.stopping() {
                 return;
             }
+            if !self.published.is_empty() && Instant::now() >= next_beat {
+                self.refresh();
+                next_beat = deadline_after(Instant::now(), self.retry_interval);
+            }
+            let cmd = match received {
+                Ok(cmd) => cmd,
+                Err(RecvTimeoutError::Timeout) => continue,
+                Err(RecvTimeoutError::Disconnected) => return,
+            };
             match cmd {
                 StoreCmd::Publish { label, blob } => {
                     self.published.insert(label.clone());
@@ -263,12 +294,16 @@ impl Ops {
             let reused = self.client.is_some();
             let marked = self.marked;
             let mark = withdrawn_key(&self.shared, &self.shared.agent);
+            let beat = heartbeat_key(&self.shared, &self.shared.agent);
             let result = self.client().and_then(|c| {
                 c.set(key.as_bytes(), blob)?;
                 if marked {
                     c.delete_key(&mark)?;
                 }
                 if c.check(&[key.as_bytes()])? {
+                    // Published first, then the beat: a watcher that sees the beat
+                    // move finds the new metadata.
+                    c.add(&beat, 1)?;
                     Ok(())
                 } else {
                     Err(Error::backend(
@@ -323,21 +358,30 @@ impl Ops {
         }
     }
 
-    /// Check every published label, setting again what is missing; returns how many.
+    /// Check every published label (one CHECK of all; one per label only when some is
+    /// missing), setting again what is missing, then beat; returns how many were set.
     fn refresh_once(&mut self) -> Result<usize, Error> {
         let agent = self.shared.agent.clone();
         let labels: Vec<String> = self.published.iter().cloned().collect();
+        let keys: Vec<String> = labels
+            .iter()
+            .map(|label| user_key(&self.shared.key(&agent, label)))
+            .collect();
+        let beat = heartbeat_key(&self.shared, &agent);
         let mut republished = 0;
-        for label in &labels {
-            let key = user_key(&self.shared.key(&agent, label));
-            let present = self.client()?.check(&[key.as_bytes()])?;
-            if !present {
-                if let Some(blob) = self.shared.local.get(label) {
-                    self.client()?.set(key.as_bytes(), &blob)?;
-                    republished += 1;
+        let all: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
+        if !self.client()?.check(&all)? {
+            for (label, key) in labels.iter().zip(&keys) {
+                let present = self.client()?.check(&[key.as_bytes()])?;
+                if !present {
+                    if let Some(blob) = self.shared.local.get(label) {
+                        self.client()?.set(key.as_bytes(), &blob)?;
+                        republished += 1;
+                    }
                 }
             }
         }
+        self.client()?.add(&beat, 1)?;
         Ok(republished)
     }
 
@@ -351,6 +395,7 @@ impl Ops {
             keys.push(user_key(&self.shared.key(&agent, FULL_LABEL)));
         }
         let mark = withdrawn_key(&self.shared, &agent);
+        let beat = heartbeat_key(&self.shared, &agent);
         self.marked = true;
         let client = self.client()?;
         // The mark first: a watcher that sees a key gone sees the mark too.
@@ -358,6 +403,7 @@ impl Ops {
         for key in keys {
             client.delete_key(key.as_bytes())?;
         }
+        client.delete_key(&beat)?;
         Ok(())
     }
 }
@@ -371,6 +417,23 @@ struct PendingFetch {
     tried_get: bool,
     /// Already retried once on a fresh connection.
     retried: bool,
+}
+
+/// A peer invalidated because its heartbeat stopped (or its key vanished without a
+/// mark): read every round, loaded again when its heartbeat moves.
+#[derive(Clone)]
+struct LostPeer {
+    agent: String,
+    /// The wire key it was watched under.
+    key: Vec<u8>,
+    /// Its heartbeat when it was lost (empty: none).
+    beat: Vec<u8>,
+}
+
+/// The label of a metadata wire key (`/<namespace>/<agent>/<label>`).
+fn label_of(key: &[u8]) -> String {
+    let label = key.rsplit(|b| *b == b'/').next().unwrap_or_default();
+    String::from_utf8_lossy(label).into_owned()
 }
 
 struct Fetcher {
@@ -389,6 +452,10 @@ struct Fetcher {
     grace: Duration,
     /// Watched keys found missing without a withdrawal mark, and since when.
     missing_since: HashMap<Vec<u8>, Instant>,
+    /// Watched peers' last heartbeat value and when it was first seen (module docs).
+    beats: HashMap<String, (Vec<u8>, Instant)>,
+    /// Peers invalidated for silence, watched for a return (at most [`LOST_MAX`]).
+    lost: VecDeque<LostPeer>,
     watch_outage: bool,
     /// Try a plain GET before waiting. Turned off for good when the server closes the
     /// connection on a GET of a missing key (torch's legacy server does).
@@ -403,7 +470,7 @@ impl Fetcher {
                 return;
             }
             if self.pending.is_empty() {
-                let until_watch = if lock(&self.watched).is_empty() {
+                let until_watch = if lock(&self.watched).is_empty() && self.lost.is_empty() {
                     IDLE_TICK
                 } else {
                     next_watch.saturating_duration_since(Instant::now())
@@ -424,7 +491,8 @@ impl Fetcher {
             if let Some(fetch) = self.pending.pop_front() {
                 self.step(fetch);
             }
-            if Instant::now() >= next_watch && !lock(&self.watched).is_empty() {
+            let watching = !lock(&self.watched).is_empty() || !self.lost.is_empty();
+            if Instant::now() >= next_watch && watching {
                 self.watch();
                 next_watch = deadline_after(Instant::now(), self.watch_interval);
             }
@@ -533,12 +601,7 @@ impl Fetcher {
         };
         match found {
             Ok(blob) if !blob.is_empty() => {
-                {
-                    let mut watched = lock(&self.watched);
-                    if !watched.iter().any(|(a, _)| *a == fetch.agent) {
-                        watched.push((fetch.agent.clone(), fetch.key.clone()));
-                    }
-                }
+                watch_peer(&self.watched, &fetch.agent, &fetch.key);
                 self.shared.emit(Event::Load {
                     agent: fetch.agent,
                     label: fetch.label,
@@ -582,40 +645,142 @@ impl Fetcher {
         }
     }
 
-    /// Check fetched peers' keys; a key deleted by its owner (withdrawal mark), or
-    /// missing for longer than the grace period, invalidates that peer.
+    /// One watch round (module docs, "Liveness"): one CHECK of every watched key and
+    /// heartbeat, one MULTI_GET of the heartbeats, per-peer requests only for what is
+    /// missing. A key deleted by its owner (withdrawal mark), missing for longer than
+    /// the grace period, or a heartbeat that did not move for that long, invalidates
+    /// the peer; a lost peer whose heartbeat moves is loaded again.
     fn watch(&mut self) {
-        let mut gone = Vec::new();
         // Checked on a snapshot: the direct path may add peers meanwhile.
         let snapshot = lock(&self.watched).clone();
+        // A lost peer fetched again is watched again: no longer lost.
+        self.lost
+            .retain(|l| !snapshot.iter().any(|(agent, _)| *agent == l.agent));
+        let lost: Vec<LostPeer> = self.lost.iter().cloned().collect();
         let now = Instant::now();
         let grace = self.grace;
-        let marks: Vec<Vec<u8>> = snapshot
-            .iter()
-            .map(|(agent, _)| withdrawn_key(&self.shared, agent))
-            .collect();
+        let shared = self.shared.clone();
         let mut missing_since = std::mem::take(&mut self.missing_since);
+        let mut beats = std::mem::take(&mut self.beats);
+        // (agent, key, lost for silence rather than withdrawn)
+        let mut gone: Vec<(String, Vec<u8>, Option<Vec<u8>>)> = Vec::new();
+        // (agent, key, blob) of lost peers that came back.
+        let mut back: Vec<(String, Vec<u8>, Vec<u8>)> = Vec::new();
         let result = (|| -> Result<(), Error> {
             let client = self.client()?;
-            for ((agent, key), mark) in snapshot.iter().zip(&marks) {
-                if client.check(&[key])? {
-                    missing_since.remove(key);
+            let watched_beats: Vec<Vec<u8>> = snapshot
+                .iter()
+                .map(|(agent, _)| heartbeat_key(&shared, agent))
+                .collect();
+            let lost_beats: Vec<Vec<u8>> = lost
+                .iter()
+                .map(|l| heartbeat_key(&shared, &l.agent))
+                .collect();
+            // Every key of the round, in order: watched keys, their beats, lost keys,
+            // their beats.
+            let keys: Vec<&[u8]> = snapshot
+                .iter()
+                .map(|(_, key)| key.as_slice())
+                .chain(watched_beats.iter().map(Vec::as_slice))
+                .chain(lost.iter().map(|l| l.key.as_slice()))
+                .chain(lost_beats.iter().map(Vec::as_slice))
+                .collect();
+            let present: Vec<bool> = if keys.is_empty() || client.check(&keys)? {
+                vec![true; keys.len()]
+            } else {
+                // Something is missing (rare): find out what, one key at a time.
+                let mut present = Vec::with_capacity(keys.len());
+                for key in &keys {
+                    present.push(client.check(&[key])?);
+                }
+                present
+            };
+            let (n, m) = (snapshot.len(), lost.len());
+            let beat_slots: Vec<usize> = (n..2 * n).chain(2 * n + m..2 * n + 2 * m).collect();
+            let to_read: Vec<&[u8]> = beat_slots
+                .iter()
+                .filter(|&&i| present[i])
+                .map(|&i| keys[i])
+                .collect();
+            let mut values = if to_read.is_empty() {
+                Vec::new()
+            } else {
+                client.multi_get(&to_read)?
+            }
+            .into_iter();
+            let mut beat_value = vec![Vec::new(); keys.len()];
+            for &i in &beat_slots {
+                if present[i] {
+                    beat_value[i] = values.next().unwrap_or_default();
+                }
+            }
+            for (i, (agent, key)) in snapshot.iter().enumerate() {
+                let beat = std::mem::take(&mut beat_value[n + i]);
+                if !present[i] {
+                    let withdrawn = client.check(&[&withdrawn_key(&shared, agent)])?;
+                    let since = *missing_since.entry(key.clone()).or_insert(now);
+                    if withdrawn {
+                        gone.push((agent.clone(), key.clone(), None));
+                    } else if now.saturating_duration_since(since) >= grace {
+                        gone.push((agent.clone(), key.clone(), Some(beat)));
+                    }
                     continue;
                 }
-                let withdrawn = client.check(&[mark])?;
-                let since = *missing_since.entry(key.clone()).or_insert(now);
-                if withdrawn || now.saturating_duration_since(since) >= grace {
-                    missing_since.remove(key);
-                    gone.push((agent.clone(), key.clone()));
+                missing_since.remove(key);
+                match beats.get_mut(agent) {
+                    Some(seen) if seen.0 == beat => {
+                        if now.saturating_duration_since(seen.1) >= grace {
+                            gone.push((agent.clone(), key.clone(), Some(beat)));
+                        }
+                    }
+                    Some(seen) => *seen = (beat, now),
+                    None => {
+                        beats.insert(agent.clone(), (beat, now));
+                    }
+                }
+            }
+            for (j, l) in lost.iter().enumerate() {
+                let (key_slot, beat_slot) = (2 * n + j, 2 * n + m + j);
+                let beat = &beat_value[beat_slot];
+                if present[key_slot] && present[beat_slot] && *beat != l.beat {
+                    let blob = client.get(&l.key)?;
+                    if !blob.is_empty() {
+                        back.push((l.agent.clone(), l.key.clone(), blob));
+                    }
                 }
             }
             Ok(())
         })();
-        // Forget keys no longer watched (bounded by the watched set).
+        for (agent, _, _) in &gone {
+            beats.remove(agent);
+            missing_since.retain(|k, _| !snapshot.iter().any(|(a, key)| a == agent && key == k));
+        }
+        // Forget what is no longer watched (bounded by the watched set).
         missing_since.retain(|k, _| snapshot.iter().any(|(_, key)| key == k));
+        beats.retain(|a, _| snapshot.iter().any(|(agent, _)| agent == a));
+        for (agent, _, _) in &back {
+            beats.insert(agent.clone(), (Vec::new(), now));
+        }
         self.missing_since = missing_since;
-        if !gone.is_empty() {
-            lock(&self.watched).retain(|w| !gone.contains(w));
+        self.beats = beats;
+        lock(&self.watched).retain(|(a, k)| !gone.iter().any(|(ga, gk, _)| ga == a && gk == k));
+        for (agent, key, _) in &back {
+            watch_peer(&self.watched, agent, key);
+        }
+        self.lost
+            .retain(|l| !back.iter().any(|(agent, _, _)| *agent == l.agent));
+        for (agent, key, beat) in &gone {
+            if let Some(beat) = beat {
+                self.lost.retain(|l| l.agent != *agent);
+                if self.lost.len() >= LOST_MAX {
+                    self.lost.pop_front();
+                }
+                self.lost.push_back(LostPeer {
+                    agent: agent.clone(),
+                    key: key.clone(),
+                    beat: beat.clone(),
+                });
+            }
         }
         match result {
             Ok(()) => {
@@ -632,9 +797,24 @@ impl Fetcher {
                 self.watch_outage = true;
             }
         }
-        for (agent, _) in gone {
+        for (agent, _, silent) in gone {
+            if silent.is_some() {
+                log::info!(
+                    "tcpstore: '{agent}' gave no sign of life for {} ms; invalidated",
+                    grace.as_millis()
+                );
+            }
             self.shared.emit(Event::Invalidate {
                 agent,
+                route: Route::TcpStore,
+            });
+        }
+        for (agent, key, blob) in back {
+            log::info!("tcpstore: '{agent}' is back; loading its metadata again");
+            self.shared.emit(Event::Load {
+                agent,
+                label: label_of(&key),
+                blob,
                 route: Route::TcpStore,
             });
         }

@@ -1,4 +1,4 @@
-//! The etcd metadata backend (cargo feature `etcd`).
+//! The etcd store's worker (cargo feature `etcd`).
 //!
 //! One worker thread runs a single-threaded tokio runtime: the command loop publishes
 //! and withdraws, keeps the lease alive, and spawns one task per fetch and per watched
@@ -22,9 +22,10 @@ use ferry_storage::Error;
 use tokio::sync::mpsc;
 use tokio::time::timeout;
 
-use crate::config::{EtcdConfig, EtcdTls};
+use super::config::{EtcdConfig, EtcdTls};
+use crate::contract::{CommandQueue, QueueError, Shared, StoreCmd, StoreWorker};
 use crate::events::{Event, Route, FULL_LABEL};
-use crate::manager::{CmdSender, Shared, StoreCmd, StoreWorker};
+use crate::util::lock;
 use crate::util::{io_error, timeout_error};
 
 const BACKEND: &str = "etcd";
@@ -56,11 +57,22 @@ pub(crate) fn start(shared: Arc<Shared>, config: &EtcdConfig) -> Result<StoreWor
     Ok(StoreWorker {
         route: Route::Etcd,
         endpoint: config.endpoints.join(","),
-        ops: CmdSender::Tokio(tx),
+        ops: Box::new(tx),
         fetches: None,
         direct: None,
         threads: vec![thread],
     })
+}
+
+/// The worker's queue is a tokio channel (the worker is an async task).
+impl CommandQueue for mpsc::Sender<StoreCmd> {
+    fn try_send(&self, cmd: StoreCmd) -> Result<(), QueueError> {
+        match mpsc::Sender::try_send(self, cmd) {
+            Ok(()) => Ok(()),
+            Err(mpsc::error::TrySendError::Full(_)) => Err(QueueError::Full),
+            Err(mpsc::error::TrySendError::Closed(_)) => Err(QueueError::Closed),
+        }
+    }
 }
 
 /// The options of every connection: timeouts, and the user and TLS settings of
@@ -421,17 +433,10 @@ impl Fetch {
         if self.label != FULL_LABEL {
             return;
         }
-        let first = self
-            .watching
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(self.agent.clone());
+        let first = lock(&self.watching).insert(self.agent.clone());
         if first {
             self.watch_deletion(&key, revision).await;
-            self.watching
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&self.agent);
+            lock(&self.watching).remove(&self.agent);
         }
     }
 

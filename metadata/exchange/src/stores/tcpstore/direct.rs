@@ -18,25 +18,39 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
 use ferry_storage::Error;
 
-use super::client::{user_key, ClientOptions, TcpStoreClient};
-use super::proto::{self, op};
+use crate::contract::{DirectFetch, Shared, StoreCmd};
 use crate::events::{Event, Route};
-use crate::manager::{Shared, StoreCmd};
-use crate::util::{io_error, is_timeout};
+use crate::stream::Stream;
+use crate::tcpstore::proto::{self, op};
+use crate::tcpstore::{user_key, ClientOptions, TcpStoreClient};
+use crate::util::{io_error, is_timeout, lock};
 
 const BACKEND: &str = "tcpstore";
 
 /// (agent, wire key) of fetched peers, checked for deletion by the fetch worker.
 pub(crate) type Watched = Arc<Mutex<Vec<(String, Vec<u8>)>>>;
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+/// Most peers watched at once (each costs two keys in every watch round).
+pub(crate) const WATCHED_MAX: usize = 4096;
+
+/// Watch `agent` under `key` (once per agent; past [`WATCHED_MAX`] not at all, with a
+/// warning: its withdrawal then goes unseen until it is fetched again).
+pub(crate) fn watch_peer(watched: &Mutex<Vec<(String, Vec<u8>)>>, agent: &str, key: &[u8]) {
+    let mut watched = lock(watched);
+    if watched.iter().any(|(a, _)| a == agent) {
+        return;
+    }
+    if watched.len() >= WATCHED_MAX {
+        log::warn!("tcpstore: {WATCHED_MAX} peers watched; '{agent}' is not watched");
+        return;
+    }
+    watched.push((agent.to_owned(), key.to_vec()));
 }
 
 /// A GET written and not yet answered.
@@ -57,7 +71,7 @@ struct PendingQueue {
 /// One direct connection.
 struct Conn {
     /// The socket and the request being built.
-    writer: Mutex<(TcpStream, Vec<u8>)>,
+    writer: Mutex<(Stream, Vec<u8>)>,
     pending: Mutex<PendingQueue>,
     /// A clone of the socket, to shut it down without the writer lock.
     socket: TcpStream,
@@ -150,6 +164,7 @@ impl Direct {
             .try_clone()
             .map_err(|e| io_error(BACKEND, "cloning the direct connection", &e))?;
         let socket = stream
+            .socket()
             .try_clone()
             .map_err(|e| io_error(BACKEND, "cloning the direct connection", &e))?;
         let conn = Arc::new(Conn {
@@ -242,7 +257,7 @@ impl Direct {
 
     /// Read GET replies until the connection fails or the manager stops; then close it
     /// and hand what is pending to the worker.
-    fn read_loop(&self, conn: &Arc<Conn>, stream: TcpStream, max_value_bytes: usize) {
+    fn read_loop(&self, conn: &Arc<Conn>, stream: Stream, max_value_bytes: usize) {
         let io_timeout = self.shared.config.io_timeout;
         let mut reader = BufReader::with_capacity(16 << 10, stream);
         loop {
@@ -280,12 +295,7 @@ impl Direct {
                 self.hand_over(p, true);
                 continue;
             }
-            {
-                let mut watched = lock(&self.watched);
-                if !watched.iter().any(|(a, _)| *a == p.agent) {
-                    watched.push((p.agent.clone(), p.key));
-                }
-            }
+            watch_peer(&self.watched, &p.agent, &p.key);
             self.shared.emit(Event::Load {
                 agent: p.agent,
                 label: p.label,
@@ -311,10 +321,20 @@ impl Direct {
     }
 }
 
+impl DirectFetch for Direct {
+    fn try_fetch(&self, agent: &str, label: &str) -> bool {
+        Direct::try_fetch(self, agent, label)
+    }
+
+    fn stop(&self) {
+        Direct::stop(self);
+    }
+}
+
 /// Read a GET reply (a length, then the value): what is buffered is copied, the rest of
 /// a long value is read straight from the socket into the value (not through the
 /// buffer: one copy, and reads as large as the socket has data for).
-fn read_value(reader: &mut BufReader<TcpStream>, max_len_bytes: usize) -> std::io::Result<Vec<u8>> {
+fn read_value(reader: &mut BufReader<Stream>, max_len_bytes: usize) -> std::io::Result<Vec<u8>> {
     let len = proto::read_u64(reader)?;
     if len > max_len_bytes as u64 {
         return Err(std::io::Error::new(
