@@ -644,7 +644,8 @@ impl Agent {
     /// Our full metadata: name, generation, connection info of every remote-capable
     /// backend, every registered region's public metadata.
     pub fn local_md(&self) -> Result<Vec<u8>> {
-        let state = self.lock()?;
+        let mut state = self.lock()?;
+        let state = &mut *state;
         state.md.encode_local(&state.world, None, true)
     }
 
@@ -654,7 +655,8 @@ impl Agent {
         regions: &[RegionId],
         include_conn_info: bool,
     ) -> Result<Vec<u8>> {
-        let state = self.lock()?;
+        let mut state = self.lock()?;
+        let state = &mut *state;
         state
             .md
             .encode_local(&state.world, Some(regions), include_conn_info)
