@@ -22,6 +22,12 @@
 //!   endpoint, rkey unpacking) shows as the first's excess over the second. Skipped,
 //!   with the reason, where UCX cannot load (`FERRY_UCX_LIBRARY` names the libucp).
 //!
+//! - `strided/prep_make/{plain,plain_built,strided}`: prep of both lists + make +
+//!   release of 64 layers × 1,024 blocks of 256 bytes (remote layers in shuffled order,
+//!   blocks 512 bytes apart), between two loopback agents: from plain lists built
+//!   once, from plain lists built every turn (what a caller without strided lists
+//!   pays), and from 64 strided runs per side (`prep_strided`).
+//!
 //! Each turn is timed alone and criterion gets the median turn × the sample's turns
 //! (as `control_path` does), so a preemption on a shared machine costs one turn.
 //!
@@ -30,7 +36,9 @@
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Bencher, BenchmarkId, Criterion, Throughput};
-use ferry::{Agent, AgentConfig, CommandBuffer, Desc, MemKind, Op, Params, XferStatus};
+use ferry::{
+    Agent, AgentConfig, CommandBuffer, Desc, MemKind, Op, Params, Side, StridedDesc, XferStatus,
+};
 use ferry_metadata::MdWriter;
 use ferry_tests::{loopback_agent, pair, register, try_register, unique, Buffer, Rng};
 
@@ -256,5 +264,86 @@ fn ucx_first_request(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, create, metadata, ucx_first_request);
+fn strided(c: &mut Criterion) {
+    const LAYERS: u64 = 64;
+    const BLOCKS: u64 = 1024;
+    const BLOCK: u64 = 256;
+    let mut rng = Rng::new(64);
+    let src = Buffer::random((LAYERS * BLOCKS * BLOCK) as usize, &mut rng);
+    let dst = Buffer::zeroed((LAYERS * BLOCKS * 2 * BLOCK) as usize);
+    let p = pair(&src, &dst);
+    let mut layers: Vec<u64> = (0..LAYERS).collect();
+    rng.shuffle(&mut layers);
+    let local_runs: Vec<StridedDesc> = (0..LAYERS)
+        .map(|l| {
+            StridedDesc::new(
+                src.whole().addr + l * BLOCKS * BLOCK,
+                BLOCKS,
+                BLOCK,
+                BLOCK,
+                0,
+            )
+        })
+        .collect();
+    let remote_runs: Vec<StridedDesc> = layers
+        .iter()
+        .map(|&l| {
+            StridedDesc::new(
+                dst.whole().addr + l * BLOCKS * 2 * BLOCK,
+                BLOCKS,
+                2 * BLOCK,
+                BLOCK,
+                0,
+            )
+        })
+        .collect();
+    let plain =
+        |runs: &[StridedDesc]| -> Vec<Desc> { runs.iter().flat_map(|r| r.descs()).collect() };
+    let (local, remote) = (plain(&local_runs), plain(&remote_runs));
+    let mut group = c.benchmark_group("strided");
+    group.throughput(Throughput::Elements(LAYERS * BLOCKS));
+    group.sample_size(20);
+    let mut cmds = CommandBuffer::with_capacity(8);
+    let turn = |cmds: &mut CommandBuffer,
+                p: &ferry_tests::Pair,
+                strided: bool,
+                local: &[Desc],
+                remote: &[Desc]| {
+        cmds.clear();
+        let (l, r) = if strided {
+            (
+                cmds.prep_strided(Side::Local, MemKind::Dram, &local_runs),
+                cmds.prep_strided(p.b_at_a, MemKind::Dram, &remote_runs),
+            )
+        } else {
+            (
+                cmds.prep(Side::Local, MemKind::Dram, local),
+                cmds.prep(p.b_at_a, MemKind::Dram, remote),
+            )
+        };
+        let x = cmds.make(Op::Write, l, &[], r, &[]).ticket();
+        cmds.release(x);
+        cmds.release_prep(l);
+        cmds.release_prep(r);
+        p.a.flush(cmds);
+        if let Some((index, error)) = cmds.errors().next() {
+            panic!("command {index} of the timed flush failed: {error}");
+        }
+    };
+    group.bench_function("prep_make/plain", |b| {
+        per_turn_median(b, || turn(&mut cmds, &p, false, &local, &remote))
+    });
+    group.bench_function("prep_make/plain_built", |b| {
+        per_turn_median(b, || {
+            let (local, remote) = (plain(&local_runs), plain(&remote_runs));
+            turn(&mut cmds, &p, false, &local, &remote)
+        })
+    });
+    group.bench_function("prep_make/strided", |b| {
+        per_turn_median(b, || turn(&mut cmds, &p, true, &[], &[]))
+    });
+    group.finish();
+}
+
+criterion_group!(benches, create, metadata, strided, ucx_first_request);
 criterion_main!(benches);

@@ -31,7 +31,8 @@ use ferry_schedules::{
     XferStatus,
 };
 use ferry_storage::{
-    BackendId, Desc, Error, MemKind, Op, PeerId, PrepId, RegionId, Result, Subject, XferId,
+    BackendId, Desc, Error, MemKind, Op, PeerId, PrepId, RegionId, Result, StridedDesc, Subject,
+    XferId,
 };
 
 use crate::md::MdState;
@@ -520,6 +521,23 @@ impl Agent {
         let side = side.into();
         self.one(
             |c| c.prep(side, kind, descs).index(),
+            |c, i| c.created(ferry_schedules::Ticket::<PrepId>::at(i)),
+        )
+    }
+
+    /// Prepare the list made of `runs`' descriptors, run after run (a strided list: each
+    /// run is `count` descriptors `stride` bytes apart), without the caller building it.
+    /// The result is the prepared list [`Agent::prep`] gives for the same descriptors:
+    /// `make` indexes it the same way.
+    pub fn prep_strided(
+        &self,
+        side: impl Into<Side>,
+        kind: MemKind,
+        runs: &[StridedDesc],
+    ) -> Result<PrepId> {
+        let side = side.into();
+        self.one(
+            |c| c.prep_strided(side, kind, runs).index(),
             |c, i| c.created(ferry_schedules::Ticket::<PrepId>::at(i)),
         )
     }

@@ -21,7 +21,7 @@ pub use handles::{
 pub use md_arena::{MdArena, MdEntries, MdSpan};
 pub use section::{SectionIndex, SectionInsertError};
 pub use table::{Column, RegionRow, RegionTable, RowPush, RowRemove, Rows};
-pub use types::{BackendMask, Desc, Endpoint, MemKind, Op, MAX_BACKENDS};
+pub use types::{BackendMask, Desc, Endpoint, MemKind, Op, StridedDesc, MAX_BACKENDS};
 
 /// Re-export of the key trait so users can convert handles to and from `u64` tags.
 pub use slotmap::{Key, KeyData};

@@ -136,6 +136,8 @@ pub(crate) struct Pools {
     pub(crate) notifs: Vec<Vec<u8>>,
     /// Request pin lists.
     pub(crate) pins: Vec<Vec<RegionId>>,
+    /// Scratch of `prep_strided`: the runs' descriptors, written out.
+    pub(crate) strided_descs: Vec<Desc>,
 }
 
 /// Everything the executor works on.
