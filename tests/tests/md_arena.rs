@@ -25,11 +25,11 @@ fn metadata_after_compaction_names_exactly_the_live_regions() {
     // Deregister three of every four (13 arena bytes each: past the compaction
     // threshold and more than the live bytes), then register half of the gaps again.
     for (i, id) in ids.iter().enumerate() {
-        if i % 4 != 0 {
+        if !i.is_multiple_of(4) {
             assert_eq!(b.deregister(*id).unwrap(), ferry::DeregStatus::Done);
         }
     }
-    let live = |i: usize| i % 4 == 0 || i % 4 == 2;
+    let live = |i: usize| i.is_multiple_of(2);
     for (i, id) in ids.iter_mut().enumerate() {
         if i % 4 == 2 {
             *id = try_register(&b, MemKind::Dram, dst.desc(i * REGION, REGION)).unwrap();
