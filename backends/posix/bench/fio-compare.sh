@@ -39,7 +39,7 @@ fi
 
 root=$(cd "$(dirname "$0")/../../.." && pwd)
 cargo build --quiet --release -p ferry-posix --example posix_bench --manifest-path "$root/Cargo.toml"
-bench="$root/target/release/examples/posix_bench"
+bench="${CARGO_TARGET_DIR:-$root/target}/release/examples/posix_bench"
 
 need_mib=$((size_mib + 64))
 avail_mib=$(df -Pm "$(dirname "$file")" | awk 'NR==2 {print $4}')

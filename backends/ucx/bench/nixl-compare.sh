@@ -27,7 +27,7 @@ root="$(cd "$here/../../.." && pwd)"
 bench="$(cd "$root" && cargo bench -p ferry-benches --bench ucx --no-run 2>&1 \
   | sed -n 's/.*Executable benches\/ucx.rs (\(.*\))/\1/p' | tail -1)"
 [ -n "$bench" ] || { echo "could not build the UCX benchmark" >&2; exit 1; }
-bench="$root/$bench"
+case "$bench" in /*) ;; *) bench="$root/$bench" ;; esac  # absolute under CARGO_TARGET_DIR
 "$venv/bin/python" "$here/nixl_compare.py" --ferry-bench "$bench" \
   --python "$venv/bin/python" --rounds "${ROUNDS:-3}" --only "${ONLY:-}" \
   --max-iters "${MAX_ITERS:-0}"

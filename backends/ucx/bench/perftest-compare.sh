@@ -48,7 +48,7 @@ if [ -z "$bench" ]; then
   bench="$(cd "$root" && cargo bench -p ferry-benches --bench ucx --no-run 2>&1 \
     | sed -n 's/.*Executable benches\/ucx.rs (\(.*\))/\1/p' | tail -1)"
   [ -n "$bench" ] || { echo "could not build the UCX benchmark" >&2; exit 1; }
-  bench="$root/$bench"
+  case "$bench" in /*) ;; *) bench="$root/$bench" ;; esac
 fi
 
 # The UCX environment of both tools: Ferry's own overrides (state/config.rs), made
