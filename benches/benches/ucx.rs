@@ -11,7 +11,9 @@
 //! measurement, `FERRY_BENCH_UCX_CONTROL=0` the 64 B × 1024 control-path case.
 //! For a focused run (a profile): `FERRY_BENCH_UCX_OPS=write` (or `read`, or both,
 //! comma separated), `FERRY_BENCH_UCX_ORDER=shuffled` (or `contiguous`) and
-//! `FERRY_BENCH_UCX_CASE_MS=5000` (time per case, default 700).
+//! `FERRY_BENCH_UCX_CASE_MS=5000` (time per case, default 700);
+//! `FERRY_BENCH_UCX_MAX_ITERS=N` also stops a case after N timed requests (default: no
+//! cap; `nixl_write.py --max-iters` is the same cap on NIXL's side).
 //! `FERRY_BENCH_UCX_ALLOC=ucx` allocates both sides' buffers through the UCX backend
 //! (`Agent::alloc`: UCX shared-memory segments, as `ucx_perftest` allocates its
 //! buffers). `FERRY_UCX_LIBRARY` names the libucp both processes load (and the only
@@ -154,6 +156,15 @@ fn main() {
             .and_then(|ms| ms.parse().ok())
         {
             config.case_time = std::time::Duration::from_millis(ms);
+        }
+        // `FERRY_BENCH_UCX_MAX_ITERS=N`: stop a case after N timed requests (default: the
+        // time budget alone, as NIXL's script without --max-iters).
+        if let Some(max) = std::env::var("FERRY_BENCH_UCX_MAX_ITERS")
+            .ok()
+            .and_then(|n| n.parse::<usize>().ok())
+            .filter(|&n| n > 0)
+        {
+            config.max_iters = Some(max);
         }
         let list = |name: &str| -> Option<Vec<usize>> {
             let text = std::env::var(name).ok()?;

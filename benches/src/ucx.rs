@@ -357,6 +357,10 @@ pub struct Config {
     pub case_time: Duration,
     /// Minimum timed iterations per case.
     pub min_iters: usize,
+    /// Timed iterations after which a case stops even inside `case_time` (`None`: only
+    /// the time budget ends it). `nixl_write.py --max-iters` is the same cap on NIXL's
+    /// side, so a comparison gives both sides the same one.
+    pub max_iters: Option<usize>,
     /// Operations measured per case, in order.
     pub ops: Vec<Op>,
     /// Remote orders measured per block × batch: `false` contiguous, `true` shuffled.
@@ -381,6 +385,7 @@ impl Default for Config {
             batches: vec![1, 32, 1024],
             case_time: Duration::from_millis(700),
             min_iters: 3,
+            max_iters: None,
             ops: vec![Op::Write, Op::Read],
             orders: vec![false, true],
             control_path: true,
@@ -722,7 +727,7 @@ fn run_with_target(
                     post_times.push(posted);
                 }
                 warm = false;
-                if times.len() >= 10_000 {
+                if config.max_iters.is_some_and(|max| times.len() >= max) {
                     break;
                 }
             }

@@ -31,7 +31,8 @@ use ferry_schedules::{
     XferStatus,
 };
 use ferry_storage::{
-    BackendId, Desc, Error, MemKind, Op, PeerId, PrepId, RegionId, Result, Subject, XferId,
+    BackendId, Desc, Error, MemKind, Op, PeerId, PrepId, RegionId, Result, StridedDesc, Subject,
+    XferId,
 };
 
 use crate::md::MdState;
@@ -524,6 +525,23 @@ impl Agent {
         )
     }
 
+    /// Prepare the list made of `runs`' descriptors, run after run (a strided list: each
+    /// run is `count` descriptors `stride` bytes apart), without the caller building it.
+    /// The result is the prepared list [`Agent::prep`] gives for the same descriptors:
+    /// `make` indexes it the same way.
+    pub fn prep_strided(
+        &self,
+        side: impl Into<Side>,
+        kind: MemKind,
+        runs: &[StridedDesc],
+    ) -> Result<PrepId> {
+        let side = side.into();
+        self.one(
+            |c| c.prep_strided(side, kind, runs).index(),
+            |c, i| c.created(ferry_schedules::Ticket::<PrepId>::at(i)),
+        )
+    }
+
     /// Build a request from prepared lists and index lists (empty = all, in order).
     pub fn make(
         &self,
@@ -644,7 +662,8 @@ impl Agent {
     /// Our full metadata: name, generation, connection info of every remote-capable
     /// backend, every registered region's public metadata.
     pub fn local_md(&self) -> Result<Vec<u8>> {
-        let state = self.lock()?;
+        let mut state = self.lock()?;
+        let state = &mut *state;
         state.md.encode_local(&state.world, None, true)
     }
 
@@ -654,7 +673,8 @@ impl Agent {
         regions: &[RegionId],
         include_conn_info: bool,
     ) -> Result<Vec<u8>> {
-        let state = self.lock()?;
+        let mut state = self.lock()?;
+        let state = &mut *state;
         state
             .md
             .encode_local(&state.world, Some(regions), include_conn_info)

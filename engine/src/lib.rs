@@ -57,11 +57,11 @@ pub use ferry_backend_api::{
 };
 pub use ferry_schedules::{
     Bounds, Command, CommandBuffer, Created, DeregStatus, ExchangeCmd, FlushSummary, MakeBuilder,
-    MdRoute, Outcome, Ref, Side, Telemetry, Ticket, XferStatus,
+    MdRoute, Outcome, PrepDescs, Ref, Side, Telemetry, Ticket, XferStatus,
 };
 pub use ferry_storage::{
     BackendId, BackendMask, Desc, Endpoint, Error, MemKind, Op, PeerId, PrepId, RegionId, Result,
-    Subject, XferId,
+    StridedDesc, Subject, XferId,
 };
 pub use registry::{factories, factory, FactoryInfo, DEFAULT_BACKENDS};
 

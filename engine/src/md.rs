@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use ferry_backend_api::PeerRegions;
-use ferry_metadata::{MdWriter, PeerMd};
+use ferry_metadata::{MdScratch, MdWriter, PeerMd};
 use ferry_schedules::{LoadKind, MetadataLoader, PeerView, World};
 use ferry_storage::{Desc, Error, MemKind, PeerId, RegionId, Subject, MAX_BACKENDS};
 
@@ -321,6 +321,8 @@ pub(crate) struct MdState {
     /// the number of deregistrations (registering only adds, so it keeps the
     /// generation and partial metadata accumulates at peers).
     epoch: u64,
+    /// The metadata writer's buffers from the last encode, reused by the next one.
+    scratch: MdScratch,
 }
 
 impl MdState {
@@ -333,6 +335,7 @@ impl MdState {
         MdState {
             peers: HashMap::new(),
             epoch: u64::from(epoch) << 32,
+            scratch: MdScratch::default(),
         }
     }
 
@@ -344,12 +347,16 @@ impl MdState {
     /// Serialize our metadata: every region of every remote-capable backend (or only
     /// `regions`, as partial metadata, with or without connection info).
     pub(crate) fn encode_local(
-        &self,
+        &mut self,
         world: &World,
         regions: Option<&[RegionId]>,
         include_conn_info: bool,
     ) -> Result<Vec<u8>, Error> {
-        let mut writer = MdWriter::new(&world.name, self.generation(world));
+        let mut writer = MdWriter::with_scratch(
+            &world.name,
+            self.generation(world),
+            std::mem::take(&mut self.scratch),
+        );
         if regions.is_some() {
             writer.partial();
         }
@@ -371,9 +378,9 @@ impl MdState {
         // kind), so the writer's columns are allocated once, not regrown.
         let mut sizes = [[(0usize, 0usize); MemKind::ALL.len()]; MAX_BACKENDS];
         let mut count_row = |row: usize| {
-            for (slot, public) in &table.public_md[row] {
+            for (slot, public) in world.region_public_md(row) {
                 if let Some(size) = sizes
-                    .get_mut(usize::from(*slot))
+                    .get_mut(usize::from(slot))
                     .and_then(|kinds| kinds.get_mut(table.kinds[row] as usize))
                 {
                     size.0 += 1;
@@ -399,8 +406,8 @@ impl MdState {
             }
         }
         let add_row = |row: usize, writer: &mut MdWriter| {
-            for (slot, public) in &table.public_md[row] {
-                if let Some(b) = index[usize::from(*slot)] {
+            for (slot, public) in world.region_public_md(row) {
+                if let Some(b) = index[usize::from(slot)] {
                     writer.region(b, table.kinds[row], table.descs[row], public);
                 }
             }
@@ -416,7 +423,9 @@ impl MdState {
                 }
             }
         }
-        writer.finish()
+        let (blob, scratch) = writer.finish_recycling();
+        self.scratch = scratch;
+        blob
     }
 }
 

@@ -6,7 +6,9 @@ use std::net::SocketAddr;
 use std::path::Path;
 
 use ferry_backend_api::FileMode;
-use ferry_storage::{BackendMask, Desc, Error, MemKind, Op, PeerId, PrepId, RegionId, XferId};
+use ferry_storage::{
+    BackendMask, Desc, Error, MemKind, Op, PeerId, PrepId, RegionId, StridedDesc, XferId,
+};
 
 /// A reference to a result of an earlier command of the same buffer.
 #[derive(Debug)]
@@ -151,6 +153,16 @@ pub enum ExchangeCmd {
     },
 }
 
+/// The descriptors of a [`Command::Prep`].
+#[derive(Clone, Copy, Debug)]
+pub enum PrepDescs {
+    /// A plain list: a span of the buffer's descriptor array.
+    List(Span),
+    /// Strided runs ([`StridedDesc`]): a span of the buffer's run array; the list is
+    /// every run's descriptors in order.
+    Strided(Span),
+}
+
 /// One recorded command. Bulk data (descriptors, indices, bytes) lives in the buffer's
 /// side arrays and is named by [`Span`]s.
 #[derive(Clone, Copy, Debug)]
@@ -193,8 +205,8 @@ pub enum Command {
         side: Side,
         /// Memory kind of every descriptor.
         kind: MemKind,
-        /// Descriptors (span of the desc array).
-        descs: Span,
+        /// Descriptors: a span of the desc array, or of the strided-run array.
+        descs: PrepDescs,
         /// Restrict to these backends.
         hint: BackendMask,
     },
@@ -338,6 +350,7 @@ pub struct CommandBuffer {
     pub(crate) commands: Vec<Command>,
     pub(crate) outcomes: Vec<Outcome>,
     pub(crate) descs: Vec<Desc>,
+    pub(crate) strided: Vec<StridedDesc>,
     pub(crate) indices: Vec<u32>,
     pub(crate) bytes: Vec<u8>,
     pub(crate) regions: Vec<RegionId>,
@@ -383,6 +396,7 @@ impl CommandBuffer {
             commands: Vec::with_capacity(commands),
             outcomes: Vec::with_capacity(commands),
             descs: Vec::with_capacity(commands),
+            strided: Vec::new(),
             indices: Vec::with_capacity(commands),
             bytes: Vec::with_capacity(256),
             regions: Vec::new(),
@@ -397,6 +411,7 @@ impl CommandBuffer {
         self.commands.clear();
         self.outcomes.clear();
         self.descs.clear();
+        self.strided.clear();
         self.indices.clear();
         self.bytes.clear();
         self.regions.clear();
@@ -561,7 +576,36 @@ impl CommandBuffer {
     /// Prepare a descriptor list of `kind` on `side` once, for use by index later.
     pub fn prep(&mut self, side: impl Into<Side>, kind: MemKind, descs: &[Desc]) -> Ticket<PrepId> {
         let side = side.into();
-        let descs = self.push_descs(descs);
+        let descs = PrepDescs::List(self.push_descs(descs));
+        Ticket::new(self.push(Command::Prep {
+            side,
+            kind,
+            descs,
+            hint: BackendMask::ALL,
+        }))
+    }
+
+    /// Prepare the list made of `runs`' descriptors, run after run, each run `count`
+    /// descriptors `stride` bytes apart ([`StridedDesc`]). The prepared list is the one
+    /// [`CommandBuffer::prep`] of the same descriptors gives (same entries, same
+    /// indices for `make`), but only the runs are recorded: 64 layers of 1,024 blocks
+    /// are 64 values here instead of 65,536 descriptors.
+    pub fn prep_strided(
+        &mut self,
+        side: impl Into<Side>,
+        kind: MemKind,
+        runs: &[StridedDesc],
+    ) -> Ticket<PrepId> {
+        let side = side.into();
+        if self.flushed {
+            self.clear();
+        }
+        let start = self.strided.len() as u32;
+        self.strided.extend_from_slice(runs);
+        let descs = PrepDescs::Strided(Span {
+            start,
+            len: runs.len() as u32,
+        });
         Ticket::new(self.push(Command::Prep {
             side,
             kind,

@@ -47,8 +47,8 @@ use ferry_backend_api::{NotifSink, Post};
 use ferry_storage::{handle_to_tag, Endpoint, Error, PeerId, PrepId, Subject, XferId};
 
 use crate::command::{
-    Command, CommandBuffer, Created, FromCreated, NotifEntry, Outcome, Ref, Releasable, Side, Span,
-    XferStatus,
+    Command, CommandBuffer, Created, FromCreated, NotifEntry, Outcome, PrepDescs, Ref, Releasable,
+    Side, Span, XferStatus,
 };
 use crate::logging::{BackendNames, DescText, FlushTrace, PathText};
 use crate::merge::dispatch_key;
@@ -443,7 +443,14 @@ fn phase_prep<'a>(
                 hint,
             } => {
                 let result = resolve_side(&cmds.outcomes, i, side)
-                    .and_then(|side| world.prep_list(side, kind, &cmds.descs[descs.range()], hint))
+                    .and_then(|side| match descs {
+                        PrepDescs::List(span) => {
+                            world.prep_list(side, kind, &cmds.descs[span.range()], hint)
+                        }
+                        PrepDescs::Strided(span) => {
+                            world.prep_strided(side, kind, &cmds.strided[span.range()], hint)
+                        }
+                    })
                     .map(|p| Outcome::Created(Created::Prep(p)));
                 set(cmds, i, result);
             }

@@ -11,8 +11,8 @@ pub mod metrics;
 pub mod world;
 
 pub use command::{
-    Command, CommandBuffer, Created, ExchangeCmd, FromCreated, MakeBuilder, MdRoute, Outcome, Ref,
-    Releasable, Side, Span, Ticket, XferStatus,
+    Command, CommandBuffer, Created, ExchangeCmd, FromCreated, MakeBuilder, MdRoute, Outcome,
+    PrepDescs, Ref, Releasable, Side, Span, Ticket, XferStatus,
 };
 pub use executor::{flush, FlushSummary, MetadataLoader, Phase};
 pub use metrics::{BackendMetrics, ExchangeEvent, Metrics, MetricsSnapshot};

@@ -9,6 +9,7 @@
 
 mod error;
 mod handles;
+mod md_arena;
 mod section;
 mod table;
 mod types;
@@ -17,9 +18,10 @@ pub use error::{Error, Result, Subject};
 pub use handles::{
     AgentTag, BackendId, PeerId, PrepId, RegionId, XferId, SLOTS_MAX, TAG_MAX, TAG_SHIFT,
 };
+pub use md_arena::{MdArena, MdEntries, MdSpan};
 pub use section::{SectionIndex, SectionInsertError};
 pub use table::{Column, RegionRow, RegionTable, RowPush, RowRemove, Rows};
-pub use types::{BackendMask, Desc, Endpoint, MemKind, Op, MAX_BACKENDS};
+pub use types::{BackendMask, Desc, Endpoint, MemKind, Op, StridedDesc, MAX_BACKENDS};
 
 /// Re-export of the key trait so users can convert handles to and from `u64` tags.
 pub use slotmap::{Key, KeyData};

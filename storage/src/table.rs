@@ -319,8 +319,9 @@ table! {
         pub backends: BackendMask,
         /// Per-backend private token returned by registration, indexed by row then slot.
         pub tokens: [u64; MAX_BACKENDS],
-        /// Per-backend public metadata (what peers need), indexed by row: (slot, bytes).
-        pub public_md: Vec<(u8, Box<[u8]>)>,
+        /// Where the per-backend public metadata (what peers need: slot and bytes) of
+        /// the region lies in its world's [`MdArena`](crate::MdArena), indexed by row.
+        pub public_md: crate::MdSpan,
         /// Live transfer requests that use the region (counted once per run of
         /// descriptors in it), indexed by row. Deregistration is refused while > 0.
         pub pins: u64,
@@ -361,7 +362,7 @@ mod tests {
             for op in ops {
                 match op {
                     TableOp::Insert(addr) => {
-                        let id = table.insert(RegionRow { kinds: MemKind::Dram, descs: Desc::new(addr, 1, 0), backends: BackendMask::single(0), tokens: [addr; MAX_BACKENDS], public_md: Vec::new(), pins: 0 });
+                        let id = table.insert(RegionRow { kinds: MemKind::Dram, descs: Desc::new(addr, 1, 0), backends: BackendMask::single(0), tokens: [addr; MAX_BACKENDS], public_md: crate::MdSpan::default(), pins: 0 });
                         prop_assert!(model.insert(id, addr).is_none());
                         live.push(id);
                     }

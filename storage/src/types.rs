@@ -108,6 +108,62 @@ impl Desc {
     }
 }
 
+/// A strided descriptor list in one value: `count` descriptors of `len` bytes on device
+/// `dev`, the `i`-th at `base + i * stride` (one KV-cache layer's blocks, say). Lists of
+/// these ([`StridedDesc::descs`] in order, run after run) prepare exactly as the plain
+/// list of the same descriptors would, without the caller building that list.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct StridedDesc {
+    /// Address (or file offset) of the first descriptor.
+    pub base: u64,
+    /// Number of descriptors.
+    pub count: u64,
+    /// Distance in bytes from one descriptor's start to the next one's.
+    pub stride: u64,
+    /// Length in bytes of every descriptor.
+    pub len: u64,
+    /// Device id of every descriptor.
+    pub dev: u64,
+}
+
+impl StridedDesc {
+    /// `count` descriptors of `len` bytes, `stride` bytes apart from `base`, on `dev`.
+    pub const fn new(base: u64, count: u64, stride: u64, len: u64, dev: u64) -> StridedDesc {
+        StridedDesc {
+            base,
+            count,
+            stride,
+            len,
+            dev,
+        }
+    }
+
+    /// The `i`-th descriptor (`i < count`; wrapping arithmetic, see
+    /// [`StridedDesc::end`] for the check that nothing wraps).
+    #[inline]
+    pub fn desc(&self, i: u64) -> Desc {
+        Desc::new(
+            self.base.wrapping_add(i.wrapping_mul(self.stride)),
+            self.len,
+            self.dev,
+        )
+    }
+
+    /// Its descriptors, in order.
+    pub fn descs(&self) -> impl ExactSizeIterator<Item = Desc> + '_ {
+        (0..self.count as usize).map(move |i| self.desc(i as u64))
+    }
+
+    /// One past the last byte of the last descriptor, or `None` when the run is empty
+    /// or some descriptor wraps the address space.
+    pub fn end(&self) -> Option<u64> {
+        let last = self.count.checked_sub(1)?;
+        self.base
+            .checked_add(last.checked_mul(self.stride)?)?
+            .checked_add(self.len)
+    }
+}
+
 /// Where a transfer goes: the local agent itself (e.g. memory ↔ file), or a peer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Endpoint {

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Side-by-side throughput of the Ferry POSIX backend and fio (io_uring engine) on the
 # same patterns: READ/WRITE, buffered/O_DIRECT, block size 1 MiB and 64 KiB, batch
-# (= queue depth) 32 and 1024, over a scratch file. Each repetition runs fio once and
-# Ferry once, interleaved, so drift of a shared machine hits both alike; medians are
-# printed in GB/s (10^9 bytes/s).
+# (= queue depth) 1, 32 and 1024, over a scratch file. Each repetition runs fio once and
+# Ferry once, interleaved, the order alternating (odd repetitions fio first, even ones
+# Ferry first), so drift of a shared machine hits both alike; medians are printed in
+# GB/s (10^9 bytes/s). Ferry's side drives the POSIX backend directly (posix_bench),
+# not through an Agent.
 #
 # Usage: backends/posix/bench/fio-compare.sh [--size-mib N] [--reps N] [--file PATH]
 #                                            [--engine uring|threads]
-# Defaults: 1024 MiB, 3 repetitions, /tmp/ferry-posix-bench.bin, engine uring.
+# Defaults: 1024 MiB, 3 repetitions, /tmp/ferry-posix-bench.bin, engine uring;
+# BATCHES="1 32" (environment) runs only those batch sizes.
 # Needs: fio (Debian package `fio`; installed here when missing and running as root).
 set -euo pipefail
 
@@ -36,7 +39,7 @@ fi
 
 root=$(cd "$(dirname "$0")/../../.." && pwd)
 cargo build --quiet --release -p ferry-posix --example posix_bench --manifest-path "$root/Cargo.toml"
-bench="$root/target/release/examples/posix_bench"
+bench="${CARGO_TARGET_DIR:-$root/target}/release/examples/posix_bench"
 
 need_mib=$((size_mib + 64))
 avail_mib=$(df -Pm "$(dirname "$file")" | awk 'NR==2 {print $4}')
@@ -48,30 +51,39 @@ fi
 median() { sort -g | awk '{a[NR]=$1} END {if (NR%2) print a[(NR+1)/2]; else printf "%.3f\n", (a[NR/2]+a[NR/2+1])/2}'; }
 
 echo "# $(date -u +%FT%TZ) $(uname -r) $(nproc) cores; file $file ($(df -PT "$(dirname "$file")" | awk 'NR==2 {print $2}')), ${size_mib} MiB per run, ${reps} reps, medians in GB/s"
+echo "# order alternates: odd reps fio then ferry, even reps ferry then fio"
 echo "# fio $(fio --version): --ioengine=io_uring --fixedbufs=1 --registerfiles=1 --iodepth=<batch> (invalidate=1 default; file fsynced before each run)"
 echo "# ferry: engine=$engine, queue_depth=batch, fixed buffers + fixed files, memory 2 MiB-aligned with 4 KiB pages (--no-huge-pages: fio's buffers are plain malloc'd pages too), page cache dropped before each rep"
 printf "%-6s %-9s %-9s %-6s %10s %10s %7s\n" op mode bs batch ferry fio ratio
 for bs_kib in 1024 64; do
   for op in write read; do
     for mode in buffered direct; do
-      for batch in 32 1024; do
+      for batch in ${BATCHES:-1 32 1024}; do
         direct_flag=""; direct_fio=0
         if [ "$mode" = direct ]; then direct_flag="--direct"; direct_fio=1; fi
         ferry_runs=(); fio_runs=()
-        for _ in $(seq "$reps"); do
-          # Flush dirty pages of earlier runs first: fio's invalidate=1 only drops clean
-          # ones (Ferry's bench does fsync + fadvise), and leftover dirty pages would
-          # throttle fio's writes.
-          sync "$file"
+        run_fio() {
           kib=$(fio --name=cmp --filename="$file" --size="${size_mib}M" --bs="${bs_kib}k" \
                     --iodepth="$batch" --rw="$op" --direct="$direct_fio" --ioengine=io_uring \
                     --fixedbufs=1 --registerfiles=1 --output-format=terse --terse-version=3 \
                     2>/dev/null | awk -F';' -v op="$op" '{print (op=="read") ? $7 : $48}')
           fio_runs+=("$(awk -v k="$kib" 'BEGIN {printf "%.3f", k*1024/1e9}')")
+        }
+        run_ferry() {
           line=$("$bench" --file "$file" --size-mib "$size_mib" --block-kib "$bs_kib" \
                     --batch "$batch" --op "$op" $direct_flag --engine "$engine" --no-huge-pages \
                     --reps 1 2>/dev/null)
           ferry_runs+=("$(sed -n 's/.*median_gbps=\([0-9.]*\).*/\1/p' <<<"$line")")
+        }
+        for rep in $(seq "$reps"); do
+          # Flush dirty pages of earlier runs first: fio's invalidate=1 only drops clean
+          # ones (Ferry's bench does fsync + fadvise), and leftover dirty pages would
+          # throttle fio's writes.
+          if [ $((rep % 2)) = 1 ]; then
+            sync "$file"; run_fio; sync "$file"; run_ferry
+          else
+            sync "$file"; run_ferry; sync "$file"; run_fio
+          fi
         done
         f=$(printf "%s\n" "${ferry_runs[@]}" | median)
         g=$(printf "%s\n" "${fio_runs[@]}" | median)

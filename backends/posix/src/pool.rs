@@ -90,36 +90,55 @@ impl IoOp {
     };
 }
 
-/// A fixed-capacity slab with a free list.
+/// A bounded slab with a free list. Slots are made as they are first needed (up to
+/// `capacity`), so an idle backend holds none: made up front at the default bounds,
+/// the request and operation slabs cost every agent with a POSIX backend about 4 MB.
+/// A slot once made stays (freed slots are reused), so steady state allocates nothing.
 #[derive(Debug)]
 pub(crate) struct Slab<T> {
     items: Vec<T>,
     free: Vec<u32>,
+    capacity: u32,
+    blank: T,
 }
 
 impl<T: Copy> Slab<T> {
     pub fn new(capacity: u32, blank: T) -> Self {
         Slab {
-            items: vec![blank; capacity as usize],
-            // Pop from the end: hand out low slots first.
-            free: (0..capacity).rev().collect(),
+            items: Vec::new(),
+            free: Vec::new(),
+            capacity,
+            blank,
         }
     }
+    /// The most slots in use at once.
     pub fn capacity(&self) -> usize {
+        self.capacity as usize
+    }
+    /// Slots made so far (every slot handed out is below this).
+    pub fn made(&self) -> usize {
         self.items.len()
     }
     pub fn available(&self) -> usize {
-        self.free.len()
+        self.capacity() - self.in_use()
     }
     pub fn in_use(&self) -> usize {
         self.items.len() - self.free.len()
     }
-    /// Take a slot; `None` when full (callers check `available` first).
+    /// Take a slot (a freed one first, low slots first); `None` when full (callers
+    /// check `available` first).
     pub fn take(&mut self) -> Option<u32> {
-        self.free.pop()
+        if let Some(slot) = self.free.pop() {
+            return Some(slot);
+        }
+        if self.items.len() >= self.capacity() {
+            return None;
+        }
+        self.items.push(self.blank);
+        Some(self.items.len() as u32 - 1)
     }
-    /// Return a slot. The free list never exceeds the capacity it was built with, so
-    /// this never allocates.
+    /// Return a slot. The free list holds at most the slots made, and it grows only
+    /// when more slots were made than ever returned at once before.
     pub fn give_back(&mut self, slot: u32) {
         debug_assert!(self.free.len() < self.items.len());
         debug_assert!(!self.free.contains(&slot));
@@ -162,7 +181,7 @@ impl Ops {
     pub fn resolve(&self, user_data: u64) -> Option<u32> {
         let slot = (user_data & u64::from(u32::MAX)) as u32;
         let generation = (user_data >> 32) as u32;
-        if slot as usize >= self.slab.capacity() {
+        if slot as usize >= self.slab.made() {
             return None;
         }
         let op = self.slab.get(slot);

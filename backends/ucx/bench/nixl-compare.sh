@@ -5,6 +5,7 @@
 #   backends/ucx/bench/nixl-compare.sh            # 3 rounds
 #   ROUNDS=5 backends/ucx/bench/nixl-compare.sh
 #   ROUNDS=8 ONLY=tcp:1048576:32 backends/ucx/bench/nixl-compare.sh   # one row, paired
+#   MAX_ITERS=10000 backends/ucx/bench/nixl-compare.sh   # the same request cap, both sides
 #
 # ONLY (comma list of VARIANT:BLOCK:COUNT) runs just those rows, prints each round's
 # Ferry ÷ NIXL beside the table, and leaves out the metadata, control-path and perftest
@@ -26,9 +27,10 @@ root="$(cd "$here/../../.." && pwd)"
 bench="$(cd "$root" && cargo bench -p ferry-benches --bench ucx --no-run 2>&1 \
   | sed -n 's/.*Executable benches\/ucx.rs (\(.*\))/\1/p' | tail -1)"
 [ -n "$bench" ] || { echo "could not build the UCX benchmark" >&2; exit 1; }
-bench="$root/$bench"
+case "$bench" in /*) ;; *) bench="$root/$bench" ;; esac  # absolute under CARGO_TARGET_DIR
 "$venv/bin/python" "$here/nixl_compare.py" --ferry-bench "$bench" \
-  --python "$venv/bin/python" --rounds "${ROUNDS:-3}" --only "${ONLY:-}"
+  --python "$venv/bin/python" --rounds "${ROUNDS:-3}" --only "${ONLY:-}" \
+  --max-iters "${MAX_ITERS:-0}"
 
 # The rest of issue 12's table, in the same run: the control path against NIXL's
 # initialize_xfer (same libucp), then ucx_perftest against Ferry's bench on the

@@ -4,6 +4,8 @@
 Started by nixl-compare.sh, which provides the NIXL venv, the wheel's libucp (exported
 as FERRY_UCX_LIBRARY, so Ferry's benchmark loads it and nothing else) and Ferry's UCX
 benchmark binary. Rounds are interleaved (Ferry then NIXL, then NIXL then Ferry, ...);
+both sides run each case for the same time (--seconds) with the same request cap
+(--max-iters, default none) from 2 MiB-aligned buffers;
 each figure is the median of the rounds, with the range. On both sides the initiator
 runs on CPU 0 and the target on CPU 1 (two busy-polling processes on a shared machine
 otherwise fall into a slow mode whenever they share a core).
@@ -31,13 +33,13 @@ COMMON_ENV = {
     "UCX_RNDV_THRESH": "inf",
 }
 
-# (variant, block bytes, count, ops): every workload of the table.
+# (variant, block bytes, count, ops): every workload of the table, the same on both
+# transports, both operations each.
+SHAPES = [(64, 1024), (4096, 1024), (1 << 20, 1), (1 << 20, 32)]
 CASES = [
-    ("shm", 64, 1024, ("WRITE", "READ")),
-    ("shm", 4096, 1024, ("WRITE", "READ")),
-    ("shm", 1 << 20, 32, ("WRITE", "READ")),
-    ("tcp", 1 << 20, 1, ("WRITE",)),
-    ("tcp", 1 << 20, 32, ("WRITE",)),
+    (variant, block, count, ("WRITE", "READ"))
+    for variant in ("shm", "tcp")
+    for block, count in SHAPES
 ]
 
 # Ferry: error_handling=none on shared memory (its shm variant), peer on tcp;
@@ -68,7 +70,7 @@ def env_for(variant):
     return env
 
 
-def run_ferry(bench, variant, block, count, ops, seconds):
+def run_ferry(bench, variant, block, count, ops, seconds, max_iters):
     """Median µs per request of Ferry's benchmark, by (op, block, count), shuffled."""
     env = env_for(variant)
     env.update(
@@ -82,8 +84,9 @@ def run_ferry(bench, variant, block, count, ops, seconds):
             "FERRY_BENCH_UCX_ORDER": "shuffled",
             "FERRY_BENCH_UCX_OPS": ",".join(op.lower() for op in ops),
             "FERRY_BENCH_UCX_CONTROL": "0",
-            # As long per case as NIXL's side (its bench stops at 10,000 requests).
+            # As long per case as NIXL's side, and the same request cap (0: none).
             "FERRY_BENCH_UCX_CASE_MS": str(int(seconds * 1000)),
+            "FERRY_BENCH_UCX_MAX_ITERS": str(max_iters),
         }
     )
     out = subprocess.run(
@@ -98,14 +101,15 @@ def run_ferry(bench, variant, block, count, ops, seconds):
     return found
 
 
-def run_nixl(python, variant, block, count, op, seconds):
+def run_nixl(python, variant, block, count, op, seconds, max_iters):
     env = env_for(variant)
     cmd = [
         python,
         os.path.join(HERE, "nixl_write.py"),
         "--block", str(block), "--count", str(count), "--op", op,
         "--shuffled", "1", "--err-mode", ERR_MODE[variant],
-        "--seconds", str(seconds), "--prog-thread", "0", "--cpus", "0,1",
+        "--seconds", str(seconds), "--max-iters", str(max_iters),
+        "--prog-thread", "0", "--cpus", "0,1",
     ]
     try:
         run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
@@ -168,6 +172,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", "--nixl-seconds", dest="seconds", type=float, default=1.5,
                     help="timed seconds per case, both sides")
+    ap.add_argument("--max-iters", type=int, default=0,
+                    help="timed requests after which a case stops, both sides (0: none)")
     ap.add_argument(
         "--only", default="",
         help="comma list of VARIANT:BLOCK:COUNT rows to run (e.g. tcp:1048576:32); "
@@ -195,7 +201,8 @@ def main():
             print(f"round {r + 1}: metadata done", file=sys.stderr, flush=True)
         for variant, block, count, ops in cases:
             def ferry_side():
-                got = run_ferry(args.ferry_bench, variant, block, count, ops, args.seconds)
+                got = run_ferry(args.ferry_bench, variant, block, count, ops, args.seconds,
+                                args.max_iters)
                 for op in ops:
                     if (op, block, count) in got:
                         ferry.setdefault((variant, op, block, count), []).append(
@@ -204,7 +211,8 @@ def main():
 
             def nixl_side():
                 for op in ops:
-                    us = run_nixl(args.python, variant, block, count, op, args.seconds)
+                    us = run_nixl(args.python, variant, block, count, op, args.seconds,
+                                  args.max_iters)
                     if us is not None:
                         nixl.setdefault((variant, op, block, count), []).append(us)
 

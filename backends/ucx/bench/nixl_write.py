@@ -14,6 +14,11 @@ Prints one line per run: median time per transfer, descriptors/s and GB/s.
 --err-mode is NIXL's UCX parameter ucx_error_handling_mode ('peer', NIXL's default, or
 'none'; Ferry's shm benchmark variant uses error_handling=none).
 
+--max-iters N stops after N timed requests (default 0: runs for --seconds only); the
+comparison passes the same cap to Ferry's bench (FERRY_BENCH_UCX_MAX_ITERS).
+
+The buffers are 2 MiB aligned on both sides (numpy's own start at a page + 16 B).
+
 --cpus 0,1 pins the initiator to CPU 0 and the target to CPU 1 (as nixl_compare.py does
 for both Ferry and NIXL). --prog-thread 0 (default) turns off NIXL's agent progress thread in both processes (NIXL
 starts one per agent by default; Ferry's benchmark has none): the target then progresses
@@ -29,6 +34,9 @@ import time
 import numpy as np
 
 BUFFER_LEN = 256 << 20
+# Alignment of the buffers, as Ferry's benchmark aligns its own: one transparent huge
+# page. numpy's own allocation starts at a page + 16 B, which costs NIXL 6-15 % at 4 KiB.
+ALIGN = 2 << 20
 
 
 def make_agent(name, err_mode, prog_thread):
@@ -54,10 +62,16 @@ def pin(cpu):
 
 
 def filled_buffer():
-    """The 256 MiB buffer, every page written once (as Ferry's benchmark does): an
-    untouched page reads as the kernel's shared zero page, so a transfer from np.zeros
-    memory would read one cache-hot page instead of DRAM."""
-    buf = np.empty(BUFFER_LEN, dtype=np.uint8)
+    """The 256 MiB buffer, 2 MiB aligned (ALIGN), every page written once (as Ferry's
+    benchmark does): an untouched page reads as the kernel's shared zero page, so a
+    transfer from np.zeros memory would read one cache-hot page instead of DRAM.
+
+    A view into a larger allocation; the caller keeps the view, which keeps the whole
+    allocation alive."""
+    raw = np.empty(BUFFER_LEN + ALIGN, dtype=np.uint8)
+    offset = (-raw.ctypes.data) % ALIGN
+    buf = raw[offset:offset + BUFFER_LEN]
+    assert buf.ctypes.data % ALIGN == 0
     buf.fill(0x5A)
     return buf
 
@@ -91,6 +105,9 @@ def main():
     ap.add_argument("--hugepage", type=int, default=1)
     ap.add_argument("--prog-thread", type=int, default=0)
     ap.add_argument("--cpus", default="", help="initiator,target CPUs to pin to (e.g. 0,1)")
+    ap.add_argument("--max-iters", type=int, default=0,
+                    help="stop after this many timed requests (0: only --seconds); "
+                         "nixl_compare.py gives Ferry's bench the same cap")
     args = ap.parse_args()
     cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else [None, None]
     pin(cpus[0])
@@ -145,6 +162,8 @@ def main():
         if not first:
             times.append(time.perf_counter() - t0)
         first = False
+        if args.max_iters and len(times) >= args.max_iters:
+            break
     times.sort()
     median = times[len(times) // 2]
     print(

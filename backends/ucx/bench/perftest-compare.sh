@@ -21,6 +21,7 @@
 #               request, timed post until done) and × 32 (32 puts, one flush)
 #   ferry/own   the same with the bench's own (caller-allocated) buffers, as an
 #               application's
+# The order of the three alternates between rounds (perftest first, then Ferry first).
 # Per transport: shm = default UCX_TLS, no error handling (perftest's default, Ferry
 # error_handling=none); tcp = UCX_TLS=tcp, peer error handling (perftest -e, Ferry
 # error_handling=peer). Printed: medians over rounds of GB/s (1e9 B/s): perftest's
@@ -34,7 +35,8 @@ root="$(cd "$here/../../.." && pwd)"
 SIZE="${SIZE:-1048576}"
 TLS_LIST="${TLS_LIST:-shm tcp}"
 ROUNDS="${ROUNDS:-3}"
-# As many puts as Ferry's 1 MiB × 1 case times requests (its bench stops at 10,000).
+# Puts per perftest run; Ferry's bench gets the same cap (FERRY_BENCH_UCX_MAX_ITERS), so
+# its 1 MiB × 1 case times as many requests (each one put).
 ITERS="${ITERS:-10000}"
 PORT="${PORT:-13337}"
 # PIN=1 (default on 2+ CPUs): initiators/clients on CPU 0, targets/servers on CPU 1, for
@@ -46,7 +48,7 @@ if [ -z "$bench" ]; then
   bench="$(cd "$root" && cargo bench -p ferry-benches --bench ucx --no-run 2>&1 \
     | sed -n 's/.*Executable benches\/ucx.rs (\(.*\))/\1/p' | tail -1)"
   [ -n "$bench" ] || { echo "could not build the UCX benchmark" >&2; exit 1; }
-  bench="$root/$bench"
+  case "$bench" in /*) ;; *) bench="$root/$bench" ;; esac
 fi
 
 # The UCX environment of both tools: Ferry's own overrides (state/config.rs), made
@@ -64,11 +66,11 @@ env_of() { # tls
   esac
 }
 
-one_round() { # tls -> "perftest_overall perftest_median ucx_x1 ucx_x32 own_x1 own_x32"
-  local tls="$1"
-  unshare -n env $(env_of "$tls") bash -s "$tls" "$SIZE" "$ITERS" "$PORT" "$bench" "$PIN" <<'INNER'
+one_round() { # tls round -> "perftest_overall perftest_median ucx_x1 ucx_x32 own_x1 own_x32"
+  local tls="$1" round="$2"
+  unshare -n env $(env_of "$tls") bash -s "$tls" "$SIZE" "$ITERS" "$PORT" "$bench" "$PIN" "$round" <<'INNER'
 set -euo pipefail
-tls="$1"; size="$2"; iters="$3"; port="$4"; bench="$5"; pin="$6"
+tls="$1"; size="$2"; iters="$3"; port="$4"; bench="$5"; pin="$6"; round="$7"
 ip link set lo up
 eflag=(); variant=shm
 [ "$tls" = tcp ] && { eflag=(-e); variant=tcp; }
@@ -76,25 +78,35 @@ on0=(); on1=()
 if [ "$pin" = 1 ]; then
   on0=(taskset -c 0); on1=(taskset -c 1); export FERRY_BENCH_UCX_TARGET_CPU=1
 fi
-"${on1[@]}" ucx_perftest -t ucp_put_bw -s "$size" -n "$iters" -p "$port" "${eflag[@]}" >/dev/null 2>&1 &
-server=$!
-sleep 0.5
-final="$("${on0[@]}" ucx_perftest 127.0.0.1 -p "$port" -t ucp_put_bw -s "$size" -n "$iters" "${eflag[@]}" 2>&1 | grep '^Final:' || true)"
-wait "$server" || true
-# Final: iters lat50(us) lat_avg lat_overall bw_avg(MiB/s) bw_overall rate_avg rate_overall
-# The median-latency figure only where a put completes in its own call (shm: a memcpy);
-# over tcp the latency of a non-blocking put is the time to queue it.
-perf="$(echo "$final" | awk -v s="$size" -v t="$tls" '{
-  printf "%.2f %s", $7 * 1.048576 / 1000, (t == "shm") ? sprintf("%.2f", s / $3 / 1000) : "nan" }')"
-[ -n "$perf" ] || perf="nan nan"
+run_perftest() {
+  "${on1[@]}" ucx_perftest -t ucp_put_bw -s "$size" -n "$iters" -p "$port" "${eflag[@]}" >/dev/null 2>&1 &
+  local server=$!
+  sleep 0.5
+  local final
+  final="$("${on0[@]}" ucx_perftest 127.0.0.1 -p "$port" -t ucp_put_bw -s "$size" -n "$iters" "${eflag[@]}" 2>&1 | grep '^Final:' || true)"
+  wait "$server" || true
+  # Final: iters lat50(us) lat_avg lat_overall bw_avg(MiB/s) bw_overall rate_avg rate_overall
+  # The median-latency figure only where a put completes in its own call (shm: a memcpy);
+  # over tcp the latency of a non-blocking put is the time to queue it.
+  perf="$(echo "$final" | awk -v s="$size" -v t="$tls" '{
+    printf "%.2f %s", $7 * 1.048576 / 1000, (t == "shm") ? sprintf("%.2f", s / $3 / 1000) : "nan" }')"
+  [ -n "$perf" ] || perf="nan nan"
+}
 ferry() { # alloc -> "GB/s at ×1, GB/s at ×32"
   FERRY_BENCH_UCX_ALLOC="$1" FERRY_BENCH_UCX_VARIANT="$variant" FERRY_BENCH_UCX_BLOCKS="$size" \
-    FERRY_BENCH_UCX_BATCHES=1,32 FERRY_BENCH_UCX_IDLE=0 FERRY_BENCH_UCX_CONTROL=0 "${on0[@]}" "$bench" 2>&1 \
+    FERRY_BENCH_UCX_BATCHES=1,32 FERRY_BENCH_UCX_MAX_ITERS="$iters" FERRY_BENCH_UCX_IDLE=0 FERRY_BENCH_UCX_CONTROL=0 "${on0[@]}" "$bench" 2>&1 \
     | awk '$1 == "WRITE" && $7 == "contiguous" {
         for (i = 1; i < NF; i++) if ($(i + 1) == "GB/s") bw[$6] = $i }
       END { printf "%s %s", (1 in bw) ? bw[1] : "nan", (32 in bw) ? bw[32] : "nan" }'
 }
-echo "$perf $(ferry ucx) $(ferry caller)"
+# The order alternates between rounds (odd: perftest first; even: Ferry first), so
+# whatever drifts during a round (page cache, a neighbour's load) hits both tools alike.
+if [ $((round % 2)) = 1 ]; then
+  run_perftest; own_ucx="$(ferry ucx)"; own_caller="$(ferry caller)"
+else
+  own_caller="$(ferry caller)"; own_ucx="$(ferry ucx)"; run_perftest
+fi
+echo "$perf $own_ucx $own_caller"
 INNER
 }
 
@@ -105,7 +117,7 @@ for tls in $TLS_LIST; do
   echo "[$tls] environment of both: $(env_of "$tls")"
   rows=()
   for round in $(seq "$ROUNDS"); do
-    row="$(one_round "$tls")"
+    row="$(one_round "$tls" "$round")"
     echo "[$tls] round $round (GB/s): perftest overall, at median latency; ferry ucx-alloc ×1, ×32; ferry own memory ×1, ×32: $row"
     rows+=("$row")
   done

@@ -31,7 +31,7 @@ mod writer;
 pub use descs::{decode_descs, encode_descs};
 pub use header::{DESCS_MAGIC, FLAG_PARTIAL, HEADER_LEN_BYTES, MAGIC, VERSION};
 pub use peer::{PeerMd, RegionView};
-pub use writer::MdWriter;
+pub use writer::{MdScratch, MdWriter};
 
 /// The most backends one blob can name (backend indices are a `u8`).
 pub const BACKENDS_MAX: usize = 256;

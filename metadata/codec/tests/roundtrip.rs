@@ -15,7 +15,15 @@ type ModelRegion = (u8, MemKind, Desc, Vec<u8>);
 /// Build a writer from random inputs, keeping only regions that do not overlap an
 /// accepted one of the same section (the model).
 fn build(backends: &[Option<Vec<u8>>], raw: &[RawRegion]) -> (MdWriter, Vec<ModelRegion>) {
-    let mut writer = MdWriter::new("agent-under-test", 42);
+    build_with(MdWriter::new("agent-under-test", 42), backends, raw)
+}
+
+/// [`build`] on a given (new) writer.
+fn build_with(
+    mut writer: MdWriter,
+    backends: &[Option<Vec<u8>>],
+    raw: &[RawRegion],
+) -> (MdWriter, Vec<ModelRegion>) {
     for (i, conn) in backends.iter().enumerate() {
         assert_eq!(writer.backend(NAMES[i], conn.as_deref()), i as u8);
     }
@@ -173,6 +181,28 @@ proptest! {
             again.region(*backend, *kind, *desc, md);
         }
         prop_assert_eq!(again.finish().unwrap(), bytes);
+    }
+
+    /// A writer built on an earlier writer's buffers (`with_scratch`) encodes exactly
+    /// what a fresh one does, whatever the earlier one held (other sections, more or
+    /// fewer regions, other metadata).
+    #[test]
+    fn recycled_writer_encodes_like_a_fresh_one(
+        first in raw_regions(),
+        second in raw_regions(),
+        third in raw_regions(),
+    ) {
+        let backends = vec![Some(vec![1, 2, 3]), None];
+        let mut scratch = ferry_metadata::MdScratch::default();
+        for raw in [&first, &second, &third] {
+            let (fresh, _) = build(&backends, raw);
+            let want = fresh.finish().unwrap();
+            let reused = MdWriter::with_scratch("agent-under-test", 42, scratch);
+            let (reused, _) = build_with(reused, &backends, raw);
+            let (got, next) = reused.finish_recycling();
+            prop_assert_eq!(got.unwrap(), want);
+            scratch = next;
+        }
     }
 }
 

@@ -29,8 +29,8 @@ use std::sync::Arc;
 
 use ferry_backend_api::{Backend, Capabilities, Completions, PeerRegions, Range};
 use ferry_storage::{
-    AgentTag, BackendId, Desc, Error, MemKind, PeerId, RegionId, RegionTable, SectionIndex,
-    Subject, MAX_BACKENDS, SLOTS_MAX, TAG_MAX,
+    AgentTag, BackendId, Desc, Error, MdArena, MdEntries, MemKind, PeerId, RegionId, RegionTable,
+    SectionIndex, Subject, MAX_BACKENDS, SLOTS_MAX, TAG_MAX,
 };
 
 /// Bounds chosen at start-up. Every table and queue is limited by one of these.
@@ -136,6 +136,8 @@ pub(crate) struct Pools {
     pub(crate) notifs: Vec<Vec<u8>>,
     /// Request pin lists.
     pub(crate) pins: Vec<Vec<RegionId>>,
+    /// Scratch of `prep_strided`: the runs' descriptors, written out.
+    pub(crate) strided_descs: Vec<Desc>,
 }
 
 /// Everything the executor works on.
@@ -148,6 +150,8 @@ pub struct World {
     pub(crate) backends: BackendSlots,
     /// Registered regions.
     pub(crate) regions: RegionTable,
+    /// The regions' public metadata (rows point into it: `regions.public_md`).
+    pub(crate) region_md: MdArena,
     /// Section index per backend slot and memory kind.
     pub(crate) sections: Vec<[SectionIndex; 5]>,
     /// Prepared lists.
@@ -251,6 +255,7 @@ impl World {
                 ..BackendSlots::default()
             },
             regions: RegionTable::tagged(bounds.regions_max.min(1 << 12), tag.get()),
+            region_md: MdArena::new(),
             sections: (0..MAX_BACKENDS).map(|_| Default::default()).collect(),
             preps: PrepTable::tagged(bounds.preps_max.min(1 << 10), tag.get()),
             xfers: XferTable::tagged(bounds.xfers_max.min(1 << 10), tag.get()),
@@ -355,6 +360,14 @@ impl World {
     /// The registered regions.
     pub fn regions(&self) -> &RegionTable {
         &self.regions
+    }
+
+    /// The public metadata of the region in `row` of [`World::regions`]: (backend slot,
+    /// bytes), one entry per backend that published any.
+    #[inline]
+    pub fn region_public_md(&self, row: usize) -> MdEntries<'_> {
+        let span = self.regions.public_md.get(row).copied().unwrap_or_default();
+        self.region_md.entries(span)
     }
 
     /// Type name of the backend in `slot`.

@@ -5,7 +5,8 @@
 //! naming the region (nothing reaches a backend).
 
 use ferry_storage::{
-    handle_to_tag, BackendMask, Desc, Error, MemKind, PeerId, PrepId, Subject, MAX_BACKENDS,
+    handle_to_tag, BackendMask, Desc, Error, MemKind, PeerId, PrepId, StridedDesc, Subject,
+    MAX_BACKENDS,
 };
 
 use super::{Hit, World};
@@ -213,6 +214,53 @@ impl World {
                 Err(e)
             }
         }
+    }
+
+    /// [`World::prep_list`] of the list made of `runs`' descriptors, run after run.
+    ///
+    /// Each run is checked first (non-empty, no descriptor wrapping the address space,
+    /// the total within `descs_per_list_max`), naming the run; then its descriptors are
+    /// written to a scratch list the world keeps (never the caller's) and resolved as a
+    /// plain list, so the prepared list is exactly that of the same plain list.
+    pub(crate) fn prep_strided(
+        &mut self,
+        peer: Option<PeerId>,
+        kind: MemKind,
+        runs: &[StridedDesc],
+        hint: BackendMask,
+    ) -> Result<PrepId, Error> {
+        let mut total: u64 = 0;
+        for (r, run) in runs.iter().enumerate() {
+            let subject = || Subject::Named(format!("strided run #{r}: {run:?}").into());
+            if run.count == 0 || run.len == 0 {
+                return Err(Error::invalid(
+                    subject(),
+                    "a strided run needs count and len of at least 1",
+                ));
+            }
+            if run.end().is_none() {
+                return Err(Error::invalid(
+                    subject(),
+                    "a descriptor of the run wraps the address space",
+                ));
+            }
+            total = total.saturating_add(run.count);
+        }
+        if total > self.bounds.descs_per_list_max as u64 {
+            return Err(Error::Capacity {
+                what: "descriptors per list",
+                limit: self.bounds.descs_per_list_max,
+            });
+        }
+        let mut descs = std::mem::take(&mut self.pools.strided_descs);
+        descs.clear();
+        descs.reserve(total as usize);
+        for run in runs {
+            descs.extend(run.descs());
+        }
+        let result = self.prep_list(peer, kind, &descs, hint);
+        self.pools.strided_descs = descs;
+        result
     }
 
     fn resolve_local(

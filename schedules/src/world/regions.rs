@@ -88,7 +88,7 @@ impl World {
             match unsafe { backend.register(&spec) } {
                 Ok(reg) => {
                     tokens[slot] = reg.token;
-                    public.push((slot as u8, reg.public_md.into_boxed_slice()));
+                    public.push((slot as u8, reg.public_md));
                     accepted.insert(slot);
                 }
                 Err(e) => {
@@ -99,12 +99,28 @@ impl World {
         if accepted.is_empty() {
             return Err(first_error.expect("at least one candidate failed"));
         }
+        let Some(public_md) = self
+            .region_md
+            .push(public.iter().map(|(slot, bytes)| (*slot, bytes.as_slice())))
+        else {
+            // More than 4 GiB of public metadata for one region: undo the registrations.
+            for slot in accepted.iter() {
+                if let Some(backend) = self.backends.backends[slot].as_mut() {
+                    // SAFETY: registered just above; no request can name it yet.
+                    let _ = unsafe { backend.deregister(kind, tokens[slot]) };
+                }
+            }
+            return Err(Error::invalid(
+                subject(),
+                "the backends' public metadata for this region exceeds 4 GiB",
+            ));
+        };
         let id = self.regions.insert(RegionRow {
             kinds: kind,
             descs: desc,
             backends: accepted,
             tokens,
-            public_md: public,
+            public_md,
             pins: 0,
         });
         for slot in accepted.iter() {
@@ -168,7 +184,11 @@ impl World {
         for slot in backends.iter() {
             self.sections[slot][kind as usize].remove(indexed, id);
         }
+        let public_md = self.regions.public_md[row];
         self.regions.remove(id);
+        if self.region_md.release(public_md) {
+            self.region_md.compact(&mut self.regions.public_md);
+        }
         self.deregistrations += 1;
         let gone = Withdrawing {
             id,

@@ -102,7 +102,8 @@ impl PosixBackend {
             plain: Table::new(0),
             requests: Slab::new(max_requests, None),
             ops: Ops::new(max_ops),
-            pending: VecDeque::with_capacity(max_ops as usize),
+            // Grows with use (bounded by max_ops, as the operation slab).
+            pending: VecDeque::new(),
             reaped: Vec::with_capacity(depth as usize),
         };
         log::info!("posix: {}", backend.engine_text());

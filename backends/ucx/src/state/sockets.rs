@@ -31,9 +31,9 @@
 //!   to us on connections it opened (READ replies) is not cut off here; UCX drops
 //!   replies whose requests the close canceled.
 //! - Linux only (`/proc`); elsewhere nothing is found and the close is UCX's alone.
-//! - Cost: two scans of `/proc/self/fd` per endpoint creation, one parse of
-//!   `/proc/self/net/tcp{,6}` when a socket appeared; the same once per aborted peer.
-//!   Nothing on the transfer path.
+//! - Cost: two scans of `/proc/self/fd` per endpoint creation and a `getpeername` per
+//!   socket that appeared; one scan and a `getpeername` per socket once per aborted
+//!   peer. Nothing on the transfer path.
 
 use std::collections::HashSet;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -83,72 +83,69 @@ pub(super) fn socket_inodes() -> HashSet<u64> {
     socket_fds().into_iter().map(|(_, inode)| inode).collect()
 }
 
-/// One row of `/proc/self/net/tcp{,6}`: remote address and inode.
-struct TcpRow {
-    remote: SocketAddr,
-    inode: u64,
-}
-
-/// The TCP sockets of this network namespace that have a remote address.
-fn tcp_rows() -> Vec<TcpRow> {
-    let mut rows = Vec::new();
-    for (path, v6) in [("/proc/self/net/tcp", false), ("/proc/self/net/tcp6", true)] {
-        let Ok(text) = std::fs::read_to_string(path) else {
-            continue;
-        };
-        for line in text.lines().skip(1) {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            // sl local rem st queues timer retrnsmt uid timeout inode …
-            if fields.len() < 10 {
-                continue;
-            }
-            let (Some(remote), Ok(inode)) = (parse_addr(fields[2], v6), fields[9].parse()) else {
-                continue;
-            };
-            if remote.port() != 0 {
-                rows.push(TcpRow { remote, inode });
-            }
-        }
-    }
-    rows
-}
-
-/// `/proc/net/tcp`'s `HEXADDR:HEXPORT`: the address is the kernel's 32-bit words
-/// printed in host order, the port in host order.
-fn parse_addr(field: &str, v6: bool) -> Option<SocketAddr> {
-    let (addr, port) = field.split_once(':')?;
-    let port = u16::from_str_radix(port, 16).ok()?;
-    if !v6 {
-        let word = u32::from_str_radix(addr, 16).ok()?;
-        let ip = Ipv4Addr::from(word.to_ne_bytes());
-        return Some(SocketAddr::new(ip.into(), port));
-    }
-    if addr.len() != 32 {
+/// The remote address of `fd` if it is a connected TCP socket (`getpeername`).
+fn tcp_peer(fd: i32) -> Option<SocketAddr> {
+    let mut kind: libc::c_int = 0;
+    let mut kind_len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: an int-sized option buffer with its length; a stale or non-socket fd only
+    // makes the call fail.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_TYPE,
+            (&mut kind as *mut libc::c_int).cast(),
+            &mut kind_len,
+        )
+    };
+    if rc != 0 || kind != libc::SOCK_STREAM {
         return None;
     }
-    let mut bytes = [0u8; 16];
-    for (i, chunk) in bytes.chunks_mut(4).enumerate() {
-        let word = u32::from_str_radix(&addr[i * 8..i * 8 + 8], 16).ok()?;
-        chunk.copy_from_slice(&word.to_ne_bytes());
+    // SAFETY: sockaddr_storage is plain data; zero is a valid value.
+    let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+    // SAFETY: the storage is large enough for any address, passed with its size.
+    let rc = unsafe {
+        libc::getpeername(
+            fd,
+            (&mut storage as *mut libc::sockaddr_storage).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return None;
     }
-    Some(SocketAddr::new(Ipv6Addr::from(bytes).into(), port))
+    match libc::c_int::from(storage.ss_family) {
+        libc::AF_INET => {
+            // SAFETY: the family says the storage holds a sockaddr_in.
+            let sin: libc::sockaddr_in =
+                unsafe { std::ptr::read((&storage as *const libc::sockaddr_storage).cast()) };
+            let ip = Ipv4Addr::from(sin.sin_addr.s_addr.to_ne_bytes());
+            Some(SocketAddr::new(ip.into(), u16::from_be(sin.sin_port)))
+        }
+        libc::AF_INET6 => {
+            // SAFETY: the family says the storage holds a sockaddr_in6.
+            let sin6: libc::sockaddr_in6 =
+                unsafe { std::ptr::read((&storage as *const libc::sockaddr_storage).cast()) };
+            let ip = Ipv6Addr::from(sin6.sin6_addr.s6_addr);
+            Some(SocketAddr::new(ip.into(), u16::from_be(sin6.sin6_port)))
+        }
+        _ => None,
+    }
+    .filter(|remote| remote.port() != 0)
 }
 
 /// Remote addresses of the TCP connections that appeared since `before` (the peer's
 /// listening sockets, when the bracket spans `ucp_ep_create`).
+///
+/// Asked of each new socket with `getpeername`. (Parsing `/proc/self/net/tcp`, as this
+/// did before, lists every socket of the network namespace: on a busy host that took
+/// tens of milliseconds, paid by the first request to every peer.)
 pub(super) fn new_remotes(before: &HashSet<u64>) -> Vec<SocketAddr> {
-    let new: HashSet<u64> = socket_fds()
+    let mut remotes: Vec<SocketAddr> = socket_fds()
         .into_iter()
-        .map(|(_, inode)| inode)
-        .filter(|inode| !before.contains(inode))
-        .collect();
-    if new.is_empty() {
-        return Vec::new();
-    }
-    let mut remotes: Vec<SocketAddr> = tcp_rows()
-        .into_iter()
-        .filter(|row| new.contains(&row.inode))
-        .map(|row| row.remote)
+        .filter(|(_, inode)| !before.contains(inode))
+        .filter_map(|(fd, _)| tcp_peer(fd))
         .collect();
     remotes.sort();
     remotes.dedup();
@@ -161,17 +158,9 @@ pub(super) fn abort_connections_to(remotes: &[SocketAddr]) -> usize {
     if remotes.is_empty() {
         return 0;
     }
-    let doomed: HashSet<u64> = tcp_rows()
-        .into_iter()
-        .filter(|row| remotes.contains(&row.remote))
-        .map(|row| row.inode)
-        .collect();
-    if doomed.is_empty() {
-        return 0;
-    }
     let mut reset = 0;
-    for (fd, inode) in socket_fds() {
-        if !doomed.contains(&inode) {
+    for (fd, _) in socket_fds() {
+        if !tcp_peer(fd).is_some_and(|remote| remotes.contains(&remote)) {
             continue;
         }
         // SAFETY: a zeroed sockaddr with family AF_UNSPEC, passed with its own size. The
@@ -224,16 +213,32 @@ mod tests {
     }
 
     #[test]
-    fn addresses_parse_as_the_kernel_prints_them() {
+    fn only_connected_tcp_sockets_have_a_peer() {
+        use std::os::fd::AsRawFd;
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (server, _) = listener.accept().unwrap();
         assert_eq!(
-            parse_addr("0100E70A:CE67", false),
-            Some("10.231.0.1:52839".parse().unwrap())
+            tcp_peer(client.as_raw_fd()),
+            Some(listener.local_addr().unwrap())
         );
         assert_eq!(
-            parse_addr("00000000000000000000000001000000:1F90", true),
-            Some("[::1]:8080".parse().unwrap())
+            tcp_peer(server.as_raw_fd()),
+            Some(client.local_addr().unwrap())
         );
-        assert_eq!(parse_addr("zz:1", false), None);
+        assert_eq!(tcp_peer(listener.as_raw_fd()), None);
+        let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        udp.connect(listener.local_addr().unwrap()).unwrap();
+        assert_eq!(tcp_peer(udp.as_raw_fd()), None);
+        assert_eq!(tcp_peer(-1), None);
+        // IPv6 where the host has it.
+        if let Ok(listener6) = TcpListener::bind("[::1]:0") {
+            let client6 = TcpStream::connect(listener6.local_addr().unwrap()).unwrap();
+            assert_eq!(
+                tcp_peer(client6.as_raw_fd()),
+                Some(listener6.local_addr().unwrap())
+            );
+        }
     }
 
     #[test]
