@@ -85,6 +85,15 @@ else
   echo "cannot install the cuFile wheels: tests that need them will skip (or fail under CI=true)" >&2
 fi
 
+# ---------------------------------------------------------------- torch
+# torch (the CUDA build from PyPI, ~2.8 GB; it runs on CPU) in the venv, before the Rust
+# tests: the TCPStore interop tests run Ferry's client against torch's own servers
+# (libuv and legacy) and torch's client against Ferry's server through this python.
+torch_started=$SECONDS
+"$scratch/pyvenv/bin/pip" install -q maturin numpy pytest torch ziglang
+echo "pip install maturin numpy pytest torch ziglang: $((SECONDS - torch_started)) s"
+export FERRY_TEST_TORCH_PYTHON="$scratch/pyvenv/bin/python"
+
 # ---------------------------------------------------------------- tests
 export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
 export RUST_BACKTRACE=1
@@ -136,11 +145,8 @@ py_started=$SECONDS
 log "python bindings: fmt, clippy, maturin develop, pytest"
 (cd engine/python && cargo fmt -- --check &&
   CARGO_TARGET_DIR="$PWD/../../target" cargo clippy -q --all-targets -- -D warnings)
-# torch (the CUDA build from PyPI, ~2.8 GB; it runs on CPU) is in the venv made above:
-# the tests import it before and beside ferry, which also loads its libcufile.
-torch_started=$SECONDS
-"$scratch/pyvenv/bin/pip" install -q maturin numpy pytest torch ziglang
-echo "pip install maturin numpy pytest torch ziglang: $((SECONDS - torch_started)) s"
+# torch (installed into the venv before the Rust tests, above) is imported before and
+# beside ferry by the tests, which also loads its libcufile.
 (cd engine/python && VIRTUAL_ENV="$scratch/pyvenv" PATH="$scratch/pyvenv/bin:$PATH" \
   CARGO_TARGET_DIR="$PWD/../../target" maturin develop -q)
 py_rc=0

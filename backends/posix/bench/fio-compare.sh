@@ -4,12 +4,13 @@
 # (= queue depth) 1, 32 and 1024, over a scratch file. Each repetition runs fio once and
 # Ferry once, interleaved, the order alternating (odd repetitions fio first, even ones
 # Ferry first), so drift of a shared machine hits both alike; medians are printed in
-# GB/s (10^9 bytes/s). Ferry's side drives the POSIX backend directly (posix_bench),
-# not through an Agent.
+# GB/s (10^9 bytes/s). Ferry's side goes through an Agent by default (benches'
+# posix_agent example: one request per batch, every I/O one block as fio's);
+# --driver backend drives the POSIX backend directly (posix_bench) instead.
 #
 # Usage: backends/posix/bench/fio-compare.sh [--size-mib N] [--reps N] [--file PATH]
-#                                            [--engine uring|threads]
-# Defaults: 1024 MiB, 3 repetitions, /tmp/ferry-posix-bench.bin, engine uring;
+#                                            [--engine uring|threads] [--driver agent|backend]
+# Defaults: 1024 MiB, 3 repetitions, /tmp/ferry-posix-bench.bin, engine uring, driver agent;
 # BATCHES="1 32" (environment) runs only those batch sizes.
 # Needs: fio (Debian package `fio`; installed here when missing and running as root).
 set -euo pipefail
@@ -18,12 +19,14 @@ size_mib=1024
 reps=3
 file=/tmp/ferry-posix-bench.bin
 engine=uring
+driver=agent
 while [ $# -gt 0 ]; do
   case "$1" in
     --size-mib) size_mib=$2; shift 2 ;;
     --reps) reps=$2; shift 2 ;;
     --file) file=$2; shift 2 ;;
     --engine) engine=$2; shift 2 ;;
+    --driver) driver=$2; shift 2 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -38,8 +41,13 @@ if ! command -v fio >/dev/null 2>&1; then
 fi
 
 root=$(cd "$(dirname "$0")/../../.." && pwd)
-cargo build --quiet --release -p ferry-posix --example posix_bench --manifest-path "$root/Cargo.toml"
-bench="${CARGO_TARGET_DIR:-$root/target}/release/examples/posix_bench"
+case "$driver" in
+  agent) pkg=ferry-benches; example=posix_agent ;;
+  backend) pkg=ferry-posix; example=posix_bench ;;
+  *) echo "--driver: agent or backend, not '$driver'" >&2; exit 2 ;;
+esac
+cargo build --quiet --release -p "$pkg" --example "$example" --manifest-path "$root/Cargo.toml"
+bench="${CARGO_TARGET_DIR:-$root/target}/release/examples/$example"
 
 need_mib=$((size_mib + 64))
 avail_mib=$(df -Pm "$(dirname "$file")" | awk 'NR==2 {print $4}')
@@ -53,7 +61,7 @@ median() { sort -g | awk '{a[NR]=$1} END {if (NR%2) print a[(NR+1)/2]; else prin
 echo "# $(date -u +%FT%TZ) $(uname -r) $(nproc) cores; file $file ($(df -PT "$(dirname "$file")" | awk 'NR==2 {print $2}')), ${size_mib} MiB per run, ${reps} reps, medians in GB/s"
 echo "# order alternates: odd reps fio then ferry, even reps ferry then fio"
 echo "# fio $(fio --version): --ioengine=io_uring --fixedbufs=1 --registerfiles=1 --iodepth=<batch> (invalidate=1 default; file fsynced before each run)"
-echo "# ferry: engine=$engine, queue_depth=batch, fixed buffers + fixed files, memory 2 MiB-aligned with 4 KiB pages (--no-huge-pages: fio's buffers are plain malloc'd pages too), page cache dropped before each rep"
+echo "# ferry ($driver: $example): engine=$engine, queue_depth=batch, fixed buffers + fixed files, memory 2 MiB-aligned with 4 KiB pages (--no-huge-pages: fio's buffers are plain malloc'd pages too), page cache dropped before each rep"
 printf "%-6s %-9s %-9s %-6s %10s %10s %7s\n" op mode bs batch ferry fio ratio
 for bs_kib in 1024 64; do
   for op in write read; do

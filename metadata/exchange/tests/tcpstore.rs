@@ -494,6 +494,9 @@ else:
 /// A python with torch, if `FERRY_TEST_TORCH_PYTHON` names one.
 fn torch_python() -> Option<std::ffi::OsString> {
     let python = std::env::var_os("FERRY_TEST_TORCH_PYTHON");
+    if python.is_none() && std::env::var("CI").is_ok_and(|v| v == "true") {
+        panic!("CI=true but FERRY_TEST_TORCH_PYTHON is not set (tools/test.sh sets it to its venv's python with torch)");
+    }
     if python.is_none() {
         eprintln!(
             "skipping: FERRY_TEST_TORCH_PYTHON is not set (a python with torch runs this test)"
