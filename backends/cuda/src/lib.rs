@@ -478,6 +478,17 @@ pub fn driver_version() -> Result<i32, CudaError> {
     Ok(version)
 }
 
+/// Refuse a copy of `len` bytes into or out of a `cap`-byte buffer at `ptr` that runs past it.
+fn fits(ptr: u64, cap: usize, len: usize) -> Result<(), CudaError> {
+    if len > cap {
+        return Err(CudaError::NotDeviceMemory {
+            addr: ptr + cap as u64,
+            reason: format!("a copy of {len} bytes runs past the {cap}-byte buffer"),
+        });
+    }
+    Ok(())
+}
+
 /// Device memory allocated with `cuMemAlloc`, freed on drop.
 #[derive(Debug)]
 pub struct DeviceBuffer {
@@ -521,16 +532,7 @@ impl DeviceBuffer {
     }
 
     fn fits(&self, len: usize) -> Result<(), CudaError> {
-        if len > self.len {
-            return Err(CudaError::NotDeviceMemory {
-                addr: self.ptr + self.len as u64,
-                reason: format!(
-                    "a copy of {len} bytes runs past the {}-byte buffer",
-                    self.len
-                ),
-            });
-        }
-        Ok(())
+        fits(self.ptr, self.len, len)
     }
 
     /// Copy `src` to the start of the buffer (synchronous).
@@ -670,32 +672,14 @@ impl VmmBuffer {
 
     /// Copy `src` to the start of the buffer (synchronous).
     pub fn write(&self, src: &[u8]) -> Result<(), CudaError> {
-        if src.len() > self.len {
-            return Err(CudaError::NotDeviceMemory {
-                addr: self.ptr + self.len as u64,
-                reason: format!(
-                    "a copy of {} bytes runs past the {}-byte buffer",
-                    src.len(),
-                    self.len
-                ),
-            });
-        }
+        fits(self.ptr, self.len, src.len())?;
         // SAFETY: the destination is mapped for at least src.len() bytes (checked above).
         unsafe { copy_htod(&self.dev, self.ptr, src) }
     }
 
     /// Copy the start of the buffer into `dst` (synchronous).
     pub fn read(&self, dst: &mut [u8]) -> Result<(), CudaError> {
-        if dst.len() > self.len {
-            return Err(CudaError::NotDeviceMemory {
-                addr: self.ptr + self.len as u64,
-                reason: format!(
-                    "a copy of {} bytes runs past the {}-byte buffer",
-                    dst.len(),
-                    self.len
-                ),
-            });
-        }
+        fits(self.ptr, self.len, dst.len())?;
         // SAFETY: the source is mapped for at least dst.len() bytes (checked above).
         unsafe { copy_dtoh(&self.dev, dst, self.ptr) }
     }

@@ -195,21 +195,25 @@ pub fn ipc_reference(setup: &GpuSetup, dir: &Path, iters: usize) -> Result<(), S
                 .into_iter()
                 .map(|(t, s, n)| (s, t, n))
                 .collect();
-        let plain = |ranges: &[(u64, u64, usize)]| {
-            time_median(iters, || {
-                let start = Instant::now();
-                // SAFETY: every range lies in one of our live buffers or the IPC mapping;
-                // source and destination are different buffers.
-                unsafe { ferry_cuda::copy_dtod_ranges(&dev, ranges) }.map_err(cuda)?;
-                Ok(start.elapsed())
-            })
-        };
-        let w = plain(&to_target)?;
-        let r = plain(&from_target)?;
+        let w = time_dtod(&dev, &to_target, iters)?;
+        let r = time_dtod(&dev, &from_target, iters)?;
         out.push_str(&format!("{k} {} {}\n", w.as_secs_f64(), r.as_secs_f64()));
     }
     drop(target);
     publish(&dir.join("reference"), out.as_bytes())
+}
+
+/// Median time of `cuMemcpyDtoDAsync` of every `(dst, src, len)` of `ranges` (the
+/// plain copy Ferry's rows are compared with). Every range must lie in live device
+/// memory of this process (its buffers or an IPC mapping), source and destination apart.
+fn time_dtod(dev: &Device, ranges: &[(u64, u64, usize)], iters: usize) -> Result<Duration, String> {
+    time_median(iters, || {
+        let start = Instant::now();
+        // SAFETY: the callers pass ranges in their live buffers or IPC mappings, with
+        // source and destination in different buffers (above).
+        unsafe { ferry_cuda::copy_dtod_ranges(dev, ranges) }.map_err(cuda)?;
+        Ok(start.elapsed())
+    })
 }
 
 /// `(target block, local block, bytes)` of local block i ↔ target block order[i].
@@ -459,12 +463,7 @@ pub fn vmm(setup: &GpuSetup, iters: usize) -> Result<Vec<Row>, String> {
     a_buf.read(&mut host).map_err(cuda)?;
     let read_ok = prefix_equal(&bytes, &host, shape);
     let moves = block_moves(&order, shape, a_buf.addr(), b_buf.addr());
-    let plain = time_median(iters, || {
-        let start = Instant::now();
-        // SAFETY: every range lies in one of our two live, mapped VMM buffers.
-        unsafe { ferry_cuda::copy_dtod_ranges(&dev, &moves) }.map_err(cuda)?;
-        Ok(start.elapsed())
-    })?;
+    let plain = time_dtod(&dev, &moves, iters)?;
     for (what, t, ok) in [
         ("VMM->VMM write, 2 agents, UCX", t_write, write_ok),
         ("VMM<-VMM read, 2 agents, UCX", t_read, read_ok),
