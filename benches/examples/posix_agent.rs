@@ -14,8 +14,11 @@
 //! memory blocks are laid out in the opposite order of their file blocks, so the
 //! engine cannot merge them: every I/O is one block, as fio's are. Before each
 //! repetition the file's page cache is flushed and dropped (as fio's `invalidate=1`).
+//! Memory is one block per file block unless `--mem-blocks N` (a multiple of the batch)
+//! makes the requests cycle through N blocks: `--mem-blocks <batch>` is fio's footprint
+//! (iodepth × bs buffers, reused).
 //! Prints `ferry-agent-posix <op> <buffered|direct> bs=<KiB>KiB batch=<n> engine=<e>
-//! huge_pages=<bool> median_gbps=<x> reps=<a,b,c>`.
+//! huge_pages=<bool> mem_blocks=<n> median_gbps=<x> reps=<a,b,c>`.
 
 // Reason: the benchmark registers its own buffer (`Agent::register` is an `unsafe fn`)
 // and allocates it aligned; each block says why it is sound.
@@ -43,13 +46,15 @@ struct Config {
     register: bool,
     huge_pages: bool,
     reps: usize,
+    /// Memory blocks the requests cycle through (default: one per file block).
+    mem_blocks: Option<u64>,
 }
 
 fn usage() -> ExitCode {
     eprintln!(
         "usage: posix_agent --file PATH [--size-mib N] [--block-kib N] [--batch N] \
          [--op read|write] [--direct] [--engine uring|threads|auto] [--no-register] \
-         [--no-huge-pages] [--reps N]"
+         [--no-huge-pages] [--reps N] [--mem-blocks N]"
     );
     ExitCode::from(2)
 }
@@ -66,6 +71,7 @@ fn parse() -> Option<Config> {
         register: true,
         huge_pages: true,
         reps: 5,
+        mem_blocks: None,
     };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -76,6 +82,7 @@ fn parse() -> Option<Config> {
             "--block-kib" => cfg.block = number()? << 10,
             "--batch" => cfg.batch = number()?,
             "--reps" => cfg.reps = number()? as usize,
+            "--mem-blocks" => cfg.mem_blocks = Some(number()?),
             "--op" => {
                 cfg.op = match args.next()?.as_str() {
                     "read" => Op::Read,
@@ -94,7 +101,10 @@ fn parse() -> Option<Config> {
         && cfg.total.is_multiple_of(cfg.block)
         && cfg.batch > 0
         && (cfg.total / cfg.block).is_multiple_of(cfg.batch)
-        && cfg.reps > 0;
+        && cfg.reps > 0
+        && cfg
+            .mem_blocks
+            .is_none_or(|m| m > 0 && m.is_multiple_of(cfg.batch) && m <= cfg.total / cfg.block);
     sane.then_some(cfg)
 }
 
@@ -164,7 +174,9 @@ fn run(cfg: &Config) -> Result<Vec<f64>, String> {
             }
         }
     }
-    let mem = Aligned::new(cfg.total as usize, cfg.huge_pages)?;
+    let mem_blocks = cfg.mem_blocks.unwrap_or(blocks);
+    let mem_len = mem_blocks * cfg.block;
+    let mem = Aligned::new(mem_len as usize, cfg.huge_pages)?;
     let agent = Agent::new(AgentConfig::named("posix-agent-bench")).map_err(|e| e.to_string())?;
     let mut params = Params::new();
     let flag = if cfg.register { "true" } else { "false" };
@@ -185,7 +197,7 @@ fn run(cfg: &Config) -> Result<Vec<f64>, String> {
         .map_err(|e| format!("POSIX backend: {e}"))?;
     // SAFETY: `mem` is declared before `agent` and outlives it; it is touched only by
     // the requests, each waited for before the next repetition.
-    unsafe { agent.register(MemKind::Dram, Desc::new(mem.ptr as u64, cfg.total, 0)) }
+    unsafe { agent.register(MemKind::Dram, Desc::new(mem.ptr as u64, mem_len, 0)) }
         .map_err(|e| e.to_string())?;
     let mode = FileMode {
         write: true,
@@ -202,7 +214,7 @@ fn run(cfg: &Config) -> Result<Vec<f64>, String> {
         let local: Vec<Desc> = (0..cfg.batch)
             .map(|j| {
                 Desc::new(
-                    mem.ptr as u64 + (first + cfg.batch - 1 - j) * cfg.block,
+                    mem.ptr as u64 + ((first + cfg.batch - 1 - j) % mem_blocks) * cfg.block,
                     cfg.block,
                     0,
                 )
@@ -268,13 +280,14 @@ fn main() -> ExitCode {
             };
             let reps: Vec<String> = gbps.iter().map(|g| format!("{g:.3}")).collect();
             println!(
-                "ferry-agent-posix {} {} bs={}KiB batch={} engine={} huge_pages={} median_gbps={median:.3} reps={}",
+                "ferry-agent-posix {} {} bs={}KiB batch={} engine={} huge_pages={} mem_blocks={} median_gbps={median:.3} reps={}",
                 if cfg.op == Op::Read { "read" } else { "write" },
                 if cfg.direct { "direct" } else { "buffered" },
                 cfg.block >> 10,
                 cfg.batch,
                 cfg.engine,
                 cfg.huge_pages,
+                cfg.mem_blocks.unwrap_or(cfg.total / cfg.block),
                 reps.join(",")
             );
             ExitCode::SUCCESS
