@@ -28,6 +28,16 @@
 //!   once, from plain lists built every turn (what a caller without strided lists
 //!   pays), and from 64 strided runs per side (`prep_strided`).
 //!
+//! - `scaling/in_flight/N`, N = 1, 100, 10,000: N one-descriptor requests (64 bytes,
+//!   made once) between two loopback agents whose backend holds every completion for
+//!   two progress calls, so all N are in flight at once: one flush posts all N, then
+//!   flushes of N checks run until every one is done. Throughput in requests: the time
+//!   ÷ N is post + check per request with N in flight.
+//! - `scaling/loaded_peers/N`, N = 1, 100, 10,000: an agent that has loaded N peers
+//!   (N metadata blobs under N names, all naming one loopback target) flushes one
+//!   buffer of create + post + release of a 64-byte WRITE to one of them (a different
+//!   one each turn). The time per flush should not grow with the peers loaded.
+//!
 //! Each turn is timed alone and criterion gets the median turn × the sample's turns
 //! (as `control_path` does), so a preemption on a shared machine costs one turn.
 //!
@@ -37,9 +47,10 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Bencher, BenchmarkId, Criterion, Throughput};
 use ferry::{
-    Agent, AgentConfig, CommandBuffer, Desc, MemKind, Op, Params, Side, StridedDesc, XferStatus,
+    Agent, AgentConfig, CommandBuffer, Desc, MemKind, Op, Outcome, Params, Side, StridedDesc,
+    XferStatus,
 };
-use ferry_metadata::MdWriter;
+use ferry_metadata::{MdWriter, PeerMd};
 use ferry_tests::{loopback_agent, pair, register, try_register, unique, Buffer, Rng};
 
 /// Bytes per descriptor of the create axis.
@@ -345,5 +356,147 @@ fn strided(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, create, metadata, strided, ucx_first_request);
+fn in_flight(c: &mut Criterion) {
+    let mut group = c.benchmark_group("scaling");
+    for &n in &[1usize, 100, 10_000] {
+        let mut rng = Rng::new(n as u64 + 7);
+        let src = Buffer::random(n * BLOCK, &mut rng);
+        let dst = Buffer::zeroed(n * BLOCK);
+        let p = pair(&src, &dst);
+        let local: Vec<Desc> = (0..n).map(|i| src.desc(i * BLOCK, BLOCK)).collect();
+        let remote: Vec<Desc> = (0..n).map(|i| dst.desc(i * BLOCK, BLOCK)).collect();
+        let l =
+            p.a.prep(Side::Local, MemKind::Dram, &local)
+                .expect("prep local");
+        let r =
+            p.a.prep(p.b_at_a, MemKind::Dram, &remote)
+                .expect("prep remote");
+        let xfers: Vec<ferry::XferId> = (0..n as u32)
+            .map(|i| p.a.make(Op::Write, l, &[i], r, &[i], None).expect("make"))
+            .collect();
+        ferry::loopback::faults(p.a.name())
+            .expect("loopback faults")
+            .complete_late(2);
+        let mut cmds = CommandBuffer::with_capacity(n);
+        let mut checks = Vec::with_capacity(n);
+        group.throughput(Throughput::Elements(n as u64));
+        if n >= 10_000 {
+            group.sample_size(20);
+        }
+        group.bench_function(BenchmarkId::new("in_flight", n), |b| {
+            per_turn_median(b, || {
+                cmds.clear();
+                for &x in &xfers {
+                    cmds.post(x);
+                }
+                p.a.flush(&mut cmds);
+                let mut in_progress = 0;
+                for (i, o) in cmds.outcomes().iter().enumerate() {
+                    match o {
+                        Outcome::Status(XferStatus::InProgress) => in_progress += 1,
+                        Outcome::Status(_) => {}
+                        other => panic!("post {i}: {other:?}"),
+                    }
+                }
+                assert_eq!(in_progress, n, "every request is in flight after the post");
+                loop {
+                    cmds.clear();
+                    checks.clear();
+                    checks.extend(xfers.iter().map(|&x| cmds.check(x)));
+                    p.a.flush(&mut cmds);
+                    let done = checks
+                        .iter()
+                        .filter(|&&t| cmds.status(t).expect("check") == XferStatus::Done)
+                        .count();
+                    if done == n {
+                        break;
+                    }
+                }
+            })
+        });
+        group.sample_size(100);
+    }
+    group.finish();
+}
+
+/// `blob` under another agent name (the same backends, connection info and regions).
+fn renamed(blob: &[u8], name: &str) -> Vec<u8> {
+    let md = PeerMd::from_bytes(blob).expect("valid metadata");
+    let mut writer = MdWriter::new(name, md.generation());
+    let backends: Vec<u8> = (0..md.backend_count() as u8)
+        .map(|i| {
+            let (backend, conn) = md.backend(i).expect("backend");
+            writer.backend(backend, conn)
+        })
+        .collect();
+    for region in md.regions() {
+        writer.region(
+            backends[usize::from(region.backend)],
+            region.kind,
+            region.desc,
+            region.public_md,
+        );
+    }
+    writer.finish().expect("valid metadata")
+}
+
+fn loaded_peers(c: &mut Criterion) {
+    let mut group = c.benchmark_group("scaling");
+    let mut rng = Rng::new(11);
+    let src = Buffer::random(BLOCK, &mut rng);
+    let dst = Buffer::zeroed(BLOCK);
+    let target = loopback_agent("scaling-peers-target");
+    register(&target, &dst);
+    let blob = target.local_md().expect("md");
+    for &n in &[1usize, 100, 10_000] {
+        let mut config = AgentConfig::named(unique("scaling-peers"));
+        config.bounds.peers_max = config.bounds.peers_max.max(2 * n);
+        let a = Agent::new(config).expect("agent");
+        a.create_backend("LOOPBACK", &Params::new())
+            .expect("loopback backend");
+        register(&a, &src);
+        let peers: Vec<ferry::PeerId> = (0..n)
+            .map(|i| {
+                a.load_remote_md(&renamed(&blob, &format!("peer-{i}")))
+                    .expect("load")
+            })
+            .collect();
+        let mut cmds = CommandBuffer::with_capacity(4);
+        let mut turn = 0usize;
+        group.throughput(Throughput::Elements(1));
+        group.bench_function(BenchmarkId::new("loaded_peers", n), |b| {
+            per_turn_median(b, || {
+                turn += 1;
+                cmds.clear();
+                let x = cmds
+                    .create(
+                        Op::Write,
+                        MemKind::Dram,
+                        &[src.whole()],
+                        peers[turn % n],
+                        MemKind::Dram,
+                        &[dst.whole()],
+                    )
+                    .ticket();
+                cmds.post(x);
+                cmds.release(x);
+                a.flush(&mut cmds);
+                if let Some((index, error)) = cmds.errors().next() {
+                    panic!("command {index} of the timed flush failed: {error}");
+                }
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(
+    benches,
+    create,
+    in_flight,
+    loaded_peers,
+    metadata,
+    strided,
+    ucx_first_request
+);
 criterion_main!(benches);

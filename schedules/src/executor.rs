@@ -44,7 +44,7 @@ use std::time::Instant;
 
 use bumpalo::collections::Vec as BumpVec;
 use ferry_backend_api::{NotifSink, Post};
-use ferry_storage::{handle_to_tag, Endpoint, Error, PeerId, PrepId, Subject, XferId};
+use ferry_storage::{handle_to_tag, Endpoint, Error, PeerId, Subject, XferId};
 
 use crate::command::{
     Command, CommandBuffer, Created, FromCreated, NotifEntry, Outcome, PrepDescs, Ref, Releasable,
@@ -423,8 +423,9 @@ fn phase_register(world: &mut World, cmds: &mut CommandBuffer, bucket: &[u32]) {
 
 // ---------------------------------------------------------------- 3. prep
 
-/// The temporary prepared lists of `create` commands: (command, local, remote).
-type CreatedPreps<'a> = BumpVec<'a, (u32, Result<(PrepId, PrepId), Error>)>;
+/// The `create` commands of the prep phase, built in the make phase: (command, the
+/// peer its remote list names, or why that side could not be resolved).
+type CreatedPreps<'a> = BumpVec<'a, (u32, Result<Option<PeerId>, Error>)>;
 
 fn phase_prep<'a>(
     world: &mut World,
@@ -454,27 +455,8 @@ fn phase_prep<'a>(
                     .map(|p| Outcome::Created(Created::Prep(p)));
                 set(cmds, i, result);
             }
-            Command::Create {
-                local_kind,
-                local,
-                remote_side,
-                remote_kind,
-                remote,
-                hint,
-                ..
-            } => {
-                let pair = (|| {
-                    let side = resolve_side(&cmds.outcomes, i, remote_side)?;
-                    let l = world.prep_list(None, local_kind, &cmds.descs[local.range()], hint)?;
-                    match world.prep_list(side, remote_kind, &cmds.descs[remote.range()], hint) {
-                        Ok(r) => Ok((l, r)),
-                        Err(e) => {
-                            let _ = world.release_prep(l);
-                            Err(e)
-                        }
-                    }
-                })();
-                created.push((i, pair));
+            Command::Create { remote_side, .. } => {
+                created.push((i, resolve_side(&cmds.outcomes, i, remote_side)));
             }
             _ => unreachable!("classified as prep"),
         }
@@ -498,25 +480,51 @@ fn phase_make(
     created: &CreatedPreps<'_>,
 ) {
     phase_span!("ferry::make");
-    // `create` commands: build from their temporary lists, then drop the lists.
-    for (i, pair) in created.iter() {
+    // `create` commands: in one pass where it applies (`World::create_fused`), else
+    // from two temporary prepared lists, dropped afterwards.
+    for (i, side) in created.iter() {
         let Command::Create {
-            op, notif, hint, ..
+            op,
+            local_kind,
+            local,
+            remote_kind,
+            remote,
+            notif,
+            hint,
+            ..
         } = cmds.commands[*i as usize]
         else {
             unreachable!("created preps come from create commands")
         };
-        let result = match pair {
-            Ok((l, r)) => {
-                let notif = notif.map(|s| &cmds.bytes[s.range()]);
-                let made = world.make_xfer(op, *l, &[], *r, &[], notif, hint);
-                let _ = world.release_prep(*l);
-                let _ = world.release_prep(*r);
-                made.map(|x| Outcome::Created(Created::Xfer(x)))
+        let result = side.clone().and_then(|side| {
+            let notif = notif.map(|s| &cmds.bytes[s.range()]);
+            let (local, remote) = (&cmds.descs[local.range()], &cmds.descs[remote.range()]);
+            if let Some(x) = world.create_fused(
+                op,
+                local_kind,
+                local,
+                side,
+                remote_kind,
+                remote,
+                notif,
+                hint,
+            ) {
+                return Ok(x);
             }
-            Err(e) => Err(e.clone()),
-        };
-        set(cmds, *i, result);
+            let l = world.prep_list(None, local_kind, local, hint)?;
+            let r = match world.prep_list(side, remote_kind, remote, hint) {
+                Ok(r) => r,
+                Err(e) => {
+                    let _ = world.release_prep(l);
+                    return Err(e);
+                }
+            };
+            let made = world.make_xfer(op, l, &[], r, &[], notif, hint);
+            let _ = world.release_prep(l);
+            let _ = world.release_prep(r);
+            made
+        });
+        set(cmds, *i, result.map(|x| Outcome::Created(Created::Xfer(x))));
     }
     for &i in makes {
         let Command::Make {

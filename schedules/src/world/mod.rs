@@ -13,6 +13,7 @@
 //! public: registration runs only through `CommandBuffer::register` (an `unsafe fn`),
 //! and loading a peer view is an `unsafe fn`.
 
+mod create;
 pub mod notifs;
 pub mod peers;
 pub mod preps;
@@ -20,7 +21,7 @@ pub mod regions;
 pub mod xfers;
 
 pub use peers::{LoadKind, PeerTable};
-pub use preps::{PrepEntry, PrepSide, PrepTable};
+pub use preps::{PrepEntry, PrepRun, PrepSide, PrepTable};
 pub use regions::DeregStatus;
 pub use xfers::{Telemetry, XferState, XferTable};
 
@@ -136,7 +137,10 @@ pub(crate) struct Pools {
     pub(crate) notifs: Vec<Vec<u8>>,
     /// Request pin lists.
     pub(crate) pins: Vec<Vec<RegionId>>,
-    /// Scratch of `prep_strided`: the runs' descriptors, written out.
+    /// Strided prepared lists' runs.
+    pub(crate) runs: Vec<Vec<preps::PrepRun>>,
+    /// Scratch of `prep_strided`: the runs' descriptors, written out (where a list is
+    /// not kept as runs).
     pub(crate) strided_descs: Vec<Desc>,
 }
 

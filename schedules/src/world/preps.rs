@@ -35,6 +35,122 @@ pub struct PrepEntry {
     pub target: u64,
 }
 
+/// A run of a strided prepared list: `run.count` descriptors, `run.stride` bytes
+/// apart, that all lie in one region (so share one target), the first of them at
+/// position `start` of the list.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PrepRun {
+    /// The run's descriptors.
+    pub run: StridedDesc,
+    /// Their target, as [`PrepEntry::target`].
+    pub target: u64,
+    /// Position of the run's first descriptor in the list.
+    pub start: u64,
+}
+
+/// A prepared list's descriptors as `make` reads them: one entry per descriptor (a
+/// plain list), or runs (a strided list that resolved run by run).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum EntriesView<'a> {
+    /// One entry per descriptor.
+    Plain(&'a [PrepEntry]),
+    /// Runs (non-empty, in list order).
+    Runs(&'a [PrepRun]),
+}
+
+impl<'a> EntriesView<'a> {
+    /// Number of descriptors.
+    #[inline]
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            EntriesView::Plain(entries) => entries.len(),
+            EntriesView::Runs(runs) => runs.last().map_or(0, |r| (r.start + r.run.count) as usize),
+        }
+    }
+
+    /// Entry `i` (`i < len`, which `make` checked): a binary search over the runs of a
+    /// strided list.
+    #[inline]
+    pub(crate) fn get(&self, i: usize) -> PrepEntry {
+        match self {
+            EntriesView::Plain(entries) => entries[i],
+            EntriesView::Runs(runs) => {
+                let i = i as u64;
+                let r = &runs[runs.partition_point(|r| r.start <= i) - 1];
+                PrepEntry {
+                    desc: r.run.desc(i - r.start),
+                    target: r.target,
+                }
+            }
+        }
+    }
+
+    /// Every entry, in order.
+    #[inline]
+    pub(crate) fn iter(&self) -> EntryIter<'a> {
+        match self {
+            EntriesView::Plain(entries) => EntryIter::Plain(entries.iter()),
+            EntriesView::Runs(runs) => EntryIter::Runs {
+                runs: runs.iter(),
+                addr: 0,
+                left: 0,
+                stride: 0,
+                entry: PrepEntry {
+                    desc: Desc::new(0, 0, 0),
+                    target: 0,
+                },
+            },
+        }
+    }
+}
+
+/// The entries of an [`EntriesView`], by value: a strided list's are computed from its
+/// runs (one add per descriptor), never stored.
+pub(crate) enum EntryIter<'a> {
+    /// A plain list's stored entries.
+    Plain(std::slice::Iter<'a, PrepEntry>),
+    /// Runs: the one being walked (`left` entries to go, the next at `addr`).
+    Runs {
+        runs: std::slice::Iter<'a, PrepRun>,
+        addr: u64,
+        left: u64,
+        stride: u64,
+        entry: PrepEntry,
+    },
+}
+
+impl Iterator for EntryIter<'_> {
+    type Item = PrepEntry;
+
+    #[inline]
+    fn next(&mut self) -> Option<PrepEntry> {
+        match self {
+            EntryIter::Plain(it) => it.next().copied(),
+            EntryIter::Runs {
+                runs,
+                addr,
+                left,
+                stride,
+                entry,
+            } => {
+                if *left == 0 {
+                    let r = runs.next()?;
+                    *addr = r.run.base;
+                    *left = r.run.count;
+                    *stride = r.run.stride;
+                    entry.desc.len = r.run.len;
+                    entry.desc.dev = r.run.dev;
+                    entry.target = r.target;
+                }
+                entry.desc.addr = *addr;
+                *addr = addr.wrapping_add(*stride);
+                *left -= 1;
+                Some(*entry)
+            }
+        }
+    }
+}
+
 ferry_storage::table! {
     /// Prepared lists, one row per list.
     pub struct PrepTable[PrepId] / PrepRow {
@@ -44,11 +160,26 @@ ferry_storage::table! {
         pub(crate) kinds: MemKind,
         /// Backend slots that cover every descriptor, indexed by row.
         pub(crate) masks: BackendMask,
-        /// Resolved descriptors, indexed by row.
+        /// Resolved descriptors, indexed by row (empty for a list kept as runs).
         pub(crate) entries: Vec<PrepEntry>,
+        /// A strided list's resolved runs, indexed by row (empty for a plain list;
+        /// a list has entries or runs, never both).
+        pub(crate) runs: Vec<PrepRun>,
         /// Whether every entry lies in one region of the first slot of `masks` (one
         /// target, one device), indexed by row.
         pub(crate) single_region: bool,
+    }
+}
+
+impl PrepTable {
+    /// The descriptors of the list at `row`.
+    #[inline]
+    pub(crate) fn view(&self, row: usize) -> EntriesView<'_> {
+        if self.runs[row].is_empty() {
+            EntriesView::Plain(&self.entries[row])
+        } else {
+            EntriesView::Runs(&self.runs[row])
+        }
     }
 }
 
@@ -73,6 +204,66 @@ pub(crate) fn desc_subject(index: usize, d: Desc) -> ferry_storage::Subject {
 ///
 /// `Err(None)` means every descriptor was covered by some slot but no one slot covers
 /// them all.
+/// The runs of a strided list, each split where its descriptors change region, into
+/// `out`: `lookup(desc)` gives the covering region's target and range. Returns whether
+/// every descriptor lies in one region (one target for the whole list), or `None` when
+/// a descriptor is not covered.
+fn split_runs(
+    runs: &[StridedDesc],
+    out: &mut Vec<PrepRun>,
+    lookup: impl Fn(Desc) -> Option<(u64, Desc)>,
+) -> Option<bool> {
+    let mut start = 0u64;
+    let mut first_target = None;
+    let mut single = true;
+    let mut push = |out: &mut Vec<PrepRun>, run: StridedDesc, target: u64, start: u64| {
+        single &= *first_target.get_or_insert(target) == target;
+        out.push(PrepRun { run, target, start });
+    };
+    for run in runs {
+        let (target, region) = lookup(run.desc(0))?;
+        let hit = Hit {
+            dev: region.dev,
+            start: region.addr,
+            end: region.addr.saturating_add(region.len),
+            value: target,
+        };
+        if hit.covers(run.desc(run.count - 1)) {
+            // Descriptors go up from the first to the last: all lie in the region.
+            push(out, *run, target, start);
+            start += run.count;
+            continue;
+        }
+        // Crosses regions: walk it, a new piece where the region changes.
+        let (mut hit, mut piece) = (hit, StridedDesc { count: 0, ..*run });
+        for k in 0..run.count {
+            let d = run.desc(k);
+            if !hit.covers(d) {
+                let (target, region) = lookup(d)?;
+                if piece.count > 0 {
+                    push(out, piece, hit.value, start);
+                    start += piece.count;
+                }
+                piece = StridedDesc {
+                    base: d.addr,
+                    count: 0,
+                    ..*run
+                };
+                hit = Hit {
+                    dev: region.dev,
+                    start: region.addr,
+                    end: region.addr.saturating_add(region.len),
+                    value: target,
+                };
+            }
+            piece.count += 1;
+        }
+        push(out, piece, hit.value, start);
+        start += piece.count;
+    }
+    Some(single)
+}
+
 fn resolve_descs(
     descs: &[Desc],
     mut mask: BackendMask,
@@ -202,13 +393,17 @@ impl World {
             Some(p) => self.resolve_peer(p, kind, descs, hint, &mut entries),
         };
         match result {
-            Ok((side, (mask, single_region))) => Ok(self.preps.insert(PrepRow {
-                sides: side,
-                kinds: kind,
-                masks: mask,
-                entries,
-                single_region,
-            })),
+            Ok((side, (mask, single_region))) => {
+                let runs = self.pools.runs.pop().unwrap_or_default();
+                Ok(self.preps.insert(PrepRow {
+                    sides: side,
+                    kinds: kind,
+                    masks: mask,
+                    entries,
+                    runs,
+                    single_region,
+                }))
+            }
             Err(e) => {
                 self.pools.entries.push(entries);
                 Err(e)
@@ -219,9 +414,15 @@ impl World {
     /// [`World::prep_list`] of the list made of `runs`' descriptors, run after run.
     ///
     /// Each run is checked first (non-empty, no descriptor wrapping the address space,
-    /// the total within `descs_per_list_max`), naming the run; then its descriptors are
-    /// written to a scratch list the world keeps (never the caller's) and resolved as a
-    /// plain list, so the prepared list is exactly that of the same plain list.
+    /// the total within `descs_per_list_max`), naming the run. Where the list has one
+    /// candidate backend slot (the usual case), it is resolved run by run and kept as
+    /// runs ([`PrepRun`]): a run whose first and last descriptors lie in one region
+    /// lies there whole (its descriptors go up by `stride` from the first), so it costs
+    /// one lookup and no per-descriptor work; a run that crosses regions is walked and
+    /// split where the region changes. Otherwise (several candidate slots, or any
+    /// descriptor not found), its descriptors are written to a scratch list the world
+    /// keeps and resolved as a plain list, which gives the same list or names the same
+    /// error as the plain list of those descriptors.
     pub(crate) fn prep_strided(
         &mut self,
         peer: Option<PeerId>,
@@ -252,6 +453,24 @@ impl World {
                 limit: self.bounds.descs_per_list_max,
             });
         }
+        if !runs.is_empty() && self.preps.len() < self.bounds.preps_max {
+            let mut resolved = self.pools.runs.pop().unwrap_or_default();
+            resolved.clear();
+            match self.resolve_runs(peer, kind, runs, hint, &mut resolved) {
+                Some((side, mask, single_region)) => {
+                    let entries = self.pools.entries.pop().unwrap_or_default();
+                    return Ok(self.preps.insert(PrepRow {
+                        sides: side,
+                        kinds: kind,
+                        masks: mask,
+                        entries,
+                        runs: resolved,
+                        single_region,
+                    }));
+                }
+                None => self.pools.runs.push(resolved),
+            }
+        }
         let mut descs = std::mem::take(&mut self.pools.strided_descs);
         descs.clear();
         descs.reserve(total as usize);
@@ -263,13 +482,61 @@ impl World {
         result
     }
 
-    fn resolve_local(
+    /// Resolve checked, non-empty `runs` run by run into `out` where the list has one
+    /// candidate slot: (side, mask, whether every descriptor lies in one region), or
+    /// `None` where that does not apply or a descriptor is not found (the caller then
+    /// resolves the plain list, which names the error).
+    fn resolve_runs(
         &self,
+        peer: Option<PeerId>,
         kind: MemKind,
-        descs: &[Desc],
+        runs: &[StridedDesc],
         hint: BackendMask,
-        out: &mut Vec<PrepEntry>,
-    ) -> Result<(BackendMask, bool), Error> {
+        out: &mut Vec<PrepRun>,
+    ) -> Option<(PrepSide, BackendMask, bool)> {
+        match peer {
+            None => {
+                let mask = self.local_mask(kind, hint);
+                let slot = mask.first()?;
+                if mask != BackendMask::single(slot) {
+                    return None;
+                }
+                let sections = &self.sections[slot][kind as usize];
+                let single = split_runs(runs, out, |d| {
+                    sections
+                        .covering_bounds(d)
+                        .map(|(region, dev, start, end)| {
+                            (handle_to_tag(region), Desc::new(start, end - start, dev))
+                        })
+                })?;
+                Some((PrepSide::Local, mask, single))
+            }
+            Some(p) => {
+                let row = self.peers.row(p)?;
+                let view = self.peers.views[row].as_ref()?;
+                let mask = self.peer_mask(row, kind, hint);
+                let slot = mask.first()?;
+                if mask != BackendMask::single(slot) {
+                    return None;
+                }
+                let index = self.peers.slot_maps[row][slot]?;
+                let backend = self.backends.backends[slot].as_ref()?;
+                let single = split_runs(runs, out, |d| {
+                    let found = view.find_bounds(index, kind, d)?;
+                    backend.reaches(p, found.0).then_some(found)
+                })?;
+                let side = PrepSide::Peer {
+                    peer: p,
+                    generation: self.peers.generations[row],
+                };
+                Some((side, mask, single))
+            }
+        }
+    }
+
+    /// The backend slots a local list of `kind` may resolve against: hinted, supporting
+    /// the kind, with regions of it.
+    pub(crate) fn local_mask(&self, kind: MemKind, hint: BackendMask) -> BackendMask {
         let mut mask = BackendMask::EMPTY;
         for slot in 0..MAX_BACKENDS {
             if hint.contains(slot)
@@ -279,6 +546,33 @@ impl World {
                 mask.insert(slot);
             }
         }
+        mask
+    }
+
+    /// The backend slots a list of `kind` naming the regions of the peer at `row` may
+    /// resolve against: loaded for the peer, hinted, remote-capable, supporting the kind.
+    pub(crate) fn peer_mask(&self, row: usize, kind: MemKind, hint: BackendMask) -> BackendMask {
+        let slot_map = &self.peers.slot_maps[row];
+        let mut mask = BackendMask::EMPTY;
+        for slot in self.peers.loaded[row].iter() {
+            if hint.contains(slot)
+                && slot_map[slot].is_some()
+                && self.backends.caps[slot].is_some_and(|c| c.remote && c.supports(kind))
+            {
+                mask.insert(slot);
+            }
+        }
+        mask
+    }
+
+    fn resolve_local(
+        &self,
+        kind: MemKind,
+        descs: &[Desc],
+        hint: BackendMask,
+        out: &mut Vec<PrepEntry>,
+    ) -> Result<(BackendMask, bool), Error> {
+        let mask = self.local_mask(kind, hint);
         resolve_descs(descs, mask, out, |slot, d| {
             self.sections[slot][kind as usize].covering_bounds(d).map(
                 |(region, dev, start, end)| {
@@ -316,15 +610,7 @@ impl World {
                 )),
             })?;
         let slot_map = &self.peers.slot_maps[row];
-        let mut mask = BackendMask::EMPTY;
-        for slot in self.peers.loaded[row].iter() {
-            if hint.contains(slot)
-                && slot_map[slot].is_some()
-                && self.backends.caps[slot].is_some_and(|c| c.remote && c.supports(kind))
-            {
-                mask.insert(slot);
-            }
-        }
+        let mask = self.peer_mask(row, kind, hint);
         let backends = &self.backends.backends;
         let found = resolve_descs(descs, mask, out, |slot, d| {
             let found = view.find_bounds(slot_map[slot]?, kind, d)?;
@@ -362,6 +648,7 @@ impl World {
             .remove(id)
             .ok_or_else(|| Error::not_found(Subject::Prep(id)))?;
         self.pools.entries.push(row.entries);
+        self.pools.runs.push(row.runs);
         Ok(())
     }
 
@@ -371,6 +658,6 @@ impl World {
             .preps
             .row(id)
             .ok_or_else(|| Error::not_found(Subject::Prep(id)))?;
-        Ok(self.preps.entries[row].len())
+        Ok(self.preps.view(row).len())
     }
 }

@@ -27,7 +27,7 @@ use ferry_storage::{
     PrepId, RegionId, Subject, XferId, MAX_BACKENDS,
 };
 
-use super::preps::{desc_subject, PrepEntry, PrepSide};
+use super::preps::{desc_subject, EntriesView, PrepEntry, PrepSide};
 use super::World;
 use crate::merge::merge_into;
 
@@ -119,6 +119,17 @@ fn check_indices(indices: &[u32], len: usize, which: &'static str) -> Result<(),
     Ok(())
 }
 
+/// What a built request is, besides its ranges and pins ([`World::finish_xfer`]).
+pub(crate) struct XferParts {
+    pub(crate) op: Op,
+    pub(crate) slot: usize,
+    pub(crate) endpoint: Endpoint,
+    pub(crate) generation: u32,
+    pub(crate) kinds: (MemKind, MemKind),
+    /// Descriptor pairs before merging.
+    pub(crate) descs: usize,
+}
+
 /// What [`World::fill_ranges`] needs to know of the request, fixed for every pair.
 struct Plan {
     slot: usize,
@@ -175,8 +186,9 @@ impl World {
                 (Endpoint::Peer(peer), generation)
             }
         };
-        let local_len = self.preps.entries[lrow].len();
-        let remote_len = self.preps.entries[rrow].len();
+        let (lview, rview) = (self.preps.view(lrow), self.preps.view(rrow));
+        let local_len = lview.len();
+        let remote_len = rview.len();
         check_indices(local_idx, local_len, "local")?;
         check_indices(remote_idx, remote_len, "remote")?;
         let n = if local_idx.is_empty() {
@@ -244,13 +256,10 @@ impl World {
         ranges.reserve(n);
         let mut pins = self.pools.pins.pop().unwrap_or_default();
         pins.clear();
-        // Both lists as plain slices; the four index-list cases each get their own
+        // Plain lists as slices; the four index-list cases each get their own
         // monomorphic loop (no per-descriptor "all or indexed" branch, and no bounds
-        // check at all when both sides take every entry in order).
-        let (lentries, rentries) = (
-            self.preps.entries[lrow].as_slice(),
-            self.preps.entries[rrow].as_slice(),
-        );
+        // check at all when both sides take every entry in order). A list kept as runs
+        // gives its entries from the runs (`EntriesView`).
         let plan = Plan {
             slot,
             lkind,
@@ -283,20 +292,73 @@ impl World {
                 }
             };
         }
-        let built = match (local_idx.is_empty(), remote_idx.is_empty()) {
-            (true, true) => fill!(lentries.iter().zip(rentries)),
-            (true, false) => fill!(lentries
-                .iter()
-                .zip(remote_idx.iter().map(|&i| &rentries[i as usize]))),
-            (false, true) => fill!(local_idx
-                .iter()
-                .map(|&i| &lentries[i as usize])
-                .zip(rentries)),
-            (false, false) => fill!(local_idx
-                .iter()
-                .map(|&i| &lentries[i as usize])
-                .zip(remote_idx.iter().map(|&i| &rentries[i as usize]))),
+        let all = (local_idx.is_empty(), remote_idx.is_empty());
+        let built = match (lview, rview) {
+            (EntriesView::Plain(lentries), EntriesView::Plain(rentries)) => match all {
+                (true, true) => fill!(lentries.iter().copied().zip(rentries.iter().copied())),
+                (true, false) => fill!(lentries
+                    .iter()
+                    .copied()
+                    .zip(remote_idx.iter().map(|&i| rentries[i as usize]))),
+                (false, true) => fill!(local_idx
+                    .iter()
+                    .map(|&i| lentries[i as usize])
+                    .zip(rentries.iter().copied())),
+                (false, false) => fill!(local_idx
+                    .iter()
+                    .map(|&i| lentries[i as usize])
+                    .zip(remote_idx.iter().map(|&i| rentries[i as usize]))),
+            },
+            _ => match all {
+                (true, true) => fill!(lview.iter().zip(rview.iter())),
+                (true, false) => fill!(lview
+                    .iter()
+                    .zip(remote_idx.iter().map(|&i| rview.get(i as usize)))),
+                (false, true) => fill!(local_idx
+                    .iter()
+                    .map(|&i| lview.get(i as usize))
+                    .zip(rview.iter())),
+                (false, false) => fill!(local_idx
+                    .iter()
+                    .map(|&i| lview.get(i as usize))
+                    .zip(remote_idx.iter().map(|&i| rview.get(i as usize)))),
+            },
         };
+        self.finish_xfer(
+            XferParts {
+                op,
+                slot,
+                endpoint,
+                generation,
+                kinds: (lkind, rkind),
+                descs: n,
+            },
+            built,
+            ranges,
+            pins,
+            notif,
+        )
+    }
+
+    /// The end of [`World::make_xfer`] (and of a fused `create`): the backend's
+    /// validation of the filled ranges, then the request row, its telemetry and its
+    /// regions' pins. On an error the vectors go back to their pools.
+    pub(crate) fn finish_xfer(
+        &mut self,
+        parts: XferParts,
+        built: Result<u64, Error>,
+        ranges: Vec<Range>,
+        pins: Vec<RegionId>,
+        notif: Option<&[u8]>,
+    ) -> Result<XferId, Error> {
+        let XferParts {
+            op,
+            slot,
+            endpoint,
+            generation,
+            kinds: (lkind, rkind),
+            descs: n,
+        } = parts;
         let built = built.and_then(|bytes| {
             let backend = self.backends.backends[slot]
                 .as_ref()
@@ -371,10 +433,10 @@ impl World {
     ///
     /// Returns the bytes of all pairs.
     #[inline(never)]
-    fn fill_ranges<'e>(
+    fn fill_ranges(
         &self,
         plan: &Plan,
-        pairs: impl Iterator<Item = (&'e PrepEntry, &'e PrepEntry)>,
+        pairs: impl Iterator<Item = (PrepEntry, PrepEntry)>,
         (ranges, pins): (&mut Vec<Range>, &mut Vec<RegionId>),
     ) -> Result<u64, Error> {
         // The last region looked up on each side: (prepared target, token).
@@ -389,7 +451,7 @@ impl World {
             bytes = bytes.wrapping_add(len);
             if le.target != last_local.0 {
                 let (t, region) =
-                    self.region_token(*le, plan.slot, plan.lkind, plan.local_first, k)?;
+                    self.region_token(le, plan.slot, plan.lkind, plan.local_first, k)?;
                 pins.push(region);
                 last_local = (le.target, t);
             }
@@ -397,7 +459,7 @@ impl World {
                 RemoteTokens::Recorded => re.target,
                 RemoteTokens::Local { .. } if re.target == last_remote.0 => last_remote.1,
                 RemoteTokens::Local { first } => {
-                    let (t, region) = self.region_token(*re, plan.slot, plan.rkind, first, k)?;
+                    let (t, region) = self.region_token(re, plan.slot, plan.rkind, first, k)?;
                     pins.push(region);
                     last_remote = (re.target, t);
                     t
@@ -434,10 +496,10 @@ impl World {
     /// construction, and a range extended on both sides ends where its last
     /// descriptor ends, which prep checked does not wrap.
     #[inline(never)]
-    fn fill_ranges_single<'e>(
+    fn fill_ranges_single(
         &self,
         plan: &Plan,
-        mut pairs: impl Iterator<Item = (&'e PrepEntry, &'e PrepEntry)>,
+        mut pairs: impl Iterator<Item = (PrepEntry, PrepEntry)>,
         (ranges, pins): (&mut Vec<Range>, &mut Vec<RegionId>),
     ) -> Result<u64, Error> {
         if let RemoteTokens::Lookup(_) = plan.remote {
@@ -452,11 +514,11 @@ impl World {
             return Err(length_mismatch(0, len, re.desc));
         }
         let (local_token, region) =
-            self.region_token(*le, plan.slot, plan.lkind, plan.local_first, 0)?;
+            self.region_token(le, plan.slot, plan.lkind, plan.local_first, 0)?;
         pins.push(region);
         let remote_token = match plan.remote {
             RemoteTokens::Local { first } => {
-                let (t, region) = self.region_token(*re, plan.slot, plan.rkind, first, 0)?;
+                let (t, region) = self.region_token(re, plan.slot, plan.rkind, first, 0)?;
                 pins.push(region);
                 t
             }
