@@ -9,10 +9,13 @@
 # Needs: a release `ferry` built with `--features obj` (FERRY_BIN, default
 # target/release/ferry), python3 with venv. Installs into throwaway venvs under /tmp:
 # nixl-cu12==1.5.1 + numpy (NIXL_VENV, as backends/ucx/bench/nixl-venv.sh) and, when no
-# endpoint is given, moto[server] + boto3 (MOTO_VENV). Each side runs as shipped
-# (`defaults`) and with one HTTP request per object (`single`: Ferry's
-# part_bytes / multipart_threshold_bytes above 64 MiB; NIXL's standard client, its
-# default) — see the crate README for what each configuration is.
+# endpoint is given, moto[server] + boto3 (MOTO_VENV). Two configurations:
+#   defaults: both sides as shipped (Ferry: max_in_flight 64, multipart/parallel ranged
+#             GETs of 8 MiB parts from 16 MiB; NIXL: its standard S3 client, num_threads
+#             = hardware threads / 2, one request per object);
+#   matched:  one HTTP request per object and 32 at a time on both sides (Ferry:
+#             max_in_flight=32, part_bytes and multipart_threshold_bytes 128 MiB; NIXL:
+#             num_threads=32).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 rounds=${ROUNDS:-3}
@@ -48,7 +51,7 @@ curl -s -X PUT "$endpoint/$bucket" >/dev/null || true
 out=$(mktemp -d -t ferry-obj-compare.XXXXXX)
 ferry_run() { # config block count -> "OP GBps" lines
   local config=$1 block=$2 count=$3 extra=()
-  [ "$config" = single ] && extra=(--param part_bytes=134217728 --param multipart_threshold_bytes=134217728)
+  [ "$config" = matched ] && extra=(--param max_in_flight=32 --param part_bytes=134217728 --param multipart_threshold_bytes=134217728)
   "$ferry_bin" bench xfer --backend obj --endpoint "$endpoint" --bucket "$bucket" \
     --op write,read --start-block "$block" --max-block "$block" \
     --start-batch "$count" --max-batch "$count" --iters "$iters" --warmup "$warmup" \
@@ -62,14 +65,16 @@ EOF
   rm -f "$out/ferry.jsonl"
 }
 nixl_run() { # config block count
+  local extra=()
+  [ "$1" = matched ] && extra=(--param num_threads=32)
   "$nixl_py" backends/obj/bench/nixl_obj.py --endpoint "$endpoint" --bucket "$bucket" \
-    --block "$2" --count "$3" --iters "$iters" --warmup "$warmup" --prefix "nixl-$1" 2>/dev/null |
+    --block "$2" --count "$3" --iters "$iters" --warmup "$warmup" --prefix "nixl-$1" "${extra[@]}" 2>/dev/null |
     sed -n 's/^nixl \([A-Z]*\) .*GB\/s \([0-9.]*\).*/\1 \2/p'
 }
 
 declare -A samples
 for round in $(seq "$rounds"); do
-  for config in defaults single; do
+  for config in defaults matched; do
     for shape in "1048576 32" "67108864 1"; do
       read -r block count <<<"$shape"
       if ((round % 2)); then order="ferry nixl"; else order="nixl ferry"; fi
@@ -87,7 +92,7 @@ done
 echo "load average: $(cut -d' ' -f1-3 /proc/loadavg); endpoint $endpoint; $rounds rounds, $iters iters (+$warmup warm-up) each"
 printf '| config | objects | op | Ferry GB/s | NIXL GB/s | Ferry / NIXL |\n|---|---|---|---|---|---|\n'
 median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{v[NR]=$1} END {print v[int((NR+1)/2)]}'; }
-for config in defaults single; do
+for config in defaults matched; do
   for shape in "1048576 32" "67108864 1"; do
     read -r block count <<<"$shape"
     for op in WRITE READ; do

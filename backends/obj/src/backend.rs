@@ -288,7 +288,8 @@ fn build_store(config: &Config, bucket: &str) -> Result<Arc<dyn ObjectStore>> {
             let mut builder = AmazonS3Builder::from_env()
                 .with_bucket_name(bucket)
                 .with_region(&config.region)
-                .with_virtual_hosted_style_request(config.virtual_addressing);
+                .with_virtual_hosted_style_request(config.virtual_addressing)
+                .with_unsigned_payload(config.unsigned_payload);
             let keys_in_env = std::env::var_os("AWS_ACCESS_KEY_ID").is_some();
             match (&config.access_key, &config.secret_key) {
                 (Some(a), Some(s)) => {

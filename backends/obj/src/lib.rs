@@ -107,6 +107,13 @@ pub const PARAMS: &[ParamSpec] = &[
         doc: "virtual-hosted-style requests (bucket.host/key) instead of path style",
     },
     ParamSpec {
+        name: "unsigned_payload",
+        default: "auto",
+        doc: "sign requests without hashing their bodies (UNSIGNED-PAYLOAD): true, false, \
+              or auto (unsigned over https, where TLS protects the body; signed over http, \
+              as the AWS SDKs do)",
+    },
+    ParamSpec {
         name: "part_bytes",
         default: "8388608",
         doc: "bytes per multipart-upload part and per ranged GET of a long READ \
@@ -201,6 +208,7 @@ pub(crate) struct Config {
     pub(crate) secret_key: Option<String>,
     pub(crate) session_token: Option<String>,
     pub(crate) virtual_addressing: bool,
+    pub(crate) unsigned_payload: bool,
     pub(crate) part_bytes: u64,
     pub(crate) multipart_threshold_bytes: u64,
     pub(crate) max_in_flight: usize,
@@ -291,7 +299,14 @@ impl Config {
         let ms = |name| {
             param_u64(params, name, 1, 24 * 3600 * 1000).map(std::time::Duration::from_millis)
         };
+        let unsigned_payload = match param(params, "unsigned_payload") {
+            "auto" => !endpoint
+                .as_deref()
+                .is_some_and(|e| e.starts_with("http://")),
+            _ => param_bool(params, "unsigned_payload")?,
+        };
         Ok(Config {
+            unsigned_payload,
             store,
             bucket,
             endpoint,

@@ -26,10 +26,16 @@ fn memory_backend(extra: &[(&str, &str)]) -> ObjBackend {
 
 #[test]
 fn round_trip_in_memory() {
-    let mut b = memory_backend(&[("part_bytes", "4096"), ("multipart_threshold_bytes", "8192")]);
+    let mut b = memory_backend(&[
+        ("part_bytes", "4096"),
+        ("multipart_threshold_bytes", "8192"),
+    ]);
     let small = pattern(1000, 1);
     let large = pattern(50_000, 2); // multipart: 13 parts of 4 KiB
-    let (s, l) = (object(&mut b, "a", 0, 0), object(&mut b, "memory://other/b", 0, 0));
+    let (s, l) = (
+        object(&mut b, "a", 0, 0),
+        object(&mut b, "memory://other/b", 0, 0),
+    );
     let c = transfer(
         &mut b,
         Op::Write,
@@ -47,7 +53,11 @@ fn round_trip_in_memory() {
     assert_eq!(c.result, Ok(()), "{c:?}");
     assert!(back == large);
     let q = b
-        .query(MemKind::Object, &[Desc::new(0, 0, 0)], &[Some(Path::new("a"))])
+        .query(
+            MemKind::Object,
+            &[Desc::new(0, 0, 0)],
+            &[Some(Path::new("a"))],
+        )
         .unwrap();
     assert!(q[0].exists && q[0].size == 1000);
 }
@@ -73,18 +83,27 @@ fn bad_requests_are_refused_with_typed_errors() {
         ..Range::default()
     };
     // A WRITE replaces the whole object: offset 0 only, once per request.
-    let e = b.validate(Endpoint::Local, &post(&[at(8, t)], Op::Write)).unwrap_err();
-    assert!(matches!(e, Error::InvalidParam { .. }) && e.to_string().contains("offset 0"), "{e}");
+    let e = b
+        .validate(Endpoint::Local, &post(&[at(8, t)], Op::Write))
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidParam { .. }) && e.to_string().contains("offset 0"),
+        "{e}"
+    );
     let e = b
         .validate(Endpoint::Local, &post(&[at(0, t), at(0, t)], Op::Write))
         .unwrap_err();
     assert!(e.to_string().contains("once"), "{e}");
     // Unknown and stale tokens.
-    let e = b.validate(Endpoint::Local, &post(&[at(0, 0xdead)], Op::Read)).unwrap_err();
+    let e = b
+        .validate(Endpoint::Local, &post(&[at(0, 0xdead)], Op::Read))
+        .unwrap_err();
     assert!(matches!(e, Error::NotFound { .. }), "{e}");
     // SAFETY: nothing is in flight.
     unsafe { b.deregister(MemKind::Object, t) }.unwrap();
-    let e = b.validate(Endpoint::Local, &post(&[at(0, t)], Op::Read)).unwrap_err();
+    let e = b
+        .validate(Endpoint::Local, &post(&[at(0, t)], Op::Read))
+        .unwrap_err();
     assert!(matches!(e, Error::NotFound { .. }), "{e}");
     // SAFETY: as above.
     assert!(unsafe { b.deregister(MemKind::Object, t) }.is_err());

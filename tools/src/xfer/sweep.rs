@@ -916,7 +916,15 @@ fn describe(plan: &Plan, setup: &Setup) -> Vec<(String, String)> {
         ),
     ];
     if !a.params.is_empty() {
-        let p: Vec<String> = a.params.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        // Secrets (OBJ's secret_key, session_token) are shown masked.
+        let p: Vec<String> = a
+            .params
+            .iter()
+            .map(|(k, v)| match k.as_str() {
+                "secret_key" | "session_token" => format!("{k}=***"),
+                _ => format!("{k}={v}"),
+            })
+            .collect();
         c.push(("params".to_string(), p.join(",")));
     }
     if let Some(b) = setup.workers.first().and_then(|w| {
