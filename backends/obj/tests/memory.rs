@@ -15,6 +15,17 @@ use ferry_backend_api::{
 };
 use ferry_obj::{ObjBackend, NAME, PARAMS};
 
+fn post(ranges: &[Range], op: Op) -> Post<'_> {
+    Post {
+        tag: 1,
+        op,
+        local_kind: MemKind::Dram,
+        remote_kind: MemKind::Object,
+        ranges,
+        notif: None,
+    }
+}
+
 fn memory_backend(extra: &[(&str, &str)]) -> ObjBackend {
     let mut given = Params::new();
     given.insert("store".into(), "memory".into());
@@ -67,14 +78,6 @@ fn bad_requests_are_refused_with_typed_errors() {
     let mut b = memory_backend(&[]);
     let t = object(&mut b, "k", 0, 0);
     let buf = vec![0u8; 64];
-    let post = |ranges: &[Range], op| Post {
-        tag: 1,
-        op,
-        local_kind: MemKind::Dram,
-        remote_kind: MemKind::Object,
-        ranges,
-        notif: None,
-    };
     let at = |remote_addr, remote_token| Range {
         local_addr: addr(&buf),
         remote_addr,
