@@ -94,6 +94,18 @@ torch_started=$SECONDS
 echo "pip install maturin numpy pytest torch ziglang: $((SECONDS - torch_started)) s"
 export FERRY_TEST_TORCH_PYTHON="$scratch/pyvenv/bin/python"
 
+# ---------------------------------------------------------------- S3 server (moto)
+# The OBJ backend's tests start moto's S3 server (moto[server], pip) on 127.0.0.1
+# themselves, one per test (some kill it mid-transfer), and stop it after; they fail
+# under CI=true when FERRY_TEST_MOTO_SERVER is not set.
+log "S3 server for the OBJ tests: moto[server] (pip)"
+if "$scratch/pyvenv/bin/pip" install -q 'moto[server]'; then
+  export FERRY_TEST_MOTO_SERVER="$scratch/pyvenv/bin/moto_server"
+  echo "FERRY_TEST_MOTO_SERVER=$FERRY_TEST_MOTO_SERVER"
+else
+  echo "cannot install moto[server]: the OBJ tests will skip (or fail under CI=true)" >&2
+fi
+
 # ---------------------------------------------------------------- tests
 export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
 export RUST_BACKTRACE=1
@@ -101,6 +113,8 @@ export RUST_BACKTRACE=1
 # feature or the server is missing); elsewhere only when protoc is present.
 # The encrypted metadata plane (ferry-exchange/tls: rustls + ring, no system library) always.
 features=(--features ferry-exchange/tls)
+# The OBJ backend (object_store; pure Rust): `ferry backends` and `bench xfer --backend obj`.
+features+=(--features ferry-tools/obj)
 if [[ "${CI:-}" == "true" ]] || command -v protoc >/dev/null; then
   features+=(--features ferry-exchange/etcd-tls)
 fi

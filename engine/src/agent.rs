@@ -497,6 +497,15 @@ impl Agent {
         )
     }
 
+    /// Register an OBJECT region by name (a key in the backend's bucket, or
+    /// `s3://bucket/key`). See [`CommandBuffer::register_object`].
+    pub fn register_object(&self, name: &str, desc: Desc) -> Result<RegionId> {
+        self.one(
+            |c| c.register_object(name, desc).index(),
+            |c, i| c.created(ferry_schedules::Ticket::<RegionId>::at(i)),
+        )
+    }
+
     /// Deregister a region. Refused while a request using it is in flight.
     ///
     /// Where a backend's peers may still reach the region (SHM peers copying into it),

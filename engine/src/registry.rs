@@ -29,6 +29,10 @@ static GDS: ferry_gds::GdsFactory = ferry_gds::GdsFactory;
 /// Same-host transfers: memcpy through mapped peer segments, or batched CMA.
 static SHM: ferry_shm::ShmFactory = ferry_shm::ShmFactory;
 
+/// Object storage (S3, Azure Blob, GCS) through `object_store` (feature `obj`).
+#[cfg(feature = "obj")]
+static OBJ: ferry_obj::ObjFactory = ferry_obj::ObjFactory;
+
 /// The backends an agent gets when its caller names none
 /// ([`Agent::create_default_backends`](crate::Agent::create_default_backends)), in
 /// preference order: a request takes the first of them that both sides have and that
@@ -64,7 +68,11 @@ pub const DEFAULT_SET_PARAMS: &[(&str, &str, &str)] = &[
 
 /// Every backend factory compiled in, in preference order.
 pub fn factories() -> Vec<&'static dyn BackendFactory> {
-    vec![&LOOPBACK, &UCX, &POSIX, &GDS, &SHM]
+    #[allow(unused_mut)]
+    let mut all: Vec<&'static dyn BackendFactory> = vec![&LOOPBACK, &UCX, &POSIX, &GDS, &SHM];
+    #[cfg(feature = "obj")]
+    all.push(&OBJ);
+    all
 }
 
 /// The factory of backend type `name` (case-insensitive).

@@ -565,6 +565,22 @@ impl CommandBuffer {
         }))
     }
 
+    /// Register an OBJECT region by name: `name` is the object's key in the backend's
+    /// bucket, or `s3://bucket/key` (NIXL's `metaInfo`). `desc.addr` is the starting
+    /// offset inside the object, `desc.len` the length (0 = whole object), `desc.dev` a
+    /// caller-chosen object id that descriptors use. (Registered with
+    /// [`CommandBuffer::register`], an OBJECT region is named by its id in decimal, as
+    /// NIXL names one without `metaInfo`.)
+    pub fn register_object(&mut self, name: &str, desc: Desc) -> Ticket<RegionId> {
+        let span = self.push_bytes(name.as_bytes());
+        Ticket::new(self.push(Command::Register {
+            kind: MemKind::Object,
+            desc,
+            hint: BackendMask::ALL,
+            path: Some((span, FileMode::default())),
+        }))
+    }
+
     /// Deregister a region (in the flush's last phase, after its transfers of this flush
     /// were posted).
     pub fn deregister(&mut self, region: impl Into<Ref<RegionId>>) -> Ticket<()> {

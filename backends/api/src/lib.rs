@@ -213,10 +213,14 @@ pub struct RegionSpec<'a> {
     pub kind: MemKind,
     /// The range. For FILE, `addr` is the starting offset, `len` may be 0 meaning
     /// "whole file / unbounded", and `dev` is the open file descriptor unless `path`
-    /// is given.
+    /// is given. For OBJECT, `addr` is the starting offset inside the object, `len` may
+    /// be 0 ("whole object / unbounded") and `dev` is the object id descriptors use.
     pub desc: Desc,
     /// For FILE regions registered by path: the file and how to open it. The backend
-    /// opens it at registration and closes it at deregistration.
+    /// opens it at registration and closes it at deregistration. For OBJECT regions: the
+    /// object's name (a key, or `s3://bucket/key`; NIXL's `metaInfo`), the mode unused;
+    /// `None` names the object by its id (`desc.dev` in decimal, as NIXL does without
+    /// `metaInfo`).
     pub path: Option<(&'a Path, FileMode)>,
 }
 
@@ -343,6 +347,14 @@ pub enum FailureKind {
     Canceled,
     /// A short read: the file ended before the range did.
     ShortRead,
+    /// The target does not exist (an object store's missing bucket or key).
+    NotFound,
+    /// The target refused access (an object store's 403: bad or missing credentials, a
+    /// policy that forbids the operation).
+    Denied,
+    /// The target kept asking to slow down (429, 503 SlowDown) until the backend's
+    /// retries ran out.
+    Throttled,
 }
 
 /// An asynchronous failure.

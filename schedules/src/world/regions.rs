@@ -34,8 +34,9 @@ impl World {
             len: desc.len,
             dev: desc.dev,
         };
-        // A FILE region of length 0 means "unbounded": index it up to the end of the offset space.
-        let indexed = if kind == MemKind::File && desc.len == 0 {
+        // A FILE or OBJECT region of length 0 means "unbounded": index it up to the end of
+        // the offset space.
+        let indexed = if matches!(kind, MemKind::File | MemKind::Object) && desc.len == 0 {
             Desc::new(desc.addr, u64::MAX - desc.addr, desc.dev)
         } else {
             desc
@@ -176,7 +177,7 @@ impl World {
                 }
             }
         }
-        let indexed = if kind == MemKind::File && desc.len == 0 {
+        let indexed = if matches!(kind, MemKind::File | MemKind::Object) && desc.len == 0 {
             Desc::new(desc.addr, u64::MAX - desc.addr, desc.dev)
         } else {
             desc

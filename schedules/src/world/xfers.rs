@@ -717,6 +717,32 @@ impl World {
                         )
                         .into(),
                     },
+                    FailureKind::NotFound => Error::NotFound {
+                        subject: Subject::Named(
+                            self.failure_target(row, f.range)
+                                .unwrap_or_else(|| "the transfer's target".into())
+                                .into(),
+                        ),
+                    },
+                    FailureKind::Denied => Error::NotAllowed {
+                        subject: Subject::Named(
+                            self.failure_target(row, f.range)
+                                .unwrap_or_else(|| "the transfer's target".into())
+                                .into(),
+                        ),
+                        reason: format!("access denied (backend {backend})").into(),
+                    },
+                    FailureKind::Throttled => Error::Backend {
+                        backend: backend.into(),
+                        errno: f.errno,
+                        desc: f.range,
+                        detail: format!(
+                            "throttled until the retries ran out on {}",
+                            self.failure_target(row, f.range)
+                                .unwrap_or_else(|| "the target".into())
+                        )
+                        .into(),
+                    },
                     FailureKind::Backend => Error::Backend {
                         backend: backend.into(),
                         errno: f.errno,

@@ -145,9 +145,9 @@ struct Active {
 
 /// Run `ferry bench kv`.
 pub fn run(a: &KvArgs) -> Result<(), String> {
-    if a.backend.shape() == Shape::OwnFile {
+    if matches!(a.backend.shape(), Shape::OwnFile | Shape::OwnObjects) {
         return Err(format!(
-            "bench kv moves memory between two agents: {} moves files (use default, ucx, shm or loopback)",
+            "bench kv moves memory between two agents: {} moves files or objects (use default, ucx, shm or loopback)",
             a.backend.name()
         ));
     }

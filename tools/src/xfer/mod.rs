@@ -9,6 +9,10 @@
 //! - LOOPBACK: initiators and targets are agents of this process (the backend moves
 //!   bytes inside one process only).
 //! - POSIX: each initiator moves bytes between its memory and its own file (local only).
+//! - OBJ: each initiator moves bytes between its memory and objects of its own in the
+//!   bucket (`--endpoint`, `--bucket`): every block is one object (a WRITE replaces a
+//!   whole object), so READ cases need the objects an earlier WRITE case of the same
+//!   run made (`--op write,read`).
 //! - UCX: the targets are agents of another process. By default this command spawns
 //!   it (the same binary with `--role target`) and both find each other through a
 //!   TCPStore server it starts on 127.0.0.1; with `--role initiator|target` and a store
@@ -51,7 +55,8 @@ use crate::md::ExchangeArgs;
 pub struct XferArgs {
     /// The backend: `default` (what an agent gets when nobody names one: LOOPBACK, SHM,
     /// UCX, POSIX, each peer taking the first that reaches it; two processes), UCX or SHM
-    /// (two processes), LOOPBACK (in-process), POSIX or GDS (memory <-> file).
+    /// (two processes), LOOPBACK (in-process), POSIX or GDS (memory <-> file), OBJ
+    /// (memory <-> objects; a build with the `obj` feature).
     #[arg(long, value_enum, default_value_t = BackendArg::Default, ignore_case = true)]
     pub backend: BackendArg,
     /// Operations to measure, comma-separated.
@@ -66,7 +71,8 @@ pub struct XferArgs {
     /// Memory kind on the initiator side (vram: UCX, in a build with the cuda feature).
     #[arg(long, value_enum, default_value_t = InitiatorMem::Dram, ignore_case = true)]
     pub initiator_mem: InitiatorMem,
-    /// Memory kind on the target side (file: POSIX only; vram as --initiator-mem).
+    /// Memory kind on the target side (file: POSIX and GDS; object: OBJ, its default;
+    /// vram as --initiator-mem).
     #[arg(long, value_enum, default_value_t = MemArg::Dram, ignore_case = true)]
     pub target_mem: MemArg,
     /// Smallest block size.
@@ -139,6 +145,13 @@ pub struct XferArgs {
     /// How long to wait for the other side, in seconds.
     #[arg(allow_negative_numbers = true, long, default_value = "30", value_parser = crate::args::seconds)]
     pub connect_timeout: Duration,
+    /// OBJ: the S3 endpoint, e.g. http://127.0.0.1:9000 (the backend's
+    /// `endpoint_override`; default: its own default, from the environment).
+    #[arg(long, value_name = "URL")]
+    pub endpoint: Option<String>,
+    /// OBJ: the bucket of the objects (the backend's `bucket`).
+    #[arg(long)]
+    pub bucket: Option<String>,
     /// POSIX: directory of the target files (default: the temp dir).
     #[arg(long, value_name = "DIR")]
     pub file_dir: Option<PathBuf>,
@@ -183,6 +196,8 @@ pub enum BackendArg {
     Posix,
     /// DRAM or VRAM <-> FILE through cuFile (GPUDirect Storage).
     Gds,
+    /// DRAM <-> OBJECT (S3 through object_store; a build with the `obj` feature).
+    Obj,
 }
 
 /// Where a backend's targets live, which is what the sweep's set-up depends on.
@@ -194,6 +209,8 @@ pub enum Shape {
     OwnFile,
     /// Target agents of another process, found through a store.
     TwoProcesses,
+    /// Each worker moves bytes between its memory and objects of its own.
+    OwnObjects,
 }
 
 impl BackendArg {
@@ -206,6 +223,7 @@ impl BackendArg {
             BackendArg::Shm => "SHM",
             BackendArg::Posix => "POSIX",
             BackendArg::Gds => "GDS",
+            BackendArg::Obj => "OBJ",
         }
     }
 
@@ -218,6 +236,7 @@ impl BackendArg {
             BackendArg::Shm => "shm",
             BackendArg::Posix => "posix",
             BackendArg::Gds => "gds",
+            BackendArg::Obj => "obj",
         }
     }
 
@@ -226,6 +245,7 @@ impl BackendArg {
         match self {
             BackendArg::Loopback => Shape::InProcess,
             BackendArg::Posix | BackendArg::Gds => Shape::OwnFile,
+            BackendArg::Obj => Shape::OwnObjects,
             BackendArg::Default | BackendArg::Ucx | BackendArg::Shm => Shape::TwoProcesses,
         }
     }
@@ -255,6 +275,8 @@ pub enum MemArg {
     Vram,
     /// A file (POSIX).
     File,
+    /// Objects (OBJ).
+    Object,
 }
 
 impl MemArg {
@@ -263,6 +285,7 @@ impl MemArg {
             MemArg::Dram => MemKind::Dram,
             MemArg::Vram => MemKind::Vram,
             MemArg::File => MemKind::File,
+            MemArg::Object => MemKind::Object,
         }
     }
 }
@@ -374,7 +397,40 @@ fn dedup<T: PartialEq + Copy>(v: &[T]) -> Vec<T> {
 pub fn plan(args: &XferArgs) -> Result<Plan, String> {
     let mut args = args.clone();
     vram::check(&mut args)?;
+    if args.backend.shape() == Shape::OwnObjects && args.target_mem == MemArg::Dram {
+        // OBJ moves memory to and from objects: the default target is objects.
+        args.target_mem = MemArg::Object;
+    }
+    if args.backend.shape() != Shape::OwnObjects
+        && (args.endpoint.is_some() || args.bucket.is_some())
+    {
+        return Err(format!(
+            "--endpoint and --bucket are OBJ's: {} has no object store",
+            args.backend.name()
+        ));
+    }
+    for (flag, key, value) in [
+        ("--endpoint", "endpoint_override", &args.endpoint),
+        ("--bucket", "bucket", &args.bucket),
+    ] {
+        if let Some(v) = value.clone() {
+            if args.params.iter().any(|(k, _)| k == key) {
+                return Err(format!("{flag} and --param {key}=… both given: use one"));
+            }
+            args.params.push((key.into(), v));
+        }
+    }
     match (args.backend.shape(), args.target_mem) {
+        (Shape::OwnObjects, MemArg::Object) => {}
+        (Shape::OwnObjects, _) => {
+            return Err("OBJ moves data between memory and objects: use --target-mem object".into())
+        }
+        (_, MemArg::Object) => {
+            return Err(format!(
+                "--target-mem object needs --backend obj ({} moves no objects)",
+                args.backend.name()
+            ))
+        }
         (Shape::OwnFile, MemArg::File) => {}
         (Shape::OwnFile, _) => {
             return Err(format!(
@@ -441,10 +497,11 @@ pub fn plan(args: &XferArgs) -> Result<Plan, String> {
         // One worker and one target: every scheme is the same case.
         args.scheme.truncate(1);
     }
-    if args.backend.shape() == Shape::OwnFile && args.scheme.iter().any(|&s| s != Scheme::Pairwise)
+    if matches!(args.backend.shape(), Shape::OwnFile | Shape::OwnObjects)
+        && args.scheme.iter().any(|&s| s != Scheme::Pairwise)
     {
         return Err(format!(
-            "{} has no remote agents: each worker has its own file; use --scheme pairwise",
+            "{} has no remote agents: each worker has its own file or objects; use --scheme pairwise",
             args.backend.name()
         ));
     }

@@ -134,6 +134,8 @@ pub enum Targets {
     Remote(target::Peers),
     /// POSIX: files to delete at the end.
     Files(Vec<PathBuf>),
+    /// OBJ: objects of the workers' own (left in the bucket).
+    Objects,
 }
 
 impl Drop for Targets {
@@ -295,6 +297,27 @@ fn setup(plan: &Plan) -> Result<Setup, String> {
             }
             Targets::Files(files)
         }
+        Shape::OwnObjects => {
+            for i in 0..n {
+                let a = agent(plan, &initiator_name(plan, i))?;
+                let len = plan.buffer_bytes(i);
+                let local = registered(&a, plan.initiator_placement(), len)?;
+                workers.push(Worker {
+                    agent: a,
+                    local,
+                    // Objects are registered per case (`lists`): one per block slot,
+                    // their ids `dev | block << 20 | slot`.
+                    remotes: vec![Remote {
+                        side: Side::Local,
+                        kind: MemKind::Object,
+                        base: 0,
+                        dev: (i as u64) << 56,
+                        len,
+                    }],
+                });
+            }
+            Targets::Objects
+        }
         Shape::TwoProcesses => {
             let peers = target::connect(plan)?;
             for i in 0..n {
@@ -343,7 +366,14 @@ fn links(plan: &Plan, scheme: Scheme, worker: usize) -> Vec<Link> {
     let area = plan.area_bytes;
     match scheme {
         // A POSIX worker's one target is its own file.
-        Scheme::Pairwise if plan.args.backend.shape() == Shape::OwnFile => vec![(0, 0, 0)],
+        Scheme::Pairwise
+            if matches!(
+                plan.args.backend.shape(),
+                Shape::OwnFile | Shape::OwnObjects
+            ) =>
+        {
+            vec![(0, 0, 0)]
+        }
         Scheme::Pairwise => vec![(worker, 0, 0)],
         Scheme::ManyToOne => vec![(0, 0, worker as u64 * area)],
         Scheme::OneToMany if worker == 0 => (0..n).map(|j| (j, j as u64 * area, 0)).collect(),
@@ -411,15 +441,19 @@ fn lists(w: &Worker, plan: &Plan, case: &Case, link: Link) -> Result<Lists, Stri
             )
         })
         .collect();
-    let remote_descs = (0..u64::from(case.batch))
-        .map(|i| {
-            Desc::new(
-                remote.base + remote_off + order[(i % n) as usize] * case.block,
-                case.block,
-                remote.dev,
-            )
-        })
-        .collect();
+    let remote_descs = if remote.kind == MemKind::Object {
+        object_descs(w, plan, case, remote, &order)?
+    } else {
+        (0..u64::from(case.batch))
+            .map(|i| {
+                Desc::new(
+                    remote.base + remote_off + order[(i % n) as usize] * case.block,
+                    case.block,
+                    remote.dev,
+                )
+            })
+            .collect()
+    };
     if remote_off + n * case.block > remote.len {
         return Err(format!(
             "target {t}'s buffer ({} bytes) is too small for this case",
@@ -435,6 +469,33 @@ fn lists(w: &Worker, plan: &Plan, case: &Case, link: Link) -> Result<Lists, Stri
         local_off,
         covered: n * case.block,
     })
+}
+
+/// OBJ: one object per block slot (a WRITE replaces a whole object), registered with
+/// the worker's agent the first time a case names it; descriptor i is slot `order[i]`'s
+/// object, from its first byte.
+fn object_descs(
+    w: &Worker,
+    plan: &Plan,
+    case: &Case,
+    remote: &Remote,
+    order: &[u64],
+) -> Result<Vec<Desc>, String> {
+    if case.block >= 1 << 36 || order.len() as u64 >= 1 << 20 {
+        return Err("OBJ: blocks of 64 GiB or more, or over 2^20 slots, have no object ids".into());
+    }
+    let id = |slot: u64| remote.dev | case.block << 20 | slot;
+    for &slot in order {
+        let name = format!("ferry-bench/{}/{:x}", plan.args.run_id, id(slot));
+        match w.agent.register_object(&name, Desc::new(0, 0, id(slot))) {
+            Ok(_) | Err(ferry::Error::NotAllowed { .. }) => {} // new, or registered before
+            Err(e) => return Err(format!("registering object {name}: {e}")),
+        }
+    }
+    let n = order.len();
+    Ok((0..case.batch as usize)
+        .map(|i| Desc::new(0, case.block, id(order[i % n])))
+        .collect())
 }
 
 fn wait_all(agent: &Agent, xs: &[XferId], done: &mut [bool]) -> Result<(), String> {
@@ -832,7 +893,7 @@ fn describe(plan: &Plan, setup: &Setup) -> Vec<(String, String)> {
         (
             "target".to_string(),
             match plan.target_kind {
-                MemKind::File => MemKind::File.name().to_string(),
+                MemKind::File | MemKind::Object => plan.target_kind.name().to_string(),
                 _ => plan.target_placement().describe(),
             },
         ),
@@ -841,6 +902,7 @@ fn describe(plan: &Plan, setup: &Setup) -> Vec<(String, String)> {
             match (&setup.targets, a.backend) {
                 (Targets::Remote(p), _) => p.placement.clone(),
                 (_, b) if b.shape() == Shape::OwnFile => "files of this process".to_string(),
+                (_, b) if b.shape() == Shape::OwnObjects => "objects of each worker".to_string(),
                 _ => "agents of this process".to_string(),
             },
         ),
@@ -854,7 +916,15 @@ fn describe(plan: &Plan, setup: &Setup) -> Vec<(String, String)> {
         ),
     ];
     if !a.params.is_empty() {
-        let p: Vec<String> = a.params.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        // Secrets (OBJ's secret_key, session_token) are shown masked.
+        let p: Vec<String> = a
+            .params
+            .iter()
+            .map(|(k, v)| match k.as_str() {
+                "secret_key" | "session_token" => format!("{k}=***"),
+                _ => format!("{k}={v}"),
+            })
+            .collect();
         c.push(("params".to_string(), p.join(",")));
     }
     if let Some(b) = setup.workers.first().and_then(|w| {

@@ -166,7 +166,7 @@ impl Plan {
                 kind: MemKind::Vram,
                 dev: self.dev(),
             },
-            MemArg::Dram | MemArg::File => Placement {
+            MemArg::Dram | MemArg::File | MemArg::Object => Placement {
                 kind: MemKind::Dram,
                 dev: 0,
             },

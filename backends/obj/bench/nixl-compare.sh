@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# Ferry's OBJ backend against NIXL 1.5.1's OBJ plugin, same S3 server, same run:
+# PUT and GET of 1 MiB x 32 objects and 64 MiB x 1 object, ROUNDS interleaved rounds
+# (default 3), the order of the two sides alternated each round, medians printed.
+#
+#   backends/obj/bench/nixl-compare.sh                # starts a moto server on 127.0.0.1
+#   S3_ENDPOINT=http://127.0.0.1:9000 S3_BUCKET=b backends/obj/bench/nixl-compare.sh
+#
+# Needs: a release `ferry` built with `--features obj` (FERRY_BIN, default
+# target/release/ferry), python3 with venv. Installs into throwaway venvs under /tmp:
+# nixl-cu12==1.5.1 + numpy (NIXL_VENV, as backends/ucx/bench/nixl-venv.sh) and, when no
+# endpoint is given, moto[server] + boto3 (MOTO_VENV). Two configurations:
+#   defaults: both sides as shipped (Ferry: max_in_flight 64, multipart/parallel ranged
+#             GETs of 8 MiB parts from 16 MiB; NIXL: its standard S3 client, num_threads
+#             = hardware threads / 2, one request per object);
+#   matched:  one HTTP request per object and 32 at a time on both sides (Ferry:
+#             max_in_flight=32, part_bytes and multipart_threshold_bytes 128 MiB; NIXL:
+#             num_threads=32).
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+rounds=${ROUNDS:-3}
+iters=${ITERS:-5}
+warmup=${WARMUP:-1}
+ferry_bin=${FERRY_BIN:-${CARGO_TARGET_DIR:-target}/release/ferry}
+[ -x "$ferry_bin" ] || { echo "no $ferry_bin: cargo build --release -p ferry-tools --features obj" >&2; exit 1; }
+export AWS_ACCESS_KEY_ID=${AWS_ACCESS_KEY_ID:-testing} AWS_SECRET_ACCESS_KEY=${AWS_SECRET_ACCESS_KEY:-testing}
+export AWS_REGION=${AWS_REGION:-us-east-1}
+
+# NIXL's venv (the same as the UCX comparison's).
+# shellcheck source=/dev/null
+source backends/ucx/bench/nixl-venv.sh
+nixl_py="$venv/bin/python"
+
+moto_pid=
+cleanup() { [ -n "$moto_pid" ] && kill "$moto_pid" 2>/dev/null || true; }
+trap cleanup EXIT
+endpoint=${S3_ENDPOINT:-}
+bucket=${S3_BUCKET:-ferry-compare}
+if [ -z "$endpoint" ]; then
+  mvenv=${MOTO_VENV:-/tmp/ferry-moto-venv}
+  [ -x "$mvenv/bin/moto_server" ] || { python3 -m venv "$mvenv" && "$mvenv/bin/pip" install -q 'moto[server]' boto3; }
+  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  "$mvenv/bin/moto_server" -H 127.0.0.1 -p "$port" >/tmp/ferry-obj-compare-moto.log 2>&1 &
+  moto_pid=$!
+  endpoint="http://127.0.0.1:$port"
+  for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.1; done
+  echo "moto $("$mvenv/bin/pip" show moto 2>/dev/null | sed -n 's/^Version: //p') at $endpoint" >&2
+fi
+curl -s -X PUT "$endpoint/$bucket" >/dev/null || true
+
+out=$(mktemp -d -t ferry-obj-compare.XXXXXX)
+ferry_run() { # config block count -> "OP GBps" lines
+  local config=$1 block=$2 count=$3 extra=()
+  [ "$config" = matched ] && extra=(--param max_in_flight=32 --param part_bytes=134217728 --param multipart_threshold_bytes=134217728)
+  "$ferry_bin" bench xfer --backend obj --endpoint "$endpoint" --bucket "$bucket" \
+    --op write,read --start-block "$block" --max-block "$block" \
+    --start-batch "$count" --max-batch "$count" --iters "$iters" --warmup "$warmup" \
+    --run-id "ferry-$config" "${extra[@]}" --jsonl "$out/ferry.jsonl" >/dev/null
+  python3 - "$out/ferry.jsonl" <<'EOF'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(r["op"].upper(), r["gbps"])
+EOF
+  rm -f "$out/ferry.jsonl"
+}
+nixl_run() { # config block count
+  local extra=()
+  [ "$1" = matched ] && extra=(--param num_threads=32)
+  "$nixl_py" backends/obj/bench/nixl_obj.py --endpoint "$endpoint" --bucket "$bucket" \
+    --block "$2" --count "$3" --iters "$iters" --warmup "$warmup" --prefix "nixl-$1" "${extra[@]}" 2>/dev/null |
+    sed -n 's/^nixl \([A-Z]*\) .*GB\/s \([0-9.]*\).*/\1 \2/p'
+}
+
+declare -A samples
+for round in $(seq "$rounds"); do
+  for config in defaults matched; do
+    for shape in "1048576 32" "67108864 1"; do
+      read -r block count <<<"$shape"
+      if ((round % 2)); then order="ferry nixl"; else order="nixl ferry"; fi
+      for side in $order; do
+        while read -r op gbps; do
+          key="$config|$block|$count|$op|$side"
+          samples[$key]="${samples[$key]:-} $gbps"
+          echo "round $round $side $config ${block}x$count $op: $gbps GB/s" >&2
+        done < <("${side}_run" "$config" "$block" "$count")
+      done
+    done
+  done
+done
+
+echo "load average: $(cut -d' ' -f1-3 /proc/loadavg); endpoint $endpoint; $rounds rounds, $iters iters (+$warmup warm-up) each"
+printf '| config | objects | op | Ferry GB/s | NIXL GB/s | Ferry / NIXL |\n|---|---|---|---|---|---|\n'
+median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{v[NR]=$1} END {print v[int((NR+1)/2)]}'; }
+for config in defaults matched; do
+  for shape in "1048576 32" "67108864 1"; do
+    read -r block count <<<"$shape"
+    for op in WRITE READ; do
+      f=$(echo "${samples[$config|$block|$count|$op|ferry]:-}" | median)
+      n=$(echo "${samples[$config|$block|$count|$op|nixl]:-}" | median)
+      ratio=$(python3 -c "print(f'{$f/$n:.2f}x' if '$n' and float('$n')>0 else '-')" 2>/dev/null || echo -)
+      printf '| %s | %s MiB x %s | %s | %s | %s | %s |\n' "$config" $((block >> 20)) "$count" "$op" "$f" "$n" "$ratio"
+    done
+  done
+done
+rm -rf "$out"
