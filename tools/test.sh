@@ -132,7 +132,15 @@ cargo clippy --workspace --all-targets "${features[@]}" -- -D warnings -D clippy
 # so nothing needs to be on crates.io yet; the crates.io index is read for the rest).
 log "packaging: cargo doc --no-deps (warnings denied), cargo publish --dry-run --workspace"
 RUSTDOCFLAGS="-D warnings" cargo doc -q --no-deps --workspace
-cargo publish -q --dry-run --workspace --allow-dirty
+# Cargo unpacks the sibling .crates into $CARGO_HOME/registry/src/-<hash>/ and builds
+# them as registry crates, which it takes never to change: a second run on one machine
+# would reuse the first run's sources and objects (an API grown since is "missing").
+# So the dry run builds in a target dir of its own, whose Ferry crates (and unpacked
+# sources) are dropped first; the third-party ones stay cached there.
+publish_target="$PWD/target/publish-check"
+rm -rf "$publish_target"/debug/.fingerprint/ferry-* "$publish_target"/package \
+  "${CARGO_HOME:-$HOME/.cargo}"/registry/src/-*/ferry-*
+CARGO_TARGET_DIR="$publish_target" cargo publish -q --dry-run --workspace --allow-dirty
 
 log "cargo test --workspace ${features[*]}"
 cargo test --workspace "${features[@]}" --no-fail-fast
