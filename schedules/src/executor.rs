@@ -12,8 +12,8 @@
 //! | [`Phase::Exchange`] | (agent) metadata-exchange commands: send / fetch / check through its exchange manager, no network wait |
 //! | [`Phase::Metadata`] | load / invalidate peer metadata, make connections |
 //! | [`Phase::Register`] | register regions with backends, index them in sections |
-//! | [`Phase::Prep`] | resolve descriptor lists against sections (incl. `create`'s lists) |
-//! | [`Phase::Make`] | build requests: index lists → ranges, merged on the fly; pin regions |
+//! | [`Phase::Prep`] | resolve descriptor lists against sections (a `create`'s remote side only) |
+//! | [`Phase::Make`] | build requests: index lists → ranges, merged on the fly; pin regions; `create` in one pass where one backend serves both lists |
 //! | [`Phase::Dispatch`] | validate posts, sort by backend × endpoint × op (record order kept within each), one batch per backend × endpoint |
 //! | [`Phase::Progress`] | drive backends, route completions by tag, answer checks |
 //! | [`Phase::Notify`] | standalone notifications, drain inbound ones into the buffer |
