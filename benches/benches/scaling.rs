@@ -19,7 +19,9 @@
 //!   that just loaded the metadata of a peer with N registered regions makes, posts
 //!   and waits for one WRITE of N 64-byte descriptors, one into each region: the first
 //!   such request after the load, then the second. Whatever the load deferred (the
-//!   endpoint, rkey unpacking) shows as the first's excess over the second. Skipped,
+//!   endpoint, rkey unpacking) shows as the first's excess over the second.
+//!   `scaling/ucx_first_request_lazy/N` is the first with `connect_on_load=false`
+//!   (what the load then defers), `scaling/ucx_load/N` the load itself. Skipped,
 //!   with the reason, where UCX cannot load (`FERRY_UCX_LIBRARY` names the libucp).
 //!
 //! - `strided/prep_make/{plain,plain_built,strided}`: prep of both lists + make +
@@ -176,10 +178,17 @@ const UCX_REGION: usize = 256;
 /// An agent with a UCX backend; `progress_thread` for the target, which nothing else
 /// progresses.
 fn ucx_agent(name: &str, progress_thread: bool) -> Agent {
+    ucx_agent_with(name, progress_thread, true)
+}
+
+fn ucx_agent_with(name: &str, progress_thread: bool, connect_on_load: bool) -> Agent {
     let agent = Agent::new(AgentConfig::named(unique(name))).expect("agent");
     let mut params = Params::new();
     if progress_thread {
         params.insert("progress_thread".into(), "true".into());
+    }
+    if !connect_on_load {
+        params.insert("connect_on_load".into(), "false".into());
     }
     agent.create_backend("UCX", &params).expect("UCX backend");
     agent
@@ -251,14 +260,26 @@ fn ucx_first_request(c: &mut Criterion) {
         group.throughput(Throughput::Elements(n as u64));
         // A fresh initiator per turn (made and loaded untimed): the timed request is
         // the first after the load.
-        for (name, warm_turns) in [("ucx_first_request", 0), ("ucx_second_request", 1)] {
+        // `_lazy`: with `connect_on_load=false` (the endpoint and rkeys wait for the
+        // first request); `ucx_load`: the load itself, with the default.
+        for (name, warm_turns, eager) in [
+            ("ucx_first_request", 0, true),
+            ("ucx_second_request", 1, true),
+            ("ucx_first_request_lazy", 0, false),
+            ("ucx_load", usize::MAX, true),
+        ] {
             group.bench_function(BenchmarkId::new(name, n), |b| {
                 b.iter_custom(|iters| {
                     let mut times = Vec::new();
                     for _ in 0..iters {
-                        let a = ucx_agent("scaling-ucx-initiator", false);
+                        let a = ucx_agent_with("scaling-ucx-initiator", false, eager);
                         register(&a, &src);
+                        let t0 = Instant::now();
                         let peer = a.load_remote_md(&blob).expect("load");
+                        if warm_turns == usize::MAX {
+                            times.push(t0.elapsed());
+                            continue;
+                        }
                         for _ in 0..warm_turns {
                             ucx_request(&a, peer, &local, &remote);
                         }

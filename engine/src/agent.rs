@@ -707,8 +707,9 @@ impl Agent {
         self.one(|c| c.invalidate_md(peer).index(), done)
     }
 
-    /// Establish the connections to a loaded peer now (NIXL's `makeConnection`) instead
-    /// of on first use.
+    /// Establish the connections to a loaded peer now (NIXL's `makeConnection`), where
+    /// a backend has not at load (UCX does by default: its `connect_on_load`) — and
+    /// reconnect a peer declared down.
     pub fn make_connection(&self, peer: PeerId) -> Result<()> {
         self.one(|c| c.make_connection(peer).index(), done)
     }

@@ -785,7 +785,7 @@ impl CommandBuffer {
     }
 
     /// Make the connections to a loaded peer now (NIXL's `makeConnection`); otherwise
-    /// backends connect on first use.
+    /// backends connect at load (UCX by default) or on first use.
     pub fn make_connection(&mut self, peer: impl Into<Ref<PeerId>>) -> Ticket<()> {
         Ticket::new(self.push(Command::Connect { peer: peer.into() }))
     }

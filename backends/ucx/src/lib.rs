@@ -8,10 +8,12 @@
 //!   and talks to the remote worker with the same index (modulo the peer's count).
 //! - **Registration** (DRAM) = `ucp_mem_map`; the token names the mapping in a
 //!   generational table; the public metadata is the packed rkey.
-//! - **Peers**: endpoints are created on first use (or by [`Backend::connect`]) with
-//!   error handling `peer` by default; a peer's packed rkeys are unpacked lazily on
-//!   that endpoint and cached per region token until the peer is unloaded, reloaded
-//!   with new connection info, or reported dead.
+//! - **Peers**: a peer's endpoint is created when its metadata is loaded, and the
+//!   packed rkeys of the regions it lists are unpacked on it then (`connect_on_load`,
+//!   the default, as NIXL does: the first request pays no wireup); with
+//!   `connect_on_load=false` both wait for the first use (or [`Backend::connect`]).
+//!   Error handling is `peer` by default; rkeys are cached per region token until the
+//!   peer is unloaded, reloaded with new connection info, or reported dead.
 //! - **Posting** a batch issues one put/get per merged range on the batch's endpoint,
 //!   then one `ucp_ep_flush_nbx`; each request of the batch completes when the flush
 //!   does. A post hands about `post_window_bytes` of the batch to UCX (which sends
@@ -127,6 +129,13 @@ pub const PARAMS: &[ParamSpec] = &[
         name: "progress_thread",
         default: "false",
         doc: "progress UCX on a thread that sleeps on the workers' event fds when idle",
+    },
+    ParamSpec {
+        name: "connect_on_load",
+        default: "true",
+        doc: "when a peer's metadata is loaded, create its endpoint and unpack the rkeys of \
+              its regions then (as NIXL does), so the first request pays no wireup; false = \
+              on first use (a peer that is loaded but never used costs no connection)",
     },
     ParamSpec {
         name: "chunk_bytes",
@@ -313,6 +322,8 @@ pub struct Config {
     pub library: Option<PathBuf>,
     /// Whether to run a progress thread.
     pub progress_thread: bool,
+    /// Whether loading a peer's metadata creates its endpoint and unpacks its rkeys.
+    pub connect_on_load: bool,
     /// Requests in flight at once.
     pub max_requests: usize,
     /// How long a peer's requests may make no progress before the peer is declared
@@ -455,6 +466,11 @@ impl Config {
             "false" | "0" | "no" => false,
             _ => return Err(bad("progress_thread", "expected true or false")),
         };
+        let connect_on_load = match get("connect_on_load") {
+            "true" | "1" | "yes" => true,
+            "false" | "0" | "no" => false,
+            _ => return Err(bad("connect_on_load", "expected true or false")),
+        };
         let max_requests: usize = get("max_requests")
             .parse()
             .ok()
@@ -592,6 +608,7 @@ impl Config {
             transports,
             library,
             progress_thread,
+            connect_on_load,
             max_requests,
             peer_timeout,
         })
@@ -748,6 +765,13 @@ impl UcxBackend {
     /// Whether UCX reported the endpoint to `peer` dead (`None` if the peer is unknown).
     pub fn peer_down(&self, peer: PeerId) -> Option<bool> {
         self.core().peer_down(peer)
+    }
+
+    /// Whether the endpoint to `peer` exists, and how many of its regions' rkeys are
+    /// unpacked (`None` if the peer is unknown). With `connect_on_load` both are done
+    /// when the peer is loaded; otherwise by its first request.
+    pub fn peer_connection(&self, peer: PeerId) -> Option<(bool, usize)> {
+        self.core().peer_connection(peer)
     }
 
     /// Requests (and standalone notifications) currently in flight.

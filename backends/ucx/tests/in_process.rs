@@ -912,3 +912,96 @@ fn a_small_post_window_hands_batches_over_in_pieces_byte_for_byte() {
         assert_eq!(p.a.in_flight(), 0);
     }
 }
+
+/// `connect_on_load` (the default): loading a peer makes its endpoint and unpacks the
+/// rkeys of the regions it lists, so the first request pays no wireup; an rkey UCX
+/// refuses does not fail the load and is reported by the first request that needs it;
+/// a reload with new regions unpacks only those. With `connect_on_load=false` nothing
+/// happens until the first request.
+#[test]
+fn loading_a_peer_connects_and_unpacks_its_rkeys_unless_told_not_to() {
+    if !setup() {
+        return;
+    }
+    const LEN: usize = 1 << 16;
+    for &transports in TRANSPORTS {
+        for eager in [true, false] {
+            let flag = if eager { "true" } else { "false" };
+            let mut a = backend("agent-a", transports, &[("connect_on_load", flag)]);
+            let mut b = backend("agent-b", transports, &[]);
+            let a_buf = Buffer::new(LEN);
+            let b_buf = Buffer::new(LEN);
+            let extra = Buffer::new(LEN);
+            let (a_token, _) = register(&mut a, &a_buf);
+            let (b_token, b_md) = register(&mut b, &b_buf);
+            let (extra_token, extra_md) = register(&mut b, &extra);
+            let desc = |buf: &Buffer| ferry_backend_api::Desc::new(buf.addr(), LEN as u64, 0);
+            let peer = peer_id(1);
+            // The first region, and a bogus one at an address nobody registered.
+            let mut regions = HandRegions {
+                name: "agent-b".into(),
+                ..HandRegions::default()
+            };
+            regions.md.insert(b_token, b_md.clone());
+            regions.descs.insert(b_token, desc(&b_buf));
+            regions.md.insert(77, b"not an rkey".to_vec());
+            regions.descs.insert(77, ferry_backend_api::Desc::new(0x1000, 64, 0));
+            let conn = b.conn_info();
+            let remote = |regions: &HandRegions| RemoteAgent {
+                name: "agent-b",
+                conn_info: &conn,
+                regions: std::sync::Arc::new(regions.clone()),
+            };
+            a.load_remote(peer, remote(&regions))
+                .expect("a bad rkey does not fail the load");
+            let expect = if eager { (true, 1) } else { (false, 0) };
+            assert_eq!(a.peer_connection(peer), Some(expect), "[{transports}] {flag}");
+
+            // Reload with a second region: only it is unpacked.
+            regions.md.insert(extra_token, extra_md);
+            regions.descs.insert(extra_token, desc(&extra));
+            a.load_remote(peer, remote(&regions)).expect("reload");
+            let expect = if eager { (true, 2) } else { (false, 0) };
+            assert_eq!(a.peer_connection(peer), Some(expect), "[{transports}] {flag}");
+
+            let mut p = Pair {
+                a,
+                b,
+                a_buf,
+                b_buf,
+                a_token,
+                b_token,
+                b_md,
+                peer_b: peer,
+            };
+            // Requests land byte for byte in both regions.
+            let mut rng = Rng::new(41 ^ transports.len() as u64);
+            rng.fill(&mut p.a_buf.0);
+            let to_b = range(&p, 0, 512, 4096);
+            let to_extra = Range {
+                remote_addr: extra.addr() + 100,
+                remote_token: extra_token,
+                ..range(&p, 8192, 0, 3000)
+            };
+            run_ok(&mut p, &[post(1, Op::Write, &[to_b, to_extra], None)]);
+            assert!(p.a_buf.0[..4096] == p.b_buf.0[512..512 + 4096], "[{transports}] {flag}");
+            assert!(p.a_buf.0[8192..8192 + 3000] == extra.0[100..3100], "[{transports}] {flag}");
+            assert_eq!(p.a.peer_connection(peer), Some((true, 2)), "[{transports}] {flag}");
+            // The bogus region's rkey is refused now, as a typed error.
+            let bogus = Range {
+                remote_addr: 0x1000,
+                remote_token: 77,
+                ..range(&p, 0, 0, 64)
+            };
+            let mut done = Completions::with_capacity(1);
+            let e = p.a.post_t(
+                Endpoint::Peer(peer),
+                &[post(2, Op::Write, &[bogus], None)],
+                &mut done,
+            );
+            assert!(matches!(e, Err(Error::InvalidMetadata { .. })), "[{transports}] {e:?}");
+            assert!(done.is_empty());
+            assert_eq!(p.a.in_flight(), 0);
+        }
+    }
+}

@@ -203,7 +203,7 @@ impl World {
     }
 
     /// Establish the endpoint to `peer` now on every backend that loaded it (NIXL's
-    /// `makeConnection`); otherwise endpoints are made on first use.
+    /// `makeConnection`); otherwise on load or first use, as each backend does.
     pub(crate) fn connect_peer(&mut self, peer: PeerId) -> Result<(), Error> {
         let row = self
             .peers

@@ -77,6 +77,12 @@ impl Core {
         self.peers.get(&peer).map(|s| s.down.is_some())
     }
 
+    pub(crate) fn peer_connection(&self, peer: PeerId) -> Option<(bool, usize)> {
+        self.peers
+            .get(&peer)
+            .map(|s| (!s.ep.is_null(), s.rkeys.len()))
+    }
+
     /// Counters of the batched-WRITE protocol.
     pub(crate) fn batch_counts(&self) -> crate::BatchCounts {
         let b = &self.events.batch;

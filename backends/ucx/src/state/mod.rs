@@ -144,6 +144,8 @@ pub(crate) struct Core {
     close_rounds: u32,
     /// Close endpoints with `UCP_EP_CLOSE_FLAG_FORCE` (else flush first).
     close_force: bool,
+    /// Create a peer's endpoint and unpack its rkeys when its metadata is loaded.
+    connect_on_load: bool,
     /// Completions produced outside a `post` call (callbacks, progress thread).
     pub(crate) ready: Completions,
     /// Largest single put/get; longer ranges are split.
@@ -347,6 +349,7 @@ impl Core {
             graves: Vec::new(),
             close_rounds: config.close_rounds,
             close_force: config.close_force,
+            connect_on_load: config.connect_on_load,
             deadline: Deadline::new(config.peer_timeout),
             vram: VramState::new(&ucp, context, config.vmm_spanning),
         };

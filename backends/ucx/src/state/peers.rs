@@ -97,6 +97,7 @@ impl Core {
                     state.down = None;
                 }
             }
+            self.prepare_on_load(peer);
             return Ok(());
         }
         let info = info.ok_or_else(|| Error::InvalidMetadata {
@@ -127,7 +128,48 @@ impl Core {
                 vram_logged: false,
             },
         );
+        self.prepare_on_load(peer);
         Ok(())
+    }
+
+    /// With `connect_on_load`: make the endpoint to a just-loaded peer and unpack the
+    /// rkeys of its regions not unpacked yet, so its first request costs what the second
+    /// does. Nothing here fails the load: an endpoint that cannot be made, or an rkey
+    /// UCX refuses, is tried again by the first request that needs it, which reports
+    /// the error then (as without `connect_on_load`).
+    fn prepare_on_load(&mut self, peer: PeerId) {
+        if !self.connect_on_load {
+            return;
+        }
+        let ep = match self.peer_ep(peer) {
+            Ok((ep, _)) => ep,
+            Err(e) => {
+                log::info!("UCX: no endpoint made at load ({e}); the first request tries again");
+                return;
+            }
+        };
+        let state = &self.peers[&peer];
+        let regions = state.regions.clone();
+        let mut todo = Vec::new();
+        regions.for_each_region(crate::BACKEND, &mut |token, desc, _| {
+            if !state.rkeys.contains_key(&token) {
+                todo.push((token, desc.addr));
+            }
+        });
+        let mut refused = 0usize;
+        for &(token, addr) in &todo {
+            if let Err(e) = self.rkey_for(Endpoint::Peer(peer), ep, token, addr) {
+                if refused == 0 {
+                    log::warn!("UCX: at load: {e} (its first request reports it again)");
+                }
+                refused += 1;
+            }
+        }
+        log::debug!(
+            "UCX: peer '{}' loaded: endpoint made, {} rkey(s) unpacked, {refused} refused",
+            self.peers[&peer].name,
+            todo.len() - refused
+        );
     }
 
     /// Close the peer's endpoint (UCX cancels its in-flight requests, whose callbacks

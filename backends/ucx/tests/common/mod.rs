@@ -48,6 +48,9 @@ pub use pair::*;
 pub struct HandRegions {
     pub name: String,
     pub md: HashMap<u64, Vec<u8>>,
+    /// Where each region lies, for the regions listed to a backend at load (those
+    /// without an entry are not listed: the backend meets them on first use).
+    pub descs: HashMap<u64, Desc>,
 }
 
 impl PeerRegions for HandRegions {
@@ -56,6 +59,16 @@ impl PeerRegions for HandRegions {
     }
     fn public_md(&self, token: u64) -> Option<&[u8]> {
         self.md.get(&token).map(Vec::as_slice)
+    }
+    fn for_each_region(&self, backend: &str, visit: &mut dyn FnMut(u64, Desc, &[u8])) {
+        if backend != "UCX" {
+            return;
+        }
+        for (token, desc) in &self.descs {
+            if let Some(md) = self.md.get(token) {
+                visit(*token, *desc, md);
+            }
+        }
     }
 }
 
@@ -130,6 +143,7 @@ pub fn load(
     let regions = HandRegions {
         name: name.to_string(),
         md: regions.iter().cloned().collect(),
+        ..HandRegions::default()
     };
     backend
         .load_remote(
