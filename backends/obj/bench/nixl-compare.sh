@@ -10,12 +10,19 @@
 # target/release/ferry), python3 with venv. Installs into throwaway venvs under /tmp:
 # nixl-cu12==1.5.1 + numpy (NIXL_VENV, as backends/ucx/bench/nixl-venv.sh) and, when no
 # endpoint is given, moto[server] + boto3 (MOTO_VENV). Two configurations:
-#   defaults: both sides as shipped (Ferry: max_in_flight 64, multipart/parallel ranged
-#             GETs of 8 MiB parts from 16 MiB; NIXL: its standard S3 client, num_threads
-#             = hardware threads / 2, one request per object);
+#   defaults: both sides as shipped (Ferry: max_in_flight 64, multipart uploads from
+#             32 MiB and ranged GETs, both in 16 MiB parts; NIXL: its standard S3 client,
+#             num_threads = hardware threads / 2, one request per object);
 #   matched:  one HTTP request per object and 32 at a time on both sides (Ferry:
 #             max_in_flight=32, part_bytes and multipart_threshold_bytes 128 MiB; NIXL:
-#             num_threads=32).
+#             num_threads=32);
+#   multipart: objects from 16 MiB in 16 MiB parts side by side on both sides (Ferry:
+#             part_bytes and multipart_threshold_bytes 16 MiB; NIXL: crtMinLimit=16777216,
+#             its S3 CRT client for objects from 16 MiB, which cuts 64 MiB into four
+#             16 MiB parts for both PUT and GET, as the server's log shows).
+# A side whose request fails (NIXL reports NIXL_ERR_BACKEND) shows "failed" in its cell
+# and is not run again in later rounds (NIXL's standard client retries a failing 64 MiB
+# PUT for about two minutes before it gives up).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 rounds=${ROUNDS:-3}
@@ -52,6 +59,7 @@ out=$(mktemp -d -t ferry-obj-compare.XXXXXX)
 ferry_run() { # config block count -> "OP GBps" lines
   local config=$1 block=$2 count=$3 extra=()
   [ "$config" = matched ] && extra=(--param max_in_flight=32 --param part_bytes=134217728 --param multipart_threshold_bytes=134217728)
+  [ "$config" = multipart ] && extra=(--param part_bytes=16777216 --param multipart_threshold_bytes=16777216)
   "$ferry_bin" bench xfer --backend obj --endpoint "$endpoint" --bucket "$bucket" \
     --op write,read --start-block "$block" --max-block "$block" \
     --start-batch "$count" --max-batch "$count" --iters "$iters" --warmup "$warmup" \
@@ -65,20 +73,27 @@ EOF
   rm -f "$out/ferry.jsonl"
 }
 nixl_run() { # config block count
-  local extra=()
+  local extra=() lines
   [ "$1" = matched ] && extra=(--param num_threads=32)
-  "$nixl_py" backends/obj/bench/nixl_obj.py --endpoint "$endpoint" --bucket "$bucket" \
-    --block "$2" --count "$3" --iters "$iters" --warmup "$warmup" --prefix "nixl-$1" "${extra[@]}" 2>/dev/null |
-    sed -n 's/^nixl \([A-Z]*\) .*GB\/s \([0-9.]*\).*/\1 \2/p'
+  [ "$1" = multipart ] && extra=(--param crtMinLimit=16777216)
+  lines=$("$nixl_py" backends/obj/bench/nixl_obj.py --endpoint "$endpoint" --bucket "$bucket" \
+    --block "$2" --count "$3" --iters "$iters" --warmup "$warmup" --prefix "nixl-$1" "${extra[@]}" \
+    2>"$out/nixl.err" | sed -n 's/^nixl \([A-Z]*\) .*GB\/s \([0-9.]*\).*/\1 \2/p') || true
+  [ -n "$lines" ] && echo "$lines"
+  # An op that printed nothing failed (WRITE first: a failed WRITE leaves READ unrun).
+  for op in WRITE READ; do
+    grep -q "^$op " <<<"$lines" || { echo "$op failed"; tail -1 "$out/nixl.err" >&2; }
+  done
 }
 
 declare -A samples
 for round in $(seq "$rounds"); do
-  for config in defaults matched; do
+  for config in defaults matched multipart; do
     for shape in "1048576 32" "67108864 1"; do
       read -r block count <<<"$shape"
       if ((round % 2)); then order="ferry nixl"; else order="nixl ferry"; fi
       for side in $order; do
+        [[ "${samples[$config|$block|$count|WRITE|$side]:-}" == *failed* ]] && continue
         while read -r op gbps; do
           key="$config|$block|$count|$op|$side"
           samples[$key]="${samples[$key]:-} $gbps"
@@ -91,14 +106,18 @@ done
 
 echo "load average: $(cut -d' ' -f1-3 /proc/loadavg); endpoint $endpoint; $rounds rounds, $iters iters (+$warmup warm-up) each"
 printf '| config | objects | op | Ferry GB/s | NIXL GB/s | Ferry / NIXL |\n|---|---|---|---|---|---|\n'
-median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{v[NR]=$1} END {print v[int((NR+1)/2)]}'; }
-for config in defaults matched; do
+median() { # "failed" when any sample is
+  local all; all=$(cat)
+  if [[ "$all" == *failed* ]]; then echo failed; return; fi
+  tr ' ' '\n' <<<"$all" | grep -v '^$' | sort -g | awk '{v[NR]=$1} END {printf "%.3f\n", v[int((NR+1)/2)]}'
+}
+for config in defaults matched multipart; do
   for shape in "1048576 32" "67108864 1"; do
     read -r block count <<<"$shape"
     for op in WRITE READ; do
       f=$(echo "${samples[$config|$block|$count|$op|ferry]:-}" | median)
       n=$(echo "${samples[$config|$block|$count|$op|nixl]:-}" | median)
-      ratio=$(python3 -c "print(f'{$f/$n:.2f}x' if '$n' and float('$n')>0 else '-')" 2>/dev/null || echo -)
+      ratio=$(python3 -c "print(f'{$f/$n:.2f}x')" 2>/dev/null || echo -)
       printf '| %s | %s MiB x %s | %s | %s | %s | %s |\n' "$config" $((block >> 20)) "$count" "$op" "$f" "$n" "$ratio"
     done
   done

@@ -115,13 +115,14 @@ pub const PARAMS: &[ParamSpec] = &[
     },
     ParamSpec {
         name: "part_bytes",
-        default: "8388608",
+        default: "16777216",
         doc: "bytes per multipart-upload part and per ranged GET of a long READ \
-              (S3 wants at least 5 MiB for every part but the last)",
+              (S3 wants at least 5 MiB for every part but the last; 16 MiB is the part \
+              NIXL's S3 CRT client uses)",
     },
     ParamSpec {
         name: "multipart_threshold_bytes",
-        default: "16777216",
+        default: "33554432",
         doc: "WRITE ranges of at least this many bytes go as multipart uploads; shorter \
               ones as one PUT",
     },
