@@ -13,6 +13,11 @@
 //! - `ucx/make/{contiguous,shuffled}/N`: over UCX, `make` from lists prepped once +
 //!   release, nothing posted (the prepared path's control work; NIXL's
 //!   `make_prepped_xfer`).
+//! - `ucx/kv_layers/{plain,strided}/65536`: over UCX, 64 KV layers × 1,024 blocks of
+//!   256 bytes (remote layers in shuffled order, blocks 512 bytes apart): `create`
+//!   from plain lists built once (NIXL's `initialize_xfer` of the same lists,
+//!   `backends/ucx/bench/strided-compare.sh`), and prep of 64 strided runs per side +
+//!   make; both + release, nothing posted.
 //! - `round_trip/1`: one-descriptor post + check of an existing request.
 //!
 //! Throughput is in descriptors, so criterion reports descriptors per second; divide
@@ -32,7 +37,8 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Bencher, BenchmarkId, Criterion, Throughput};
 use ferry::{
-    Agent, AgentConfig, CommandBuffer, Desc, MemKind, Op, Params, Side, Ticket, XferStatus,
+    Agent, AgentConfig, CommandBuffer, Desc, MemKind, Op, Params, Side, StridedDesc, Ticket,
+    XferStatus,
 };
 use ferry_tests::{assert_shuffled_copy, pair, register, unique, Buffer, Pair, Rng};
 
@@ -184,6 +190,68 @@ fn ucx_create(c: &mut Criterion) {
             a.release_prep(remote_prep).expect("release");
         }
     }
+    group.finish();
+    kv_layers(c, &agent);
+}
+
+/// `ucx/kv_layers/{plain,strided}/65536` (see the module doc).
+fn kv_layers(c: &mut Criterion, agent: &dyn Fn(&str) -> Agent) {
+    const LAYERS: u64 = 64;
+    const BLOCKS: u64 = 1024;
+    const BLOCK: u64 = 256;
+    let mut rng = Rng::new(64);
+    let src = Buffer::random((LAYERS * BLOCKS * BLOCK) as usize, &mut rng);
+    let dst = Buffer::zeroed((LAYERS * BLOCKS * 2 * BLOCK) as usize);
+    let (a, b) = (agent("ctl-kv-a"), agent("ctl-kv-b"));
+    register(&a, &src);
+    register(&b, &dst);
+    let peer = a
+        .load_remote_md(&b.local_md().expect("md b"))
+        .expect("load b");
+    let mut layers: Vec<u64> = (0..LAYERS).collect();
+    rng.shuffle(&mut layers);
+    let local_runs: Vec<StridedDesc> = (0..LAYERS)
+        .map(|l| {
+            StridedDesc::new(
+                src.whole().addr + l * BLOCKS * BLOCK,
+                BLOCKS,
+                BLOCK,
+                BLOCK,
+                0,
+            )
+        })
+        .collect();
+    let remote_runs: Vec<StridedDesc> = layers
+        .iter()
+        .map(|&l| {
+            let base = dst.whole().addr + l * BLOCKS * 2 * BLOCK;
+            StridedDesc::new(base, BLOCKS, 2 * BLOCK, BLOCK, 0)
+        })
+        .collect();
+    let plain =
+        |runs: &[StridedDesc]| -> Vec<Desc> { runs.iter().flat_map(|r| r.descs()).collect() };
+    let (local, remote) = (plain(&local_runs), plain(&remote_runs));
+    let n = LAYERS * BLOCKS;
+    let mut group = c.benchmark_group("control_path/ucx");
+    group.throughput(Throughput::Elements(n));
+    group.sample_size(20);
+    let mut cmds = CommandBuffer::with_capacity(8);
+    group.bench_function(BenchmarkId::new("kv_layers/plain", n), |bench| {
+        per_turn_median(bench, || create_turn(&mut cmds, &a, peer, &local, &remote))
+    });
+    group.bench_function(BenchmarkId::new("kv_layers/strided", n), |bench| {
+        per_turn_median(bench, || {
+            cmds.clear();
+            let l = cmds.prep_strided(Side::Local, MemKind::Dram, &local_runs);
+            let r = cmds.prep_strided(peer, MemKind::Dram, &remote_runs);
+            let x = cmds.make(Op::Write, l, &[], r, &[]).ticket();
+            cmds.release(x);
+            cmds.release_prep(l);
+            cmds.release_prep(r);
+            a.flush(&mut cmds);
+            assert_no_errors(&cmds);
+        })
+    });
     group.finish();
 }
 

@@ -8,6 +8,8 @@
 #   backends/ucx/bench/control-compare.sh            # 3 rounds
 #   ROUNDS=5 backends/ucx/bench/control-compare.sh
 #   FERRY_BENCHES="before=/tmp/a after=/tmp/b" backends/ucx/bench/control-compare.sh
+#   KV_LAYERS=1 backends/ucx/bench/control-compare.sh  # 64 layers x 1,024 blocks: Ferry's
+#                     plain create and strided prep + make against NIXL's plain lists
 #
 # The NIXL venv is made as nixl-compare.sh makes it ($NIXL_VENV, default
 # /tmp/ferry-nixl-venv; nothing is written inside the repository).
@@ -30,5 +32,6 @@ else
 fi
 args=()
 for spec in "${specs[@]}"; do args+=(--ferry-bench "$spec"); done
+[ -n "${KV_LAYERS:-}" ] && args+=(--kv-layers)
 exec "$venv/bin/python" "$here/control_compare.py" "${args[@]}" \
   --python "$venv/bin/python" --rounds "${ROUNDS:-3}"

@@ -19,6 +19,11 @@ progress thread, nothing posted. A turn is create + release:
 
     control_compare.py --ferry-bench PATH --python VENV_PYTHON [--rounds 3]
 
+`--kv-layers` compares instead one KV cache's worth: 64 layers × 1,024 blocks of 256 B
+(remote layers shuffled, blocks 512 B apart), Ferry's `create` from plain lists and its
+prep of 64 strided runs per side + make (`control_path/ucx/kv_layers/{plain,strided}`)
+against NIXL's `initialize_xfer` of the same plain lists (`--layouts layers`).
+
 `--ferry-bench LABEL=PATH` may be given more than once (e.g. a build before and after
 a change): every build runs in every round, and the table gets a column pair per build
 (the ratio is against NIXL).
@@ -78,10 +83,69 @@ def run_ferry(bench, seconds):
         return found
 
 
-def run_nixl(python, seconds):
+KV_COUNT = 64 * 1024
+KV_CASES = ("plain", "strided")
+
+
+def run_ferry_kv(bench, seconds):
+    """{case: µs per transfer} from one criterion run of the kv_layers cases."""
+    with tempfile.TemporaryDirectory(prefix="ferry-control-") as home:
+        e = env()
+        e["CRITERION_HOME"] = home
+        cmd = [
+            "taskset", "-c", "0", bench, "--bench", "--noplot",
+            "--warm-up-time", "1", "--measurement-time", str(seconds),
+            rf"^control_path/ucx/kv_layers/(plain|strided)/{KV_COUNT}$",
+        ]
+        run = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=900)
+        if run.returncode != 0:
+            print(run.stdout[-2000:], run.stderr[-2000:], file=sys.stderr)
+            raise SystemExit("Ferry's control_path bench failed")
+        found = {}
+        for case in KV_CASES:
+            path = os.path.join(home, "control_path_ucx", f"kv_layers_{case}", str(KV_COUNT),
+                                "new", "estimates.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    found[case] = json.load(f)["median"]["point_estimate"] / 1e3
+        if not found:
+            print(run.stderr[-2000:], file=sys.stderr)
+        return found
+
+
+def kv_main(args, builds):
+    ferry = {label: {} for label, _ in builds}
+    nixl = []
+    for r in range(args.rounds):
+        sides = [("ferry", label, path) for label, path in builds] + [("nixl", None, None)]
+        for side, label, path in sides if r % 2 == 0 else reversed(sides):
+            if side == "ferry":
+                for case, us in run_ferry_kv(path, args.seconds).items():
+                    ferry[label].setdefault(case, []).append(us)
+            else:
+                found, _ = run_nixl(args.python, args.seconds, counts=[KV_COUNT], block=256,
+                                    layouts="layers")
+                if (KV_COUNT, "layers") in found:
+                    nixl.append(found[(KV_COUNT, "layers")] * KV_COUNT / 1e3)
+        print(f"round {r + 1} of {args.rounds} done", file=sys.stderr, flush=True)
+    n_cell, n = cell(nixl)
+    print("| 64 layers × 1,024 blocks of 256 B, UCX | µs per transfer | NIXL ÷ this |")
+    print("|---|---|---|")
+    print(f"| NIXL initialize_xfer + release_xfer_handle, plain lists | {n_cell} | 1.00× |")
+    for label, _ in builds:
+        for case, what in (("plain", "create + release, plain lists"),
+                           ("strided", "prep_strided ×2 + make + release")):
+            f_cell, f = cell(ferry[label].get(case, []))
+            ratio = f"{n / f:.2f}×" if f and n else "—"
+            print(f"| {label} {what} | {f_cell} | {ratio} |")
+    print(f"{args.rounds} rounds, alternating order; median of rounds (range).")
+
+
+def run_nixl(python, seconds, counts=COUNTS, block=64, layouts="contiguous,shuffled"):
     cmd = [
         python, os.path.join(HERE, "nixl_control.py"),
-        "--counts", ",".join(map(str, COUNTS)), "--seconds", str(seconds), "--cpus", "0,1",
+        "--counts", ",".join(map(str, counts)), "--seconds", str(seconds), "--cpus", "0,1",
+        "--block", str(block), "--layouts", layouts,
     ]
     run = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
     found, overhead = {}, None
@@ -110,11 +174,15 @@ def main():
     ap.add_argument("--python", required=True)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--kv-layers", action="store_true")
     args = ap.parse_args()
     builds = []
     for spec in args.ferry_bench:
         label, _, path = spec.rpartition("=")
         builds.append((label or "Ferry", path))
+    if args.kv_layers:
+        kv_main(args, builds)
+        return
 
     ferry = {label: {} for label, _ in builds}
     nixl, overheads = {}, []

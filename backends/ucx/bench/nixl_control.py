@@ -18,6 +18,10 @@ with a prepared empty list: the Python wrapper, one pybind11 call, one C++ map l
 and `initialize_xfer` + release of a single descriptor (all fixed cost per call).
 
     python3 nixl_control.py [--counts 1024,16384] [--block 64] [--seconds 1.5] [--cpus 0,1]
+
+Layout `layers` is a KV cache's shape: COUNT / 1,024 layers of 1,024 blocks, the local
+layers side by side, the remote layers in shuffled order with their blocks 2 × BLOCK
+apart (Ferry's `control_path/ucx/kv_layers` case, 64 layers x 1,024 blocks of 256 B).
 """
 import argparse
 import multiprocessing as mp
@@ -90,7 +94,8 @@ def main():
     pin(cpus[0])
     _, _, nixlXferDList, DRAM_SEG = nixl_api()
 
-    length = max(counts) * args.block
+    # `layers` spaces the remote blocks two apart.
+    length = max(counts) * args.block * (2 if "layers" in layouts else 1)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=target, args=(child, length, cpus[1]), daemon=True)
@@ -104,23 +109,32 @@ def main():
     if isinstance(name, bytes):
         name = name.decode()
 
-    def lists(count, shuffled):
-        order = list(range(count))
-        if shuffled:
-            random.Random(count).shuffle(order)
+    def lists(count, layout):
         local = np.array(
             [(buf.ctypes.data + i * args.block, args.block, 0) for i in range(count)],
             dtype=np.uint64,
         )
-        remote = np.array(
-            [(remote_base + j * args.block, args.block, 0) for j in order], dtype=np.uint64
-        )
+        if layout == "layers":
+            blocks = 1024
+            order = list(range(count // blocks))
+            random.Random(count).shuffle(order)
+            at = [
+                remote_base + (layer * blocks + b) * 2 * args.block
+                for layer in order
+                for b in range(blocks)
+            ]
+        else:
+            order = list(range(count))
+            if layout == "shuffled":
+                random.Random(count).shuffle(order)
+            at = [remote_base + j * args.block for j in order]
+        remote = np.array([(a, args.block, 0) for a in at], dtype=np.uint64)
         return agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM")
 
     # Python call overhead: a trivial call, and a one-descriptor create + release.
     empty = nixlXferDList(DRAM_SEG)
     trivial = statistics.median(timed(lambda: agent.check_remote_metadata(name, empty), 0.3))
-    one_l, one_r = lists(1, False)
+    one_l, one_r = lists(1, "contiguous")
 
     def one():
         agent.release_xfer_handle(agent.initialize_xfer("WRITE", one_l, one_r, name))
@@ -134,7 +148,7 @@ def main():
 
     for count in counts:
         for layout in layouts:
-            local, remote = lists(count, layout == "shuffled")
+            local, remote = lists(count, layout)
             init_t, release_t, total = [], [], []
             deadline = time.perf_counter() + args.seconds
             first = True

@@ -945,7 +945,9 @@ fn loading_a_peer_connects_and_unpacks_its_rkeys_unless_told_not_to() {
             regions.md.insert(b_token, b_md.clone());
             regions.descs.insert(b_token, desc(&b_buf));
             regions.md.insert(77, b"not an rkey".to_vec());
-            regions.descs.insert(77, ferry_backend_api::Desc::new(0x1000, 64, 0));
+            regions
+                .descs
+                .insert(77, ferry_backend_api::Desc::new(0x1000, 64, 0));
             let conn = b.conn_info();
             let remote = |regions: &HandRegions| RemoteAgent {
                 name: "agent-b",
@@ -955,14 +957,22 @@ fn loading_a_peer_connects_and_unpacks_its_rkeys_unless_told_not_to() {
             a.load_remote(peer, remote(&regions))
                 .expect("a bad rkey does not fail the load");
             let expect = if eager { (true, 1) } else { (false, 0) };
-            assert_eq!(a.peer_connection(peer), Some(expect), "[{transports}] {flag}");
+            assert_eq!(
+                a.peer_connection(peer),
+                Some(expect),
+                "[{transports}] {flag}"
+            );
 
             // Reload with a second region: only it is unpacked.
             regions.md.insert(extra_token, extra_md);
             regions.descs.insert(extra_token, desc(&extra));
             a.load_remote(peer, remote(&regions)).expect("reload");
             let expect = if eager { (true, 2) } else { (false, 0) };
-            assert_eq!(a.peer_connection(peer), Some(expect), "[{transports}] {flag}");
+            assert_eq!(
+                a.peer_connection(peer),
+                Some(expect),
+                "[{transports}] {flag}"
+            );
 
             let mut p = Pair {
                 a,
@@ -984,9 +994,19 @@ fn loading_a_peer_connects_and_unpacks_its_rkeys_unless_told_not_to() {
                 ..range(&p, 8192, 0, 3000)
             };
             run_ok(&mut p, &[post(1, Op::Write, &[to_b, to_extra], None)]);
-            assert!(p.a_buf.0[..4096] == p.b_buf.0[512..512 + 4096], "[{transports}] {flag}");
-            assert!(p.a_buf.0[8192..8192 + 3000] == extra.0[100..3100], "[{transports}] {flag}");
-            assert_eq!(p.a.peer_connection(peer), Some((true, 2)), "[{transports}] {flag}");
+            assert!(
+                p.a_buf.0[..4096] == p.b_buf.0[512..512 + 4096],
+                "[{transports}] {flag}"
+            );
+            assert!(
+                p.a_buf.0[8192..8192 + 3000] == extra.0[100..3100],
+                "[{transports}] {flag}"
+            );
+            assert_eq!(
+                p.a.peer_connection(peer),
+                Some((true, 2)),
+                "[{transports}] {flag}"
+            );
             // The bogus region's rkey is refused now, as a typed error.
             let bogus = Range {
                 remote_addr: 0x1000,
@@ -999,9 +1019,73 @@ fn loading_a_peer_connects_and_unpacks_its_rkeys_unless_told_not_to() {
                 &[post(2, Op::Write, &[bogus], None)],
                 &mut done,
             );
-            assert!(matches!(e, Err(Error::InvalidMetadata { .. })), "[{transports}] {e:?}");
+            assert!(
+                matches!(e, Err(Error::InvalidMetadata { .. })),
+                "[{transports}] {e:?}"
+            );
             assert!(done.is_empty());
             assert_eq!(p.a.in_flight(), 0);
         }
+    }
+}
+
+/// Agents that load a peer and go away at once, many times, beside a target with a
+/// progress thread (each load makes an endpoint; each drop closes it, mid-wireup or
+/// not): the target still serves a transfer afterwards. The UCX 1.13 abort that
+/// `scaling/ucx_load` met before loads waited for wireup ("got REP message" in the
+/// target's thread) did not reproduce in this form, with or without the wait: this
+/// checks the target's state, not that fix.
+#[test]
+fn agents_that_load_a_peer_and_go_away_at_once_leave_it_serving() {
+    if !setup() {
+        return;
+    }
+    for &transports in TRANSPORTS {
+        let mut b = backend("agent-b", transports, &[("progress_thread", "true")]);
+        let b_buf = Buffer::new(1 << 16);
+        let (b_token, b_md) = register(&mut b, &b_buf);
+        for round in 0..40u32 {
+            let mut a = backend("agent-a", transports, &[]);
+            load(
+                &mut a,
+                peer_id(round),
+                "agent-b",
+                &b.conn_info(),
+                &[(b_token, b_md.clone())],
+            );
+            drop(a);
+        }
+        let mut a = backend("agent-a", transports, &[]);
+        let a_buf = Buffer::new(1 << 16);
+        let (a_token, a_md) = register(&mut a, &a_buf);
+        load(
+            &mut a,
+            peer_id(1),
+            "agent-b",
+            &b.conn_info(),
+            &[(b_token, b_md.clone())],
+        );
+        load(
+            &mut b,
+            peer_id(1),
+            "agent-a",
+            &a.conn_info(),
+            &[(a_token, a_md)],
+        );
+        let mut p = Pair {
+            a,
+            b,
+            a_buf,
+            b_buf,
+            a_token,
+            b_token,
+            b_md,
+            peer_b: peer_id(1),
+        };
+        let mut rng = Rng::new(43);
+        rng.fill(&mut p.a_buf.0);
+        let all = range(&p, 0, 0, 1 << 16);
+        run_ok(&mut p, &[post(1, Op::Write, &[all], None)]);
+        assert!(p.a_buf.0 == p.b_buf.0, "[{transports}] bytes differ");
     }
 }

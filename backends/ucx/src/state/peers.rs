@@ -60,6 +60,10 @@ pub(super) struct PeerState {
     /// Whether the endpoint's full `ucp_ep_print_info` was logged (at debug level) for
     /// its first VRAM request: which lanes GPU memory takes (`cuda_ipc` or not).
     pub(super) vram_logged: bool,
+    /// The flush issued on a new endpoint at load (`connect_on_load`) that had not
+    /// completed when the load returned: its completion means the wireup is done.
+    /// Waited for (bounded) before the endpoint closes; null when none.
+    pub(super) wireup: *mut c_void,
 }
 
 /// A peer region's rkey, unpacked on its endpoint.
@@ -72,6 +76,15 @@ pub(super) struct RemoteKey {
     /// peer over shared memory, 4 KiB x 1024 WRITE: 20.4 GB/s as puts, 5.1 batched).
     pub(super) mapped: bool,
 }
+
+/// Longest a load waits for a new endpoint's wireup (`connect_on_load`); on loopback,
+/// with the peer progressing, it took 1–4 ms (UCX 1.13). A peer that has not answered
+/// by then (it is busy, or not progressing, as two agents on one thread) finishes in the
+/// background, with the first request or the progress thread.
+const LOAD_WIREUP_WAIT: Duration = Duration::from_millis(5);
+
+/// Longest an endpoint's close waits for a wireup the load left running.
+const CLOSE_WIREUP_WAIT: Duration = Duration::from_millis(50);
 
 impl Core {
     pub(crate) fn load_remote(
@@ -126,6 +139,7 @@ impl Core {
                 am_all: false,
                 tcp_remotes: Vec::new(),
                 vram_logged: false,
+                wireup: ptr::null_mut(),
             },
         );
         self.prepare_on_load(peer);
@@ -165,17 +179,86 @@ impl Core {
                 refused += 1;
             }
         }
+        let worker = self.peers[&peer].worker;
+        let wired = self.finish_wireup(peer, ep, worker);
         log::debug!(
-            "UCX: peer '{}' loaded: endpoint made, {} rkey(s) unpacked, {refused} refused",
+            "UCX: peer '{}' loaded: endpoint made{}, {} rkey(s) unpacked, {refused} refused",
             self.peers[&peer].name,
+            if wired {
+                " and wired up"
+            } else {
+                " (wireup still running)"
+            },
             todo.len() - refused
         );
+    }
+
+    /// Flush a new endpoint and progress its worker until the flush completes (its
+    /// wireup is done) or [`LOAD_WIREUP_WAIT`] passed; a flush still running then is
+    /// kept in the peer's state ([`Core::settle_wireup`] waits for it before the
+    /// endpoint closes). Returns whether the wireup completed. Besides sparing the first
+    /// request the round trip, this keeps an endpoint from closing mid-wireup when its
+    /// agent goes away right after the load: UCX 1.13's tcp transport then aborts the
+    /// *peer's* process on an assertion (`ucp_request_send_state_ff`: "got REP message",
+    /// seen with Debian's 1.13.1).
+    fn finish_wireup(&mut self, peer: PeerId, ep: ucp_ep_h, worker: usize) -> bool {
+        let api = self.ucp.api();
+        let param = request_param();
+        // SAFETY: ep is live (just made); without a callback the request is only polled
+        // and freed by us, once (here or in `settle_wireup`).
+        let request = unsafe { api.ucp_ep_flush_nbx(ep, &param) };
+        if !ucs_ptr_is_ptr(request) {
+            return ucs_ptr_status(request).is_ok();
+        }
+        let handle = self.workers[worker].handle;
+        let deadline = Instant::now() + LOAD_WIREUP_WAIT;
+        loop {
+            // SAFETY: worker live; request is our flush request, not freed yet.
+            let status = unsafe {
+                api.ucp_worker_progress(handle);
+                api.ucp_request_check_status(request)
+            };
+            if status != ucs_status_t::UCS_INPROGRESS {
+                // SAFETY: our request, completed; freed once.
+                unsafe { api.ucp_request_free(request) };
+                return status.is_ok();
+            }
+            if Instant::now() >= deadline {
+                self.peers.get_mut(&peer).expect("present").wireup = request;
+                return false;
+            }
+        }
+    }
+
+    /// Before the endpoint to `peer` closes: wait (bounded by [`CLOSE_WIREUP_WAIT`]) for
+    /// a wireup flush the load left running, then free it. Only an endpoint no request
+    /// has used since the load still has one (`peer_ep` lets go of it otherwise).
+    fn settle_wireup(&mut self, peer: PeerId) {
+        let Some(state) = self.peers.get_mut(&peer) else {
+            return;
+        };
+        let request = std::mem::replace(&mut state.wireup, ptr::null_mut());
+        if request.is_null() {
+            return;
+        }
+        let api = self.ucp.api();
+        let handle = self.workers[state.worker].handle;
+        let deadline = Instant::now() + CLOSE_WIREUP_WAIT;
+        // SAFETY (both blocks): worker live; request is our flush request, freed once
+        // below (UCX releases one still in progress when it completes or is canceled).
+        while unsafe { api.ucp_request_check_status(request) } == ucs_status_t::UCS_INPROGRESS
+            && Instant::now() < deadline
+        {
+            unsafe { api.ucp_worker_progress(handle) };
+        }
+        unsafe { api.ucp_request_free(request) };
     }
 
     /// Close the peer's endpoint (UCX cancels its in-flight requests, whose callbacks
     /// then report them) and release its rkeys and error-handler argument once UCX
     /// confirmed the close (at once, or later from the graveyard).
     pub(super) fn teardown_peer(&mut self, peer: PeerId) {
+        self.settle_wireup(peer);
         let Some(state) = self.peers.get(&peer) else {
             return;
         };
@@ -369,7 +452,19 @@ impl Core {
             });
         }
         if !state.ep.is_null() {
-            return Ok((state.ep, state.worker));
+            let (ep, worker) = (state.ep, state.worker);
+            if !state.wireup.is_null() {
+                // A request now follows the load's wireup flush on this endpoint (and
+                // completes only after it): stop tracking that flush.
+                let request = std::mem::replace(
+                    &mut self.peers.get_mut(&peer).expect("present").wireup,
+                    ptr::null_mut(),
+                );
+                // SAFETY: our flush request, freed once; UCX releases it when it
+                // completes if it has not yet.
+                unsafe { self.ucp.api().ucp_request_free(request) };
+            }
+            return Ok((ep, worker));
         }
         let worker = state.worker;
         // A fresh link per endpoint: the link of an earlier endpoint may still be in the
