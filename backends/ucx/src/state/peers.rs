@@ -244,13 +244,17 @@ impl Core {
         let api = self.ucp.api();
         let handle = self.workers[state.worker].handle;
         let deadline = Instant::now() + CLOSE_WIREUP_WAIT;
-        // SAFETY (both blocks): worker live; request is our flush request, freed once
-        // below (UCX releases one still in progress when it completes or is canceled).
-        while unsafe { api.ucp_request_check_status(request) } == ucs_status_t::UCS_INPROGRESS
-            && Instant::now() < deadline
-        {
+        loop {
+            // SAFETY: request is our flush request, not freed yet.
+            let status = unsafe { api.ucp_request_check_status(request) };
+            if status != ucs_status_t::UCS_INPROGRESS || Instant::now() >= deadline {
+                break;
+            }
+            // SAFETY: the worker is live (the backend's).
             unsafe { api.ucp_worker_progress(handle) };
         }
+        // SAFETY: our request, freed once; UCX releases one still in progress when it
+        // completes or the endpoint's close cancels it.
         unsafe { api.ucp_request_free(request) };
     }
 
