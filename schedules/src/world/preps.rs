@@ -95,10 +95,9 @@ impl<'a> EntriesView<'a> {
                 addr: 0,
                 left: 0,
                 stride: 0,
-                entry: PrepEntry {
-                    desc: Desc::new(0, 0, 0),
-                    target: 0,
-                },
+                len: 0,
+                dev: 0,
+                target: 0,
             },
         }
     }
@@ -109,13 +108,18 @@ impl<'a> EntriesView<'a> {
 pub(crate) enum EntryIter<'a> {
     /// A plain list's stored entries.
     Plain(std::slice::Iter<'a, PrepEntry>),
-    /// Runs: the one being walked (`left` entries to go, the next at `addr`).
+    /// Runs: the one being walked (`left` entries to go, the next at `addr`). Its
+    /// fields are kept apart, not as a `PrepEntry` updated in place and copied out:
+    /// that copy read back 16 bytes written as two 8-byte halves, a store-forwarding
+    /// stall per descriptor (88 % of a 64 × 1,024 strided `make` over UCX in `perf`).
     Runs {
         runs: std::slice::Iter<'a, PrepRun>,
         addr: u64,
         left: u64,
         stride: u64,
-        entry: PrepEntry,
+        len: u64,
+        dev: u64,
+        target: u64,
     },
 }
 
@@ -131,21 +135,26 @@ impl Iterator for EntryIter<'_> {
                 addr,
                 left,
                 stride,
-                entry,
+                len,
+                dev,
+                target,
             } => {
                 if *left == 0 {
                     let r = runs.next()?;
                     *addr = r.run.base;
                     *left = r.run.count;
                     *stride = r.run.stride;
-                    entry.desc.len = r.run.len;
-                    entry.desc.dev = r.run.dev;
-                    entry.target = r.target;
+                    *len = r.run.len;
+                    *dev = r.run.dev;
+                    *target = r.target;
                 }
-                entry.desc.addr = *addr;
-                *addr = addr.wrapping_add(*stride);
+                let at = *addr;
+                *addr = at.wrapping_add(*stride);
                 *left -= 1;
-                Some(*entry)
+                Some(PrepEntry {
+                    desc: Desc::new(at, *len, *dev),
+                    target: *target,
+                })
             }
         }
     }
