@@ -8,10 +8,11 @@
 //!   and talks to the remote worker with the same index (modulo the peer's count).
 //! - **Registration** (DRAM) = `ucp_mem_map`; the token names the mapping in a
 //!   generational table; the public metadata is the packed rkey.
-//! - **Peers**: a peer's endpoint is created when its metadata is loaded, and the
-//!   packed rkeys of the regions it lists are unpacked on it then (`connect_on_load`,
-//!   the default, as NIXL does: the first request pays no wireup); with
-//!   `connect_on_load=false` both wait for the first use (or [`Backend::connect`]).
+//! - **Peers**: a peer's endpoint is created, and its wireup waited for (up to 5 ms),
+//!   when its metadata is loaded (`connect_on_load`, the default: the first request
+//!   pays no wireup); with `unpack_on_load` the packed rkeys of the regions it lists are
+//!   unpacked then too, else on first use; with `connect_on_load=false` everything
+//!   waits for the first use (or [`Backend::connect`]).
 //!   Error handling is `peer` by default; rkeys are cached per region token until the
 //!   peer is unloaded, reloaded with new connection info, or reported dead.
 //! - **Posting** a batch issues one put/get per merged range on the batch's endpoint,
@@ -133,9 +134,17 @@ pub const PARAMS: &[ParamSpec] = &[
     ParamSpec {
         name: "connect_on_load",
         default: "true",
-        doc: "when a peer's metadata is loaded, create its endpoint and unpack the rkeys of \
-              its regions then (as NIXL does), so the first request pays no wireup; false = \
-              on first use (a peer that is loaded but never used costs no connection)",
+        doc: "when a peer's metadata is loaded, create its endpoint and wait up to 5 ms for \
+              its wireup (NIXL also connects at load), so the first request pays none; \
+              false = on first use (a peer that is loaded but never used costs no connection)",
+    },
+    ParamSpec {
+        name: "unpack_on_load",
+        default: "false",
+        doc: "with connect_on_load, also unpack the rkeys of every region the peer lists at \
+              load (as NIXL does); off by default because an unpacked rkey of a peer's \
+              UCX-allocated (shared-memory) region keeps that segment mapped here until the \
+              peer is unloaded, used or not",
     },
     ParamSpec {
         name: "chunk_bytes",
@@ -322,8 +331,10 @@ pub struct Config {
     pub library: Option<PathBuf>,
     /// Whether to run a progress thread.
     pub progress_thread: bool,
-    /// Whether loading a peer's metadata creates its endpoint and unpacks its rkeys.
+    /// Whether loading a peer's metadata creates its endpoint (and waits for its wireup).
     pub connect_on_load: bool,
+    /// Whether it also unpacks the rkeys of the peer's regions.
+    pub unpack_on_load: bool,
     /// Requests in flight at once.
     pub max_requests: usize,
     /// How long a peer's requests may make no progress before the peer is declared
@@ -471,6 +482,11 @@ impl Config {
             "false" | "0" | "no" => false,
             _ => return Err(bad("connect_on_load", "expected true or false")),
         };
+        let unpack_on_load = match get("unpack_on_load") {
+            "true" | "1" | "yes" => true,
+            "false" | "0" | "no" => false,
+            _ => return Err(bad("unpack_on_load", "expected true or false")),
+        };
         let max_requests: usize = get("max_requests")
             .parse()
             .ok()
@@ -609,6 +625,7 @@ impl Config {
             library,
             progress_thread,
             connect_on_load,
+            unpack_on_load,
             max_requests,
             peer_timeout,
         })

@@ -913,11 +913,11 @@ fn a_small_post_window_hands_batches_over_in_pieces_byte_for_byte() {
     }
 }
 
-/// `connect_on_load` (the default): loading a peer makes its endpoint and unpacks the
-/// rkeys of the regions it lists, so the first request pays no wireup; an rkey UCX
-/// refuses does not fail the load and is reported by the first request that needs it;
-/// a reload with new regions unpacks only those. With `connect_on_load=false` nothing
-/// happens until the first request.
+/// `connect_on_load` (the default): loading a peer makes its endpoint; with
+/// `unpack_on_load` it also unpacks the rkeys of the regions it lists, an rkey UCX
+/// refuses does not fail the load and is reported by the first request that needs it,
+/// and a reload with new regions unpacks only those. With `connect_on_load=false`
+/// nothing happens until the first request.
 #[test]
 fn loading_a_peer_connects_and_unpacks_its_rkeys_unless_told_not_to() {
     if !setup() {
@@ -925,9 +925,14 @@ fn loading_a_peer_connects_and_unpacks_its_rkeys_unless_told_not_to() {
     }
     const LEN: usize = 1 << 16;
     for &transports in TRANSPORTS {
-        for eager in [true, false] {
-            let flag = if eager { "true" } else { "false" };
-            let mut a = backend("agent-a", transports, &[("connect_on_load", flag)]);
+        // (connect_on_load, unpack_on_load)
+        for (connect, unpack) in [(true, true), (true, false), (false, false)] {
+            let flag = format!("connect {connect}, unpack {unpack}");
+            let params = [
+                ("connect_on_load", if connect { "true" } else { "false" }),
+                ("unpack_on_load", if unpack { "true" } else { "false" }),
+            ];
+            let mut a = backend("agent-a", transports, &params);
             let mut b = backend("agent-b", transports, &[]);
             let a_buf = Buffer::new(LEN);
             let b_buf = Buffer::new(LEN);
@@ -956,7 +961,7 @@ fn loading_a_peer_connects_and_unpacks_its_rkeys_unless_told_not_to() {
             };
             a.load_remote(peer, remote(&regions))
                 .expect("a bad rkey does not fail the load");
-            let expect = if eager { (true, 1) } else { (false, 0) };
+            let expect = (connect, if unpack { 1 } else { 0 });
             assert_eq!(
                 a.peer_connection(peer),
                 Some(expect),
@@ -967,7 +972,7 @@ fn loading_a_peer_connects_and_unpacks_its_rkeys_unless_told_not_to() {
             regions.md.insert(extra_token, extra_md);
             regions.descs.insert(extra_token, desc(&extra));
             a.load_remote(peer, remote(&regions)).expect("reload");
-            let expect = if eager { (true, 2) } else { (false, 0) };
+            let expect = (connect, if unpack { 2 } else { 0 });
             assert_eq!(
                 a.peer_connection(peer),
                 Some(expect),

@@ -144,8 +144,10 @@ pub(crate) struct Core {
     close_rounds: u32,
     /// Close endpoints with `UCP_EP_CLOSE_FLAG_FORCE` (else flush first).
     close_force: bool,
-    /// Create a peer's endpoint and unpack its rkeys when its metadata is loaded.
+    /// Create a peer's endpoint when its metadata is loaded.
     connect_on_load: bool,
+    /// And unpack its regions' rkeys then.
+    unpack_on_load: bool,
     /// Completions produced outside a `post` call (callbacks, progress thread).
     pub(crate) ready: Completions,
     /// Largest single put/get; longer ranges are split.
@@ -350,6 +352,7 @@ impl Core {
             close_rounds: config.close_rounds,
             close_force: config.close_force,
             connect_on_load: config.connect_on_load,
+            unpack_on_load: config.unpack_on_load,
             deadline: Deadline::new(config.peer_timeout),
             vram: VramState::new(&ucp, context, config.vmm_spanning),
         };

@@ -146,11 +146,12 @@ impl Core {
         Ok(())
     }
 
-    /// With `connect_on_load`: make the endpoint to a just-loaded peer and unpack the
-    /// rkeys of its regions not unpacked yet, so its first request costs what the second
-    /// does. Nothing here fails the load: an endpoint that cannot be made, or an rkey
-    /// UCX refuses, is tried again by the first request that needs it, which reports
-    /// the error then (as without `connect_on_load`).
+    /// With `connect_on_load`: make the endpoint to a just-loaded peer (and with
+    /// `unpack_on_load` unpack the rkeys of its regions not unpacked yet) and wait a
+    /// little for its wireup, so its first request costs what the second does. Nothing
+    /// here fails the load: an endpoint that cannot be made, or an rkey UCX refuses, is
+    /// tried again by the first request that needs it, which reports the error then (as
+    /// without `connect_on_load`).
     fn prepare_on_load(&mut self, peer: PeerId) {
         if !self.connect_on_load {
             return;
@@ -165,7 +166,11 @@ impl Core {
         let state = &self.peers[&peer];
         let regions = state.regions.clone();
         let mut todo = Vec::new();
+        let unpack = self.unpack_on_load;
         regions.for_each_region(crate::BACKEND, &mut |token, desc, _| {
+            if !unpack {
+                return;
+            }
             if !state.rkeys.contains_key(&token) {
                 todo.push((token, desc.addr));
             }
