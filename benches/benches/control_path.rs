@@ -208,26 +208,8 @@ fn kv_layers(c: &mut Criterion, agent: &dyn Fn(&str) -> Agent) {
     let peer = a
         .load_remote_md(&b.local_md().expect("md b"))
         .expect("load b");
-    let mut layers: Vec<u64> = (0..LAYERS).collect();
-    rng.shuffle(&mut layers);
-    let local_runs: Vec<StridedDesc> = (0..LAYERS)
-        .map(|l| {
-            StridedDesc::new(
-                src.whole().addr + l * BLOCKS * BLOCK,
-                BLOCKS,
-                BLOCK,
-                BLOCK,
-                0,
-            )
-        })
-        .collect();
-    let remote_runs: Vec<StridedDesc> = layers
-        .iter()
-        .map(|&l| {
-            let base = dst.whole().addr + l * BLOCKS * 2 * BLOCK;
-            StridedDesc::new(base, BLOCKS, 2 * BLOCK, BLOCK, 0)
-        })
-        .collect();
+    let (local_runs, remote_runs) =
+        ferry_tests::kv_layer_runs(&src, &dst, (LAYERS, BLOCKS, BLOCK), &mut rng);
     let plain =
         |runs: &[StridedDesc]| -> Vec<Desc> { runs.iter().flat_map(|r| r.descs()).collect() };
     let (local, remote) = (plain(&local_runs), plain(&remote_runs));

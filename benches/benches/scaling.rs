@@ -304,31 +304,8 @@ fn strided(c: &mut Criterion) {
     let src = Buffer::random((LAYERS * BLOCKS * BLOCK) as usize, &mut rng);
     let dst = Buffer::zeroed((LAYERS * BLOCKS * 2 * BLOCK) as usize);
     let p = pair(&src, &dst);
-    let mut layers: Vec<u64> = (0..LAYERS).collect();
-    rng.shuffle(&mut layers);
-    let local_runs: Vec<StridedDesc> = (0..LAYERS)
-        .map(|l| {
-            StridedDesc::new(
-                src.whole().addr + l * BLOCKS * BLOCK,
-                BLOCKS,
-                BLOCK,
-                BLOCK,
-                0,
-            )
-        })
-        .collect();
-    let remote_runs: Vec<StridedDesc> = layers
-        .iter()
-        .map(|&l| {
-            StridedDesc::new(
-                dst.whole().addr + l * BLOCKS * 2 * BLOCK,
-                BLOCKS,
-                2 * BLOCK,
-                BLOCK,
-                0,
-            )
-        })
-        .collect();
+    let (local_runs, remote_runs) =
+        ferry_tests::kv_layer_runs(&src, &dst, (LAYERS, BLOCKS, BLOCK), &mut rng);
     let plain =
         |runs: &[StridedDesc]| -> Vec<Desc> { runs.iter().flat_map(|r| r.descs()).collect() };
     let (local, remote) = (plain(&local_runs), plain(&remote_runs));

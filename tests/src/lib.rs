@@ -194,3 +194,35 @@ pub fn write_once(
     agent.release(x).expect("release a request after its post");
     status
 }
+
+/// One KV cache's layers as strided runs, as the strided benchmarks use them: `layers`
+/// layers of `blocks` blocks of `block` bytes, side by side in `src` (local runs, in
+/// layer order) and `2 × block` apart in `dst` (remote runs, layers in shuffled order).
+pub fn kv_layer_runs(
+    src: &Buffer,
+    dst: &Buffer,
+    (layers, blocks, block): (u64, u64, u64),
+    rng: &mut Rng,
+) -> (Vec<ferry::StridedDesc>, Vec<ferry::StridedDesc>) {
+    let mut order: Vec<u64> = (0..layers).collect();
+    rng.shuffle(&mut order);
+    let local = (0..layers)
+        .map(|l| {
+            ferry::StridedDesc::new(
+                src.whole().addr + l * blocks * block,
+                blocks,
+                block,
+                block,
+                0,
+            )
+        })
+        .collect();
+    let remote = order
+        .iter()
+        .map(|&l| {
+            let base = dst.whole().addr + l * blocks * 2 * block;
+            ferry::StridedDesc::new(base, blocks, 2 * block, block, 0)
+        })
+        .collect();
+    (local, remote)
+}

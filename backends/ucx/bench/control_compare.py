@@ -54,20 +54,26 @@ def env():
     return e
 
 
+def criterion(bench, seconds, home, pattern):
+    """One run of Ferry's control_path bench on CPU 0, its estimates under `home`."""
+    e = env()
+    e["CRITERION_HOME"] = home
+    cmd = [
+        "taskset", "-c", "0", bench, "--bench", "--noplot",
+        "--warm-up-time", "1", "--measurement-time", str(seconds), pattern,
+    ]
+    run = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=900)
+    if run.returncode != 0:
+        print(run.stdout[-2000:], run.stderr[-2000:], file=sys.stderr)
+        raise SystemExit("Ferry's control_path bench failed")
+    return run
+
+
 def run_ferry(bench, seconds):
     """{(backend, count, layout): ns/desc} from one criterion run of the create cases."""
     with tempfile.TemporaryDirectory(prefix="ferry-control-") as home:
-        e = env()
-        e["CRITERION_HOME"] = home
-        cmd = [
-            "taskset", "-c", "0", bench, "--bench", "--noplot",
-            "--warm-up-time", "1", "--measurement-time", str(seconds),
-            r"^control_path(/ucx)?/create/(contiguous|shuffled)/(1024|16384)$",
-        ]
-        run = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=900)
-        if run.returncode != 0:
-            print(run.stdout[-2000:], run.stderr[-2000:], file=sys.stderr)
-            raise SystemExit("Ferry's control_path bench failed")
+        run = criterion(bench, seconds, home,
+                        r"^control_path(/ucx)?/create/(contiguous|shuffled)/(1024|16384)$")
         found = {}
         for group, backend in (("control_path", "loopback"), ("control_path_ucx", "UCX")):
             for count in COUNTS:
@@ -90,17 +96,8 @@ KV_CASES = ("plain", "strided")
 def run_ferry_kv(bench, seconds):
     """{case: µs per transfer} from one criterion run of the kv_layers cases."""
     with tempfile.TemporaryDirectory(prefix="ferry-control-") as home:
-        e = env()
-        e["CRITERION_HOME"] = home
-        cmd = [
-            "taskset", "-c", "0", bench, "--bench", "--noplot",
-            "--warm-up-time", "1", "--measurement-time", str(seconds),
-            rf"^control_path/ucx/kv_layers/(plain|strided)/{KV_COUNT}$",
-        ]
-        run = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=900)
-        if run.returncode != 0:
-            print(run.stdout[-2000:], run.stderr[-2000:], file=sys.stderr)
-            raise SystemExit("Ferry's control_path bench failed")
+        run = criterion(bench, seconds, home,
+                        rf"^control_path/ucx/kv_layers/(plain|strided)/{KV_COUNT}$")
         found = {}
         for case in KV_CASES:
             path = os.path.join(home, "control_path_ucx", f"kv_layers_{case}", str(KV_COUNT),

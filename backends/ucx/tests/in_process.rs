@@ -1046,47 +1046,18 @@ fn agents_that_load_a_peer_and_go_away_at_once_leave_it_serving() {
         return;
     }
     for &transports in TRANSPORTS {
-        let mut b = backend("agent-b", transports, &[("progress_thread", "true")]);
-        let b_buf = Buffer::new(1 << 16);
-        let (b_token, b_md) = register(&mut b, &b_buf);
+        let mut p = pair_with(transports, 1 << 16, &[], &[("progress_thread", "true")]);
         for round in 0..40u32 {
-            let mut a = backend("agent-a", transports, &[]);
+            let mut gone = backend("agent-gone", transports, &[]);
+            let b_region = [(p.b_token, p.b_md.clone())];
             load(
-                &mut a,
+                &mut gone,
                 peer_id(round),
                 "agent-b",
-                &b.conn_info(),
-                &[(b_token, b_md.clone())],
+                &p.b.conn_info(),
+                &b_region,
             );
-            drop(a);
         }
-        let mut a = backend("agent-a", transports, &[]);
-        let a_buf = Buffer::new(1 << 16);
-        let (a_token, a_md) = register(&mut a, &a_buf);
-        load(
-            &mut a,
-            peer_id(1),
-            "agent-b",
-            &b.conn_info(),
-            &[(b_token, b_md.clone())],
-        );
-        load(
-            &mut b,
-            peer_id(1),
-            "agent-a",
-            &a.conn_info(),
-            &[(a_token, a_md)],
-        );
-        let mut p = Pair {
-            a,
-            b,
-            a_buf,
-            b_buf,
-            a_token,
-            b_token,
-            b_md,
-            peer_b: peer_id(1),
-        };
         let mut rng = Rng::new(43);
         rng.fill(&mut p.a_buf.0);
         let all = range(&p, 0, 0, 1 << 16);

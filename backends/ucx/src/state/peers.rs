@@ -166,15 +166,13 @@ impl Core {
         let state = &self.peers[&peer];
         let regions = state.regions.clone();
         let mut todo = Vec::new();
-        let unpack = self.unpack_on_load;
-        regions.for_each_region(crate::BACKEND, &mut |token, desc, _| {
-            if !unpack {
-                return;
-            }
-            if !state.rkeys.contains_key(&token) {
-                todo.push((token, desc.addr));
-            }
-        });
+        if self.unpack_on_load {
+            regions.for_each_region(crate::BACKEND, &mut |token, desc, _| {
+                if !state.rkeys.contains_key(&token) {
+                    todo.push((token, desc.addr));
+                }
+            });
+        }
         let mut refused = 0usize;
         for &(token, addr) in &todo {
             if let Err(e) = self.rkey_for(Endpoint::Peer(peer), ep, token, addr) {
