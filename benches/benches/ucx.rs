@@ -24,6 +24,9 @@
 //! default 0); a CUDA-capable UCX through `FERRY_BENCH_UCX_PARAMS=ucx_library=PATH`.
 //! Without the feature, the driver or the device it exits with the reason (status 1).
 //!
+//! `FERRY_BENCH_UCX_MEMCPY=1` instead times `memcpy` of each case's ranges in this
+//! process (the single-copy limit the shared-memory rows are held to), no UCX.
+//!
 //! `FERRY_BENCH_UCX_METADATA=15000` instead measures the metadata of that many
 //! UCX-registered regions (blob bytes, `local_md` and `load_remote_md` medians).
 
@@ -50,6 +53,35 @@ fn metadata(count: &str) {
         Err(e) => {
             eprintln!("metadata benchmark: {e}");
             std::process::exit(1);
+        }
+    }
+}
+
+/// `FERRY_BENCH_UCX_MEMCPY=1`: instead of transfers, the single-copy limit of every case
+/// of `config` (`ferry_benches::ucx::memcpy_limit`), one `MEMCPY` line each.
+fn memcpy_limits(config: &Config) {
+    for &block in &config.blocks {
+        for &batch in &config.batches {
+            for &shuffled in &config.orders {
+                let order = if shuffled { "shuffled" } else { "contiguous" };
+                match ferry_benches::ucx::memcpy_limit(
+                    block,
+                    batch,
+                    shuffled,
+                    config.case_time,
+                    config.max_iters,
+                ) {
+                    Ok(median) => println!(
+                        "MEMCPY block {block} B × {batch} {order} median {:.1} µs {:.2} GB/s",
+                        median.as_secs_f64() * 1e6,
+                        (block * batch) as f64 / median.as_secs_f64() / 1e9
+                    ),
+                    Err(e) => {
+                        eprintln!("memcpy limit: {e}");
+                        std::process::exit(1);
+                    }
+                }
+            }
         }
     }
 }
@@ -179,6 +211,10 @@ fn main() {
         }
         if let Some(batches) = list("FERRY_BENCH_UCX_BATCHES") {
             config.batches = batches;
+        }
+        if std::env::var("FERRY_BENCH_UCX_MEMCPY").is_ok_and(|v| v == "1") {
+            memcpy_limits(&config);
+            return;
         }
         println!(
             "== UCX benchmark, variant {name}: {params:?}, {initiator_mem} -> {target_mem}, {alloc}"

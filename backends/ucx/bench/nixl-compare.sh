@@ -17,13 +17,25 @@
 # (NIXL's agent progress threads are turned off; both targets progress in a loop).
 # Also the metadata of 15,000 UCX-registered regions (blob bytes, encode, load into a
 # fresh agent): FERRY_BENCH_UCX_METADATA beside nixl_md.py; then control-compare.sh
-# (CONTROL=0 skips it) and perftest-compare.sh (PERFTEST=0 skips it).
+# (CONTROL=0 skips it) and perftest-compare.sh (PERFTEST=0 skips it). Each 1 MiB row
+# also gets its link's limit in the same rounds: iperf3 on tcp, memcpy on shared memory.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../../.." && pwd)"
 # shellcheck source=nixl-venv.sh
 . "$here/nixl-venv.sh"
 
+# The tcp rows' limit is one plain TCP stream (iperf3, a Debian package).
+if ! command -v iperf3 >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iperf3 \
+      >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -qq --no-install-recommends iperf3 >/dev/null; }
+  else
+    echo "iperf3 not found: install the Debian package 'iperf3'" >&2
+    exit 1
+  fi
+fi
 bench="$(cd "$root" && cargo bench -p ferry-benches --bench ucx --no-run 2>&1 \
   | sed -n 's/.*Executable benches\/ucx.rs (\(.*\))/\1/p' | tail -1)"
 [ -n "$bench" ] || { echo "could not build the UCX benchmark" >&2; exit 1; }

@@ -3,21 +3,31 @@
 
 Started by nixl-compare.sh, which provides the NIXL venv, the wheel's libucp (exported
 as FERRY_UCX_LIBRARY, so Ferry's benchmark loads it and nothing else) and Ferry's UCX
-benchmark binary. Rounds are interleaved (Ferry then NIXL, then NIXL then Ferry, ...);
+benchmark binary. Rounds are interleaved (Ferry, NIXL, limit, then limit, NIXL, Ferry, ...);
 both sides run each case for the same time (--seconds) with the same request cap
 (--max-iters, default none) from 2 MiB-aligned buffers;
 each figure is the median of the rounds, with the range. On both sides the initiator
 runs on CPU 0 and the target on CPU 1 (two busy-polling processes on a shared machine
 otherwise fall into a slow mode whenever they share a core).
 
+Beside the two, each 1 MiB row gets the limit of its link, measured in the same rounds:
+on tcp what one plain TCP stream carries on the same loopback (iperf3, client on CPU 0,
+server on CPU 1, 1 MiB writes; READ rows with -R, the server sending), on shared memory
+the single-copy limit (memcpy of the same ranges in one process, Ferry's benchmark with
+FERRY_BENCH_UCX_MEMCPY=1). "Ferry ÷ limit" is the share of it Ferry reaches.
+
     nixl_compare.py --ferry-bench PATH --python VENV_PYTHON [--rounds 3]
 """
 import argparse
 import os
+import json
 import re
+import shutil
+import socket
 import statistics
 import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -50,6 +60,7 @@ FERRY_LINE = re.compile(
     r"^(WRITE|READ)\s+block\s+(\d+)\s+(B|KiB|MiB)\s+×\s+(\d+)\s+(shuffled|contiguous)\s+"
     r"merged\s+\d+\s+median\s+([\d.]+)\s+µs"
 )
+MEMCPY_LINE = re.compile(r"^MEMCPY block (\d+) B × (\d+) \w+ median ([\d.]+) µs")
 NIXL_LINE = re.compile(r"^NIXL (WRITE|READ) (\d+) B x (\d+) .*median ([\d.]+) us")
 MD_LINE = re.compile(
     r"^(?:NIXL )?METADATA regions (\d+) bytes (\d+) encode median ([\d.]+) (?:µs|us) "
@@ -126,6 +137,65 @@ def run_nixl(python, variant, block, count, op, seconds, max_iters):
     return None
 
 
+def run_memcpy(bench, block, count, seconds):
+    """Median µs per request of memcpy of the same ranges (the single-copy limit)."""
+    env = dict(os.environ)
+    env.update({
+        "FERRY_BENCH_UCX_MEMCPY": "1",
+        "FERRY_BENCH_UCX_BLOCKS": str(block),
+        "FERRY_BENCH_UCX_BATCHES": str(count),
+        "FERRY_BENCH_UCX_ORDER": "shuffled",
+        "FERRY_BENCH_UCX_CASE_MS": str(int(seconds * 1000)),
+    })
+    out = subprocess.run(
+        ["taskset", "-c", "0", bench], env=env, capture_output=True, text=True, timeout=600
+    ).stdout
+    for line in out.splitlines():
+        m = MEMCPY_LINE.match(line.strip())
+        if m:
+            return float(m.group(3))
+    return None
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_iperf3(block, count, op, seconds):
+    """µs per request of block × count bytes at the rate one iperf3 stream carries on
+    loopback (1 MiB writes; READ = the server sends, -R)."""
+    port = free_port()
+    server = subprocess.Popen(
+        ["taskset", "-c", "1", "iperf3", "-s", "-1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        cmd = ["taskset", "-c", "0", "iperf3", "-c", "127.0.0.1", "-p", str(port),
+               "-t", str(max(1, round(seconds))), "-l", str(min(block, 1 << 20)), "-J"]
+        if op == "READ":
+            cmd.append("-R")
+        for _ in range(50):  # until the server listens
+            run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+            if run.returncode == 0:
+                bps = json.loads(run.stdout)["end"]["sum_received"]["bits_per_second"]
+                return block * count / (bps / 8) * 1e6
+            time.sleep(0.1)
+        print(f"iperf3 {op}: {run.stdout[-300:]}{run.stderr[-300:]}", file=sys.stderr)
+        return None
+    finally:
+        server.kill()
+        server.wait()
+
+
+def run_limit(bench, variant, block, count, op, seconds):
+    if block < 1 << 20:
+        return None
+    if variant == "tcp":
+        return run_iperf3(block, count, op, seconds)
+    return run_memcpy(bench, block, count, seconds)
+
+
 def run_ferry_md(bench):
     """(bytes, encode µs, load µs) of Ferry's metadata for MD_REGIONS UCX regions."""
     env = env_for("shm")
@@ -187,8 +257,11 @@ def main():
             ap.error(f"--only {args.only!r} names none of the rows "
                      f"({', '.join(f'{v}:{b}:{n}' for v, b, n, _ in CASES)})")
 
+    if shutil.which("iperf3") is None:
+        ap.error("iperf3 not found (Debian package iperf3): the tcp rows' limit needs it")
     ferry = {}  # (variant, op, block, count) -> [µs]
     nixl = {}
+    limit = {}
     md = {"Ferry": [], "NIXL": []}  # [(bytes, encode µs, load µs)]
     for r in range(args.rounds):
         md_sides = [("Ferry", lambda: run_ferry_md(args.ferry_bench)),
@@ -216,19 +289,28 @@ def main():
                     if us is not None:
                         nixl.setdefault((variant, op, block, count), []).append(us)
 
-            sides = [ferry_side, nixl_side] if r % 2 == 0 else [nixl_side, ferry_side]
+            def limit_side():
+                for op in ops:
+                    us = run_limit(args.ferry_bench, variant, block, count, op, args.seconds)
+                    if us is not None:
+                        limit.setdefault((variant, op, block, count), []).append(us)
+
+            sides = [ferry_side, nixl_side, limit_side]
+            if r % 2:
+                sides.reverse()
             for side in sides:
                 side()
             print(f"round {r + 1}: {variant} {block} B x {count} done", file=sys.stderr, flush=True)
 
-    print("| workload | Ferry | NIXL | Ferry ÷ NIXL |")
-    print("|---|---|---|---|")
+    print("| workload | Ferry | NIXL | Ferry ÷ NIXL | limit (tcp: iperf3, shm: memcpy) "
+          "| Ferry ÷ limit |")
+    print("|---|---|---|---|---|---|")
     for variant, block, count, ops in cases:
         for op in ops:
             key = (variant, op, block, count)
             cells = []
             values = []
-            for table in (ferry, nixl):
+            for table in (ferry, nixl, limit):
                 times = table.get(key, [])
                 if not times:
                     cells.append("—")
@@ -240,12 +322,17 @@ def main():
                 values.append(med)
                 cells.append(f"{med:.2f} ({figs[0]:.2f}–{figs[-1]:.2f}) {unit}")
             ratio = (
-                f"{values[0] / values[1]:.2f}×" if None not in values and values[1] else "—"
+                f"{values[0] / values[1]:.2f}×"
+                if None not in values[:2] and values[1] else "—"
+            )
+            share = (
+                f"{values[0] / values[2] * 100:.0f} %"
+                if None not in (values[0], values[2]) and values[2] else "—"
             )
             size = f"{block >> 20} MiB" if block >= 1 << 20 else (
                 f"{block >> 10} KiB" if block >= 1024 else f"{block} B")
             name = f"{variant}, {size} × {count} shuffled {op}"
-            print(f"| {name} | {cells[0]} | {cells[1]} | {ratio} |")
+            print(f"| {name} | {cells[0]} | {cells[1]} | {ratio} | {cells[2]} | {share} |")
     if args.only:
         # A focused run: the rounds paired (each round ran both sides back to back).
         for variant, block, count, ops in cases:
@@ -284,7 +371,8 @@ def print_md_rows(md):
             cells.append(fmt.format(med) + rng)
         ratio = (f"{values[1] / values[0]:.2f}× (NIXL ÷ Ferry)"
                  if None not in values and values[0] else "—")
-        print(f"| metadata of {MD_REGIONS:,} UCX regions: {label} | {cells[0]} | {cells[1]} | {ratio} |")
+        print(f"| metadata of {MD_REGIONS:,} UCX regions: {label} | {cells[0]} | {cells[1]} "
+              f"| {ratio} | | |")
 
 
 if __name__ == "__main__":

@@ -239,15 +239,29 @@ impl Core {
         ];
         for (name, value, tuning) in overrides {
             let Some(value) = value else { continue };
+            // UCX 1.23 refuses tcp's segment sizes by their bare names (no transport's
+            // table is searched for them) but takes them with the transport prefix.
+            let fallback = match name.to_bytes() {
+                b"TX_SEG_SIZE" => Some(c"TCP_TX_SEG_SIZE"),
+                b"RX_SEG_SIZE" => Some(c"TCP_RX_SEG_SIZE"),
+                _ => None,
+            };
             let value = std::ffi::CString::new(value.as_str()).map_err(|_| {
                 Error::invalid(
                     Subject::BackendName(BACKEND.into()),
                     "parameter contains NUL",
                 )
             });
-            // SAFETY: config is valid, both strings are NUL-terminated.
-            let status = value.as_ref().map(|value| unsafe {
-                api.ucp_config_modify(ucp_config, name.as_ptr(), value.as_ptr())
+            let modify = |name: &std::ffi::CStr, value: &std::ffi::CString| {
+                // SAFETY: config is valid, both strings are NUL-terminated.
+                unsafe { api.ucp_config_modify(ucp_config, name.as_ptr(), value.as_ptr()) }
+            };
+            let status = value.as_ref().map(|value| {
+                let status = modify(name, value);
+                match fallback {
+                    Some(prefixed) if !status.is_ok() => modify(prefixed, value),
+                    _ => status,
+                }
             });
             match status {
                 Ok(status) if status.is_ok() => {}
