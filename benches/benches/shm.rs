@@ -1,9 +1,9 @@
-//! `cargo bench -p ferry-benches --bench shm`: same-host WRITE, side by side in one run
+//! `cargo bench -p ferry-benches --bench shm`: same-host WRITE and READ, side by side in one run
 //! (see `ferry_benches::shm`): SHM into a peer's shareable memory, SHM into a peer's
 //! ordinary memory (CMA), Ferry's UCX backend (default transports,
-//! `error_handling=none`) between the same two processes, and memcpy between two
-//! mappings of one memfd. Cases: 64 B × 1024, 4 KiB × 1024, 1 MiB × 32, remote order
-//! shuffled. Criterion times each pair; then the contenders run interleaved (bursts
+//! `error_handling=none`) between the same two processes, and memcpy of the same
+//! ranges between the initiator's buffer and a shared mapping. Cases: 64 B × 1024, 4 KiB × 1024, 1 MiB × 1 and 1 MiB × 32,
+//! WRITE and READ, remote order shuffled. Criterion times each pair; then the contenders run interleaved (bursts
 //! of about 20 ms each in turn, `FERRY_BENCH_SHM_INTERLEAVE_S` seconds per case, default 4)
 //! and the table of those medians is printed. `FERRY_BENCH_SHM_TARGET_CPU=N` starts the
 //! target under `taskset -c N`.
@@ -59,8 +59,12 @@ fn main() {
         .sample_size(20)
         .configure_from_args();
     let cases = bench.borrow().cases();
-    for (ci, &(block, batch)) in cases.iter().enumerate() {
-        let mut group = c.benchmark_group(format!("shm/write {block} B x {batch}"));
+    for (ci, &(op, block, batch)) in cases.iter().enumerate() {
+        let op = match op {
+            ferry::Op::Write => "write",
+            ferry::Op::Read => "read",
+        };
+        let mut group = c.benchmark_group(format!("shm/{op} {block} B x {batch}"));
         group.throughput(Throughput::Elements(batch as u64));
         for who in Contender::ALL {
             group.bench_function(who.name(), |b| {

@@ -2,8 +2,8 @@
 //! shareable memory (mapped segment, one memcpy per range), the SHM backend into a
 //! peer's ordinary memory (batched `process_vm_writev`), Ferry's UCX backend (default
 //! transports: shared memory / CMA, `error_handling=none`) between the same two
-//! processes, and the raw limit: `memcpy` between two mappings of one memfd in one
-//! process, with the same ranges.
+//! processes, and the raw limit: `memcpy` of the same ranges between the initiator's
+//! buffer and a shared mapping (a memfd), in one process.
 //!
 //! The initiator (this process) spawns a target (the same binary, told its role by
 //! [`TARGET_ENV`]) that owns two agents — one with SHM, one with UCX — and registers a
@@ -32,8 +32,18 @@ pub const TARGET_ENV: &str = "FERRY_BENCH_SHM_TARGET";
 /// Bytes of each buffer.
 pub const BUFFER_LEN: usize = 64 << 20;
 
-/// The cases: (block bytes, descriptors per request). Remote order is shuffled.
-pub const CASES: &[(usize, usize)] = &[(64, 1024), (4 << 10, 1024), (1 << 20, 32)];
+/// The cases: (operation, block bytes, descriptors per request). Remote order is
+/// shuffled.
+pub const CASES: &[(Op, usize, usize)] = &[
+    (Op::Write, 64, 1024),
+    (Op::Write, 4 << 10, 1024),
+    (Op::Write, 1 << 20, 1),
+    (Op::Write, 1 << 20, 32),
+    (Op::Read, 64, 1024),
+    (Op::Read, 4 << 10, 1024),
+    (Op::Read, 1 << 20, 1),
+    (Op::Read, 1 << 20, 32),
+];
 
 /// Who moves the bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,7 +54,7 @@ pub enum Contender {
     ShmCma,
     /// Ferry's UCX backend, default transports, `error_handling=none`.
     Ucx,
-    /// memcpy between two mappings of one memfd, in this process.
+    /// memcpy of the same ranges between the initiator's buffer and a shared mapping, in this process.
     Memcpy,
 }
 
@@ -207,6 +217,7 @@ impl Drop for DoubleMap {
 
 /// One case's requests and ranges.
 struct Case {
+    op: Op,
     block: usize,
     batch: usize,
     /// (source offset, destination offset) per range, for memcpy.
@@ -225,6 +236,8 @@ pub struct Bench {
     shm: Agent,
     ucx: Agent,
     _local: Box<[u8]>,
+    /// `_local`'s bytes (the memcpy contender's local side).
+    local_ptr: *mut u8,
     double: DoubleMap,
     cases: Vec<Case>,
     spinning: bool,
@@ -234,6 +247,7 @@ pub struct Bench {
 
 fn make_lists(
     agent: &Agent,
+    op: Op,
     peer: PeerId,
     local_base: u64,
     remote_base: u64,
@@ -255,7 +269,7 @@ fn make_lists(
     let r = agent.prep(peer, MemKind::Dram, &remote).map_err(err)?;
     preps.push(l);
     preps.push(r);
-    agent.make(Op::Write, l, &[], r, &[], None).map_err(err)
+    agent.make(op, l, &[], r, &[], None).map_err(err)
 }
 
 impl Bench {
@@ -271,7 +285,8 @@ impl Bench {
         let shared_base = u64::from_le_bytes(addrs[..8].try_into().map_err(err)?);
         let ordinary_base = u64::from_le_bytes(addrs[8..16].try_into().map_err(err)?);
         let pid = std::process::id();
-        let local = vec![7u8; BUFFER_LEN].into_boxed_slice();
+        let mut local = vec![7u8; BUFFER_LEN].into_boxed_slice();
+        let local_ptr = local.as_mut_ptr();
         let shm = Agent::new(AgentConfig::named(format!("bench-shm-init-{pid}"))).map_err(err)?;
         shm.create_backend("SHM", &Params::new()).map_err(err)?;
         let ucx = Agent::new(AgentConfig::named(format!("bench-ucx-init-{pid}"))).map_err(err)?;
@@ -285,7 +300,7 @@ impl Bench {
         let ucx_peer = ucx.load_remote_md(&ucx_md).map_err(err)?;
         let mut rng = ferry_testkit::Rng::new(0x5eed_5111);
         let mut cases = Vec::new();
-        for &(block, batch) in CASES {
+        for &(op, block, batch) in CASES {
             let mut slots: Vec<usize> = (0..batch).collect();
             rng.shuffle(&mut slots);
             let offsets: Vec<(usize, usize)> = slots
@@ -297,6 +312,7 @@ impl Bench {
             let base = local.as_ptr() as u64;
             let shm_mapped = make_lists(
                 &shm,
+                op,
                 shm_peer,
                 base,
                 shared_base,
@@ -306,6 +322,7 @@ impl Bench {
             )?;
             let shm_cma = make_lists(
                 &shm,
+                op,
                 shm_peer,
                 base,
                 ordinary_base,
@@ -315,6 +332,7 @@ impl Bench {
             )?;
             let ucx_x = make_lists(
                 &ucx,
+                op,
                 ucx_peer,
                 base,
                 ordinary_base,
@@ -323,6 +341,7 @@ impl Bench {
                 &mut ucx_preps,
             )?;
             cases.push(Case {
+                op,
                 block,
                 batch,
                 offsets,
@@ -338,6 +357,7 @@ impl Bench {
             stream,
             shm,
             ucx,
+            local_ptr,
             _local: local,
             double: DoubleMap::new(2 * BUFFER_LEN)?,
             times: vec![vec![Vec::new(); Contender::ALL.len()]; CASES.len()],
@@ -367,15 +387,20 @@ impl Bench {
             match who {
                 Contender::Memcpy => {
                     for &(s, d) in &c.offsets {
-                        // SAFETY: both ranges lie inside the two mappings (offsets are
-                        // below BUFFER_LEN and the destination is shifted by it in a
-                        // mapping of 2 × BUFFER_LEN); nothing else touches them.
+                        // The local side is the buffer the agents move from and into,
+                        // the remote one the second mapping of the memfd (shared memory,
+                        // as the target's segment); a READ copies the other way.
+                        let (local, remote) = (self.local_ptr, self.double.second);
+                        // SAFETY: both ranges lie inside their buffers (offsets are below
+                        // BUFFER_LEN, the remote side is shifted by it in a mapping of
+                        // 2 × BUFFER_LEN); no transfer runs meanwhile (same thread).
                         unsafe {
-                            std::ptr::copy_nonoverlapping(
-                                self.double.first.add(s),
-                                self.double.second.add(BUFFER_LEN + d),
-                                c.block,
-                            )
+                            let (l, r) = (local.add(s), remote.add(BUFFER_LEN + d));
+                            let (from, to) = match c.op {
+                                Op::Write => (l.cast_const(), r),
+                                Op::Read => (r.cast_const(), l),
+                            };
+                            std::ptr::copy_nonoverlapping(from, to, c.block)
                         };
                     }
                 }
@@ -434,9 +459,12 @@ impl Bench {
         self.spin_target(false);
     }
 
-    /// The cases: (block bytes, descriptors).
-    pub fn cases(&self) -> Vec<(usize, usize)> {
-        self.cases.iter().map(|c| (c.block, c.batch)).collect()
+    /// The cases: (operation, block bytes, descriptors).
+    pub fn cases(&self) -> Vec<(Op, usize, usize)> {
+        self.cases
+            .iter()
+            .map(|c| (c.op, c.block, c.batch))
+            .collect()
     }
 
     /// Markdown table of medians per case and contender, with the ratios the goals
@@ -457,7 +485,8 @@ impl Bench {
                 let m = t[t.len() / 2].as_secs_f64();
                 medians[k] = m;
                 out.push_str(&format!(
-                    "| {} × {} | {} | {} | {:.2} µs | {:.2} M | {:.2} |\n",
+                    "| {} {} × {} | {} | {} | {:.2} µs | {:.2} M | {:.2} |\n",
+                    op_name(c.op),
                     human(c.block),
                     c.batch,
                     who.name(),
@@ -469,13 +498,16 @@ impl Bench {
             }
             if medians.iter().all(|&m| m > 0.0) {
                 notes.push_str(&format!(
-                    "- {} × {}: SHM mapped / UCX = {:.1}× descriptors/s; SHM CMA / UCX = {:.1}×; \
-                     SHM mapped = {:.0}% of memcpy bandwidth\n",
+                    "- {} {} × {}: SHM mapped / UCX = {:.1}× descriptors/s; SHM CMA / UCX = {:.1}×; \
+                     of memcpy's bandwidth: SHM mapped {:.0}%, SHM CMA {:.0}%, UCX {:.0}%\n",
+                    op_name(c.op),
                     human(c.block),
                     c.batch,
                     medians[2] / medians[0],
                     medians[2] / medians[1],
-                    medians[3] / medians[0] * 100.0
+                    medians[3] / medians[0] * 100.0,
+                    medians[3] / medians[1] * 100.0,
+                    medians[3] / medians[2] * 100.0
                 ));
             }
         }
@@ -500,6 +532,13 @@ impl Bench {
         }
         let _ = self.stream.write_all(b"q");
         let _ = self.child.wait();
+    }
+}
+
+fn op_name(op: Op) -> &'static str {
+    match op {
+        Op::Write => "WRITE",
+        Op::Read => "READ",
     }
 }
 

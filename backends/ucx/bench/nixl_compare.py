@@ -165,27 +165,29 @@ def free_port():
 
 def run_iperf3(block, count, op, seconds):
     """µs per request of block × count bytes at the rate one iperf3 stream carries on
-    loopback (1 MiB writes; READ = the server sends, -R)."""
-    port = free_port()
-    server = subprocess.Popen(
-        ["taskset", "-c", "1", "iperf3", "-s", "-1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        cmd = ["taskset", "-c", "0", "iperf3", "-c", "127.0.0.1", "-p", str(port),
-               "-t", str(max(1, round(seconds))), "-l", str(min(block, 1 << 20)), "-J"]
-        if op == "READ":
-            cmd.append("-R")
-        for _ in range(50):  # until the server listens
+    loopback (1 MiB writes; READ = the server sends, -R). None after 5 failed tries."""
+    for _ in range(5):
+        port = free_port()
+        server = subprocess.Popen(
+            ["taskset", "-c", "1", "iperf3", "-s", "-1", "-p", str(port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            time.sleep(0.3)  # until it listens
+            cmd = ["taskset", "-c", "0", "iperf3", "-c", "127.0.0.1", "-p", str(port),
+                   "-t", str(max(1, round(seconds))), "-l", str(min(block, 1 << 20)), "-J"]
+            if op == "READ":
+                cmd.append("-R")
             run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-            if run.returncode == 0:
+            try:
+                # A failed client answers {"error": ...} instead.
                 bps = json.loads(run.stdout)["end"]["sum_received"]["bits_per_second"]
                 return block * count / (bps / 8) * 1e6
-            time.sleep(0.1)
-        print(f"iperf3 {op}: {run.stdout[-300:]}{run.stderr[-300:]}", file=sys.stderr)
-        return None
-    finally:
-        server.kill()
-        server.wait()
+            except (ValueError, KeyError, TypeError):
+                print(f"iperf3 {op}: {run.stdout[-200:]}{run.stderr[-200:]}", file=sys.stderr)
+        finally:
+            server.kill()
+            server.wait()
+    return None
 
 
 def run_limit(bench, variant, block, count, op, seconds):
