@@ -245,12 +245,12 @@ pub struct Bench {
     times: Vec<Vec<Vec<Duration>>>,
 }
 
+/// One request of `op` from `local_base` to `peer`'s `remote_base`, ranges `offsets`
+/// of `block` bytes; its two prepared lists are pushed to `preps`.
 fn make_lists(
     agent: &Agent,
-    op: Op,
-    peer: PeerId,
-    local_base: u64,
-    remote_base: u64,
+    (op, peer): (Op, PeerId),
+    (local_base, remote_base): (u64, u64),
     block: usize,
     offsets: &[(usize, usize)],
     preps: &mut Vec<PrepId>,
@@ -312,30 +312,24 @@ impl Bench {
             let base = local.as_ptr() as u64;
             let shm_mapped = make_lists(
                 &shm,
-                op,
-                shm_peer,
-                base,
-                shared_base,
+                (op, shm_peer),
+                (base, shared_base),
                 block,
                 &offsets,
                 &mut shm_preps,
             )?;
             let shm_cma = make_lists(
                 &shm,
-                op,
-                shm_peer,
-                base,
-                ordinary_base,
+                (op, shm_peer),
+                (base, ordinary_base),
                 block,
                 &offsets,
                 &mut shm_preps,
             )?;
             let ucx_x = make_lists(
                 &ucx,
-                op,
-                ucx_peer,
-                base,
-                ordinary_base,
+                (op, ucx_peer),
+                (base, ordinary_base),
                 block,
                 &offsets,
                 &mut ucx_preps,

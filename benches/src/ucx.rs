@@ -784,6 +784,50 @@ fn idle_thread_cpu(params: &[(String, String)]) -> Result<f64, String> {
     Ok(ticks as f64 / hz / elapsed * 100.0)
 }
 
+/// The single-copy limit of one case: `memcpy` of the same ranges (the same block size,
+/// count and remote slot order as [`run`] gives a config with that one case) between two
+/// buffers like the benchmark's, in this process; every timed iteration copies the
+/// whole request once. Median per request over `case_time` (at least 10 iterations,
+/// at most `max_iters` when given).
+pub fn memcpy_limit(
+    block: usize,
+    batch: usize,
+    shuffled: bool,
+    case_time: Duration,
+    max_iters: Option<usize>,
+) -> Result<Duration, String> {
+    let (src, dst) = (Buffer::new()?, Buffer::new()?);
+    let slots = (BUFFER_LEN / block).max(1);
+    let mut remote_slots: Vec<usize> = (0..batch).map(|i| i % slots).collect();
+    if shuffled {
+        // The same generator and seed as `run`, so its first case's order.
+        ferry_testkit::Rng::new(0x2545_f491_4f6c_dd1d).shuffle(&mut remote_slots);
+    }
+    let block = block.min(BUFFER_LEN);
+    let mut times = Vec::new();
+    let started = Instant::now();
+    let mut warm = true;
+    while warm || times.len() < 10 || started.elapsed() < case_time {
+        let t0 = Instant::now();
+        for (i, &slot) in remote_slots.iter().enumerate() {
+            let (from, to) = ((i % slots) * block, slot * block);
+            // SAFETY: both ranges lie inside their own buffer (slot < slots and
+            // slots * block <= BUFFER_LEN), and the two buffers are distinct mappings.
+            unsafe { std::ptr::copy_nonoverlapping(src.base.add(from), dst.base.add(to), block) };
+        }
+        std::hint::black_box(dst.base);
+        if !warm {
+            times.push(t0.elapsed());
+        }
+        warm = false;
+        if max_iters.is_some_and(|max| times.len() >= max) {
+            break;
+        }
+    }
+    times.sort_unstable();
+    Ok(times[times.len() / 2])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -851,48 +895,4 @@ mod tests {
             assert!(err.ends_with(NO_CUDA_FEATURE), "{err}");
         }
     }
-}
-
-/// The single-copy limit of one case: `memcpy` of the same ranges (the same block size,
-/// count and remote slot order as [`run`] gives a config with that one case) between two
-/// buffers like the benchmark's, in this process; every timed iteration copies the
-/// whole request once. Median per request over `case_time` (at least 10 iterations,
-/// at most `max_iters` when given).
-pub fn memcpy_limit(
-    block: usize,
-    batch: usize,
-    shuffled: bool,
-    case_time: Duration,
-    max_iters: Option<usize>,
-) -> Result<Duration, String> {
-    let (src, dst) = (Buffer::new()?, Buffer::new()?);
-    let slots = (BUFFER_LEN / block).max(1);
-    let mut remote_slots: Vec<usize> = (0..batch).map(|i| i % slots).collect();
-    if shuffled {
-        // The same generator and seed as `run`, so its first case's order.
-        ferry_testkit::Rng::new(0x2545_f491_4f6c_dd1d).shuffle(&mut remote_slots);
-    }
-    let block = block.min(BUFFER_LEN);
-    let mut times = Vec::new();
-    let started = Instant::now();
-    let mut warm = true;
-    while warm || times.len() < 10 || started.elapsed() < case_time {
-        let t0 = Instant::now();
-        for (i, &slot) in remote_slots.iter().enumerate() {
-            let (from, to) = ((i % slots) * block, slot * block);
-            // SAFETY: both ranges lie inside their own buffer (slot < slots and
-            // slots * block <= BUFFER_LEN), and the two buffers are distinct mappings.
-            unsafe { std::ptr::copy_nonoverlapping(src.base.add(from), dst.base.add(to), block) };
-        }
-        std::hint::black_box(dst.base);
-        if !warm {
-            times.push(t0.elapsed());
-        }
-        warm = false;
-        if max_iters.is_some_and(|max| times.len() >= max) {
-            break;
-        }
-    }
-    times.sort_unstable();
-    Ok(times[times.len() / 2])
 }
