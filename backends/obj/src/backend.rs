@@ -83,6 +83,8 @@ impl ObjBackend {
             part_bytes: config.part_bytes,
             multipart_threshold_bytes: config.multipart_threshold_bytes,
             limiter: Arc::new(tokio::sync::Semaphore::new(config.max_in_flight)),
+            release_timeout: config.request_timeout,
+            lend_bodies: config.store != crate::StoreKind::Memory,
         });
         Ok(ObjBackend {
             params: crate::masked(params),

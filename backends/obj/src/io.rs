@@ -1,10 +1,13 @@
 //! The transfers themselves: async functions that run on the backend's runtime.
 //!
-//! A range's bytes are copied between registered DRAM (a raw address the post's
-//! caller vouched for until the request's completion is pushed) and the HTTP client's
-//! buffers. Every copy happens inside the request's own task, before that task pushes
-//! the completion; a request's part uploads run in tasks of their own but only on
-//! copies, so nothing touches the caller's memory once the completion is out.
+//! Registered DRAM is a raw address the post's caller vouched for until the request's
+//! completion is pushed. A READ copies the response's chunks into it inside the
+//! request's own task. A WRITE copies nothing: each PUT body is a [`Bytes`] view of the
+//! caller's memory ([`Lent`]) that holds a clone of the request's [`Lease`]; once the
+//! HTTP work is over, the task waits until the client has dropped every view before it
+//! returns, and only then is the completion pushed. So nothing reads or writes the
+//! caller's memory once the completion is out, even when a part upload's task or the
+//! HTTP connection outlives the future that started it.
 
 use std::sync::Arc;
 
@@ -13,7 +16,7 @@ use ferry_backend_api::{FailureKind, Op};
 use futures_util::StreamExt;
 use object_store::path::Path as Key;
 use object_store::{GetOptions, GetRange, ObjectStore, ObjectStoreExt, PutPayload};
-use tokio::sync::Semaphore;
+use tokio::sync::{oneshot, Semaphore};
 
 /// S3's bound on the parts of one multipart upload.
 const MAX_PARTS: u64 = 10_000;
@@ -38,6 +41,12 @@ pub(crate) struct Tuning {
     pub(crate) multipart_threshold_bytes: u64,
     /// One permit per HTTP request in flight.
     pub(crate) limiter: Arc<Semaphore>,
+    /// How long a WRITE waits, after its HTTP requests ended, for the client to let go
+    /// of the caller's memory (one request's deadline).
+    pub(crate) release_timeout: std::time::Duration,
+    /// Whether PUT bodies may be views of the caller's memory: false for a store that
+    /// keeps the bodies it is given (`store=memory`), which gets copies.
+    pub(crate) lend_bodies: bool,
 }
 
 /// Why a range failed: kind and errno.
@@ -47,10 +56,7 @@ pub(crate) type Fail = (FailureKind, i32);
 pub(crate) async fn run(job: &Job, tuning: &Tuning) -> Result<(), Fail> {
     let result = match job.op {
         Op::Read => read(job, tuning).await,
-        Op::Write if job.len >= tuning.multipart_threshold_bytes => {
-            write_multipart(job, tuning).await
-        }
-        Op::Write => write_one(job, tuning).await,
+        Op::Write => write(job, tuning).await,
     };
     result.map_err(|(fail, what)| {
         log::warn!(
@@ -144,18 +150,83 @@ async fn read_chunk(job: &Job, at: u64, len: u64, tuning: &Tuning) -> Result<(),
     Ok(())
 }
 
-/// A copy of `len` bytes of the job's memory from `at`.
-fn copy_out(job: &Job, at: u64, len: u64) -> Bytes {
-    // SAFETY: [job.addr + at, + len) lies inside the job's range of registered DRAM,
-    // valid until the request's completion is pushed (the post's promise); this runs in
-    // the request's task before that, and only reads.
-    let src = unsafe { std::slice::from_raw_parts((job.addr + at) as *const u8, len as usize) };
-    Bytes::copy_from_slice(src)
+/// The request's hold on the caller's memory: every [`Lent`] view keeps a clone, and
+/// the receiver made with it resolves once the last clone is gone.
+type Lease = Arc<oneshot::Sender<()>>;
+
+/// `len` bytes of caller memory lent to the HTTP client as the body of a PUT.
+struct Lent {
+    ptr: *const u8,
+    len: usize,
+    _lease: Lease,
 }
 
-async fn write_one(job: &Job, tuning: &Tuning) -> Result<(), Failed> {
+// SAFETY: `Lent` only reads memory that the post's caller keeps valid and unchanged until
+// the completion is pushed, which waits for every `Lent` to drop (see `write`); reading
+// it from any thread is sound.
+unsafe impl Send for Lent {}
+// SAFETY: as for `Send`: shared access only ever reads.
+unsafe impl Sync for Lent {}
+
+impl AsRef<[u8]> for Lent {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: [ptr, ptr + len) lies inside the job's range of registered DRAM (made
+        // by `lend`), valid until the request's completion is pushed, and that waits for
+        // this view to drop.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+/// A view of `len` bytes of the job's memory from `at`, without a copy (a copy where
+/// the store keeps its bodies).
+fn lend(job: &Job, at: u64, len: u64, lease: &Lease, tuning: &Tuning) -> Bytes {
+    debug_assert!(at + len <= job.len);
+    if !tuning.lend_bodies {
+        // SAFETY: [job.addr + at, + len) lies inside the job's range of registered
+        // DRAM, valid until the request's completion is pushed; this runs in the
+        // request's task before that, and only reads.
+        let src = unsafe { std::slice::from_raw_parts((job.addr + at) as *const u8, len as usize) };
+        return Bytes::copy_from_slice(src);
+    }
+    Bytes::from_owner(Lent {
+        ptr: (job.addr + at) as *const u8,
+        len: len as usize,
+        _lease: lease.clone(),
+    })
+}
+
+/// A WRITE: one PUT, or a multipart upload from the threshold. Returns only once the
+/// HTTP client holds no view of the caller's memory.
+async fn write(job: &Job, tuning: &Tuning) -> Result<(), Failed> {
+    let (lease, released) = oneshot::channel::<()>();
+    let lease = Arc::new(lease);
+    let result = if job.len >= tuning.multipart_threshold_bytes {
+        write_multipart(job, tuning, &lease).await
+    } else {
+        write_one(job, tuning, &lease).await
+    };
+    drop(lease);
+    // Every view dropped closes the channel (nothing is ever sent on it).
+    match tokio::time::timeout(tuning.release_timeout, released).await {
+        Ok(_) => result,
+        Err(_) => {
+            log::error!(
+                "{}: PUT {}: the HTTP client still reads the request's memory {:?} after its requests ended; reporting the request failed",
+                crate::NAME,
+                job.name,
+                tuning.release_timeout
+            );
+            result.and(Err((
+                (FailureKind::Backend, 62), // ETIME
+                "the HTTP client did not release the request's memory".into(),
+            )))
+        }
+    }
+}
+
+async fn write_one(job: &Job, tuning: &Tuning, lease: &Lease) -> Result<(), Failed> {
     let _permit = permit(tuning).await?;
-    let payload = PutPayload::from(copy_out(job, 0, job.len));
+    let payload = PutPayload::from(lend(job, 0, job.len, lease, tuning));
     job.store
         .put(&job.key, payload)
         .await
@@ -163,7 +234,7 @@ async fn write_one(job: &Job, tuning: &Tuning) -> Result<(), Failed> {
         .map_err(|e| classify(&e))
 }
 
-async fn write_multipart(job: &Job, tuning: &Tuning) -> Result<(), Failed> {
+async fn write_multipart(job: &Job, tuning: &Tuning, lease: &Lease) -> Result<(), Failed> {
     let mut upload = {
         let _permit = permit(tuning).await?;
         job.store
@@ -198,7 +269,7 @@ async fn write_multipart(job: &Job, tuning: &Tuning) -> Result<(), Failed> {
         }
         let permit = permit(tuning).await?;
         let at = p * part;
-        let bytes = copy_out(job, at, part.min(job.len - at));
+        let bytes = lend(job, at, part.min(job.len - at), lease, tuning);
         let upload_part = upload.put_part(PutPayload::from(bytes));
         running.push(tokio::spawn(async move {
             let result = upload_part.await;

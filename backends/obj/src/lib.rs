@@ -34,8 +34,8 @@
 //! The memory kinds are DRAM and OBJECT; VRAM goes through a DRAM bounce buffer of the
 //! caller's (the backend itself registers no device memory).
 
-// The backend copies between the HTTP client's buffers and registered DRAM named by raw
-// addresses (the backend contract's `post`).
+// The backend copies GET bodies into registered DRAM named by raw addresses (the backend
+// contract's `post`) and lends that DRAM to the HTTP client as PUT bodies.
 #![allow(unsafe_code)]
 
 mod backend;

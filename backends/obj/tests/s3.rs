@@ -171,7 +171,7 @@ fn multipart_upload_round_trip() {
         ],
     );
     // Three parts of 5 MiB and a short last one.
-    let data = pattern(15 * (1 << 20) + 12_345, 5);
+    let mut data = pattern(15 * (1 << 20) + 12_345, 5);
     let t = object(&mut b, "big/weights.bin", 0, 0);
     let c = transfer(
         &mut b,
@@ -180,6 +180,11 @@ fn multipart_upload_round_trip() {
         LIMIT,
     );
     assert_eq!(c.result, Ok(()), "{c:?}");
+    // The PUT bodies are views of `data`, not copies: once the completion is out the
+    // buffer is the caller's again, and scribbling on it must not reach the object.
+    let sent = data.clone();
+    data.fill(0xAA);
+    let data = sent;
     let q = b
         .query(
             MemKind::Object,
