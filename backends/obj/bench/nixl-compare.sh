@@ -17,7 +17,8 @@
 #             max_in_flight=32, part_bytes and multipart_threshold_bytes 128 MiB; NIXL:
 #             num_threads=32);
 #   multipart: objects from 16 MiB in 16 MiB parts side by side on both sides (Ferry:
-#             part_bytes and multipart_threshold_bytes 16 MiB; NIXL: crtMinLimit=16777216,
+#             part_bytes and multipart_threshold_bytes 16 MiB, unsigned_payload=true as
+#             the CRT sends UNSIGNED-PAYLOAD over http too; NIXL: crtMinLimit=16777216,
 #             its S3 CRT client for objects from 16 MiB, which cuts 64 MiB into four
 #             16 MiB parts for both PUT and GET, as the server's log shows).
 # A side whose request fails (NIXL reports NIXL_ERR_BACKEND) shows "failed" in its cell
@@ -59,7 +60,7 @@ out=$(mktemp -d -t ferry-obj-compare.XXXXXX)
 ferry_run() { # config block count -> "OP GBps" lines
   local config=$1 block=$2 count=$3 extra=()
   [ "$config" = matched ] && extra=(--param max_in_flight=32 --param part_bytes=134217728 --param multipart_threshold_bytes=134217728)
-  [ "$config" = multipart ] && extra=(--param part_bytes=16777216 --param multipart_threshold_bytes=16777216)
+  [ "$config" = multipart ] && extra=(--param part_bytes=16777216 --param multipart_threshold_bytes=16777216 --param unsigned_payload=true)
   "$ferry_bin" bench xfer --backend obj --endpoint "$endpoint" --bucket "$bucket" \
     --op write,read --start-block "$block" --max-block "$block" \
     --start-batch "$count" --max-batch "$count" --iters "$iters" --warmup "$warmup" \
