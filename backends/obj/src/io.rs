@@ -122,6 +122,19 @@ async fn read_chunk(job: &Job, at: u64, len: u64, tuning: &Tuning) -> Result<(),
         .get_opts(&job.key, options)
         .await
         .map_err(|e| classify(&e))?;
+    // The server says which bytes it sends: fewer than asked means the object ends
+    // inside the range.
+    let sent = got.range.end.saturating_sub(got.range.start.max(start));
+    if got.range.start > start || sent < len {
+        return Err((
+            (FailureKind::ShortRead, 0),
+            format!(
+                "the object ends at byte {}, inside the range {start}..{}",
+                got.range.end,
+                start + len
+            ),
+        ));
+    }
     let mut stream = got.into_stream();
     let mut filled = 0u64;
     while let Some(chunk) = stream.next().await {
@@ -142,9 +155,11 @@ async fn read_chunk(job: &Job, at: u64, len: u64, tuning: &Tuning) -> Result<(),
         filled += take;
     }
     if filled < len {
+        // The server promised the whole range and the body stopped early: the connection
+        // was cut, not the object short.
         return Err((
-            (FailureKind::ShortRead, 0),
-            format!("the object ended after {} of {len} bytes", start + filled),
+            (FailureKind::Backend, 5), // EIO
+            format!("the reply ended after {filled} of the {len} bytes it promised"),
         ));
     }
     Ok(())
@@ -327,7 +342,7 @@ pub(crate) fn classify(e: &object_store::Error) -> Failed {
         E::NotFound { .. } => (FailureKind::NotFound, 2), // ENOENT
         E::PermissionDenied { .. } | E::Unauthenticated { .. } => (FailureKind::Denied, 13), // EACCES
         _ if throttled(&text) => (FailureKind::Throttled, 16), // EBUSY
-        _ if text.contains("416") || text.contains("InvalidRange") => (FailureKind::ShortRead, 0),
+        _ if status(&text, 416) || text.contains("InvalidRange") => (FailureKind::ShortRead, 0),
         _ if text.contains("NoSuchBucket") || text.contains("NoSuchKey") => {
             (FailureKind::NotFound, 2)
         }
@@ -346,8 +361,54 @@ pub(crate) fn classify(e: &object_store::Error) -> Failed {
 }
 
 fn throttled(text: &str) -> bool {
-    text.contains("429")
+    status(text, 429)
+        || status(text, 503)
         || text.contains("Too Many Requests")
         || text.contains("SlowDown")
         || text.contains("503 Service Unavailable")
+}
+
+/// Whether the error's text reports HTTP status `code`. The client writes a status as
+/// "status code: 416 Range Not Satisfiable"; a bare number is not enough, as ports, byte
+/// counts and request ids hold digits too.
+fn status(text: &str, code: u16) -> bool {
+    text.contains(&format!("status code: {code}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kind_of(text: &str) -> (FailureKind, i32) {
+        let e = object_store::Error::Generic {
+            store: "S3",
+            source: text.to_string().into(),
+        };
+        classify(&e).0
+    }
+
+    #[test]
+    fn statuses_are_read_from_the_status_not_from_any_digits() {
+        assert_eq!(
+            kind_of("Server returned non-2xx status code: 416 Range Not Satisfiable: "),
+            (FailureKind::ShortRead, 0)
+        );
+        assert_eq!(
+            kind_of("Server returned non-2xx status code: 429 Too Many Requests: "),
+            (FailureKind::Throttled, 16)
+        );
+        assert_eq!(
+            kind_of("Server returned non-2xx status code: 503 Service Unavailable: "),
+            (FailureKind::Throttled, 16)
+        );
+        // A port, a byte count or a request id with the same digits is not a status.
+        assert_eq!(
+            kind_of("error sending request for url (http://127.0.0.1:41654/b/k): closed"),
+            (FailureKind::Backend, 5)
+        );
+        assert_eq!(
+            kind_of("error decoding response body after 4290 bytes, request 5030"),
+            (FailureKind::Backend, 5)
+        );
+    }
 }
