@@ -289,6 +289,12 @@ pub const BATCH_ACK_AM_ID: u32 = 0x4654;
 pub const BATCH_READ_AM_ID: u32 = 0x4655;
 /// Active-message id of the target's reply to a READ batch request (format 1).
 pub const BATCH_READ_REPLY_AM_ID: u32 = 0x4656;
+/// Active-message id of a WRITE of one range (format 1): UCX's message header holds a
+/// batch header (count 1) and the range's entry, the message itself is the range's data,
+/// so the initiator sends it from the caller's memory. Acked as a batch message.
+pub const BATCH_WRITE_ONE_AM_ID: u32 = 0x4657;
+/// Bytes of a [`BATCH_WRITE_ONE_AM_ID`] message's header.
+pub const BATCH_WRITE_ONE_HEADER_LEN_BYTES: usize = BATCH_HEADER_LEN_BYTES + BATCH_ENTRY_LEN_BYTES;
 /// Largest data a READ batch request may ask for in one reply.
 pub const BATCH_READ_DATA_MAX: usize = 1 << 20;
 /// Bytes of a batch message's header.
@@ -492,6 +498,46 @@ pub fn parse_batch_write(msg: &[u8]) -> Result<BatchWrite<'_>, BatchWireError> {
     })
 }
 
+/// Parse a [`BATCH_WRITE_ONE_AM_ID`] message from its header and data: `(cookie, target
+/// address, data)`, the entry's length checked against the data.
+pub fn parse_batch_write_one<'a>(
+    header: &[u8],
+    data: &'a [u8],
+) -> Result<(u64, u64, &'a [u8]), BatchWireError> {
+    if header.len() < BATCH_WRITE_ONE_HEADER_LEN_BYTES {
+        return Err(BatchWireError::Truncated);
+    }
+    if header.len() > BATCH_WRITE_ONE_HEADER_LEN_BYTES {
+        return Err(BatchWireError::Trailing {
+            bytes: header.len() - BATCH_WRITE_ONE_HEADER_LEN_BYTES,
+        });
+    }
+    let cookie = le_u64(header);
+    let count = le_u32(&header[8..]);
+    if le_u32(&header[12..]) != 0 {
+        return Err(BatchWireError::Reserved);
+    }
+    match count {
+        0 => return Err(BatchWireError::Empty),
+        1 => {}
+        // The header has room for one entry only.
+        _ => return Err(BatchWireError::RangeTruncated { index: 1 }),
+    }
+    let entry = &header[BATCH_HEADER_LEN_BYTES..];
+    let addr = le_u64(entry);
+    let len = le_u32(&entry[8..]) as usize;
+    if len == 0 {
+        return Err(BatchWireError::ZeroLength { index: 0 });
+    }
+    match len.cmp(&data.len()) {
+        std::cmp::Ordering::Greater => Err(BatchWireError::RangeTruncated { index: 0 }),
+        std::cmp::Ordering::Less => Err(BatchWireError::Trailing {
+            bytes: data.len() - len,
+        }),
+        std::cmp::Ordering::Equal => Ok((cookie, addr, data)),
+    }
+}
+
 /// A whole READ batch request of `(target address, length)` ranges.
 pub fn encode_batch_read(cookie: u64, ranges: &[(u64, u32)]) -> Vec<u8> {
     let mut out = Vec::with_capacity(BATCH_HEADER_LEN_BYTES + ranges.len() * BATCH_ENTRY_LEN_BYTES);
@@ -606,6 +652,63 @@ pub fn parse_ack(bytes: &[u8]) -> Result<(u64, u32), BatchWireError> {
 #[cfg(test)]
 mod batch_tests {
     use super::*;
+
+    #[test]
+    fn one_range_write_round_trip_and_refusals() {
+        let data = [7u8; 40];
+        let mut header = [0u8; BATCH_WRITE_ONE_HEADER_LEN_BYTES];
+        header[..BATCH_HEADER_LEN_BYTES].copy_from_slice(&batch_header(0xfeed, 1));
+        header[BATCH_HEADER_LEN_BYTES..].copy_from_slice(&batch_entry(0x4000, 40));
+        assert_eq!(
+            parse_batch_write_one(&header, &data),
+            Ok((0xfeed, 0x4000, &data[..]))
+        );
+        // The data is the range: no more, no less.
+        assert_eq!(
+            parse_batch_write_one(&header, &data[..39]),
+            Err(BatchWireError::RangeTruncated { index: 0 })
+        );
+        let longer = [7u8; 41];
+        assert_eq!(
+            parse_batch_write_one(&header, &longer),
+            Err(BatchWireError::Trailing { bytes: 1 })
+        );
+        // Every shorter header, and one longer, is refused.
+        for cut in 0..header.len() {
+            assert_eq!(
+                parse_batch_write_one(&header[..cut], &data),
+                Err(BatchWireError::Truncated),
+                "cut at {cut}"
+            );
+        }
+        let mut long = header.to_vec();
+        long.push(0);
+        assert_eq!(
+            parse_batch_write_one(&long, &data),
+            Err(BatchWireError::Trailing { bytes: 1 })
+        );
+        // Counts other than one, a reserved field, a zero length.
+        for (count, want) in [
+            (0, BatchWireError::Empty),
+            (2, BatchWireError::RangeTruncated { index: 1 }),
+        ] {
+            let mut h = header;
+            h[..BATCH_HEADER_LEN_BYTES].copy_from_slice(&batch_header(0xfeed, count));
+            assert_eq!(parse_batch_write_one(&h, &data), Err(want));
+        }
+        let mut h = header;
+        h[12] = 1;
+        assert_eq!(
+            parse_batch_write_one(&h, &data),
+            Err(BatchWireError::Reserved)
+        );
+        let mut h = header;
+        h[BATCH_HEADER_LEN_BYTES..].copy_from_slice(&batch_entry(0x4000, 0));
+        assert_eq!(
+            parse_batch_write_one(&h, &[]),
+            Err(BatchWireError::ZeroLength { index: 0 })
+        );
+    }
 
     #[test]
     fn batch_round_trip_and_refusals() {

@@ -359,6 +359,59 @@ pub(super) unsafe extern "C" fn on_batch_write(
     ucs_status_t::UCS_OK
 }
 
+/// Handler of [`wire::BATCH_WRITE_ONE_AM_ID`] (target side): one range, its entry in the
+/// message header, its data the message; checked and acked as a batch message is.
+pub(super) unsafe extern "C" fn on_batch_write_one(
+    arg: *mut c_void,
+    header: *const c_void,
+    header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const ucp_am_recv_param_t,
+) -> ucs_status_t {
+    // SAFETY: as UCX called this handler, registered with the core's events as `arg`.
+    let got = unsafe { am_received(arg, data, length, param) };
+    let batch = &got.events.batch;
+    let header: &[u8] = if header_length == 0 {
+        &[]
+    } else {
+        // SAFETY: UCX guarantees header/header_length describe readable memory during the
+        // callback.
+        unsafe { std::slice::from_raw_parts(header as *const u8, header_length) }
+    };
+    // A rendezvous message (no payload here) is not one of ours: malformed.
+    let parsed = got.payload.map(|d| wire::parse_batch_write_one(header, d));
+    let status = match parsed {
+        Some(Ok((_, addr, data))) => {
+            let mut regions = batch.regions.lock().unwrap_or_else(|e| e.into_inner());
+            if regions.covers(addr, data.len() as u64) {
+                // SAFETY: as in `apply_batch_write`: the range lies inside memory
+                // registered with this backend, checked just above with registration
+                // excluded meanwhile; the source is the message.
+                unsafe { ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) };
+                BatchStatus::Written
+            } else {
+                BatchStatus::OutsideRegistered
+            }
+        }
+        _ => BatchStatus::Malformed,
+    };
+    if status != BatchStatus::Written {
+        batch.refused.fetch_add(1, Ordering::Relaxed);
+    }
+    let (Some(cookie), Some(reply_ep)) = (header.first_chunk::<8>(), got.reply_ep) else {
+        batch.unsent_acks.fetch_add(1, Ordering::Relaxed);
+        return ucs_status_t::UCS_OK;
+    };
+    batch.send_ack(
+        got.events_ptr,
+        reply_ep,
+        u64::from_le_bytes(*cookie),
+        status,
+    );
+    ucs_status_t::UCS_OK
+}
+
 /// Handler of [`wire::BATCH_ACK_AM_ID`] (initiator side).
 pub(super) unsafe extern "C" fn on_batch_ack(
     arg: *mut c_void,
@@ -630,6 +683,11 @@ pub(super) struct AmMsg {
     count: u32,
     /// Header and packed ranges; capacity `am_batch_bytes` once first used.
     buf: Vec<u8>,
+    /// A WRITE of one range that fills a message by itself, sent as
+    /// [`wire::BATCH_WRITE_ONE_AM_ID`]: `buf` holds the header and the entry (UCX's
+    /// message header), the data goes from the caller's memory (`(address, length)`),
+    /// never copied into `buf`. `None`: all in `buf`.
+    lent: Option<(u64, u64)>,
 }
 
 /// The initiator's batching state.
@@ -672,6 +730,7 @@ impl AmBatch {
                     ep: ptr::null_mut(),
                     count: 0,
                     buf: Vec::new(),
+                    lent: None,
                 })
                 .collect(),
             free: (0..count as u32).rev().collect(),
@@ -740,6 +799,16 @@ impl Core {
         msg_bytes: usize,
     ) -> bool {
         let write = op == ferry_backend_api::Op::Write;
+        // A WRITE range that fills a message by itself (an `am_tcp` piece of a long
+        // range) is sent from the caller's memory, not copied into the message: it took
+        // a message of its own anyway, so this adds no message or ack. Shorter ranges are
+        // packed as before (a copy costs less than a message of their own).
+        let lend = write
+            && wire::BATCH_HEADER_LEN_BYTES + wire::BATCH_ENTRY_LEN_BYTES + len as usize
+                >= msg_bytes;
+        if lend {
+            self.am_send_open();
+        }
         if self.am.open != NONE {
             let msg = &self.am.msgs[self.am.open as usize];
             let fits = if write {
@@ -779,12 +848,20 @@ impl Core {
             msg.first = slot;
             msg.ep = ep;
             msg.count = 0;
+            msg.lent = None;
             self.am.open = m;
             self.slots[head as usize].acks += 1;
         }
         let msg = &mut self.am.msgs[self.am.open as usize];
         msg.buf
             .extend_from_slice(&wire::batch_entry(remote_addr, len as u32));
+        if lend {
+            msg.lent = Some((local_addr, len));
+            msg.count += 1;
+            msg.last = slot;
+            self.am_send_open();
+            return true;
+        }
         if write {
             // SAFETY: the local range lies inside a registered region (validated at post)
             // and stays valid until the request completes (backend contract); only read.
@@ -834,17 +911,38 @@ impl Core {
         param.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
         param.cb.send = Some(on_op_done);
         param.user_data = &self.cells[cell as usize] as *const OpCell as *mut c_void;
+        // A lent range: header and entry as UCX's message header, the data from the
+        // caller's memory as the message (contiguous, so UCX sends it zero-copy in one
+        // fragment; a gather list of the two would take its multi-fragment protocol,
+        // which the receiver reassembles with a copy).
+        let (am_id, header, data) = match msg.lent {
+            None => (
+                am_id,
+                &[][..],
+                (msg.buf.as_ptr() as *const c_void, msg.buf.len()),
+            ),
+            Some((addr, len)) => (
+                wire::BATCH_WRITE_ONE_AM_ID,
+                &msg.buf[..],
+                (addr as *const c_void, len as usize),
+            ),
+        };
         // SAFETY: ep live (messages of an endpoint are failed before it closes and none is
-        // open across calls); the buffer stays untouched until the send's callback reports
-        // (`sending`); the cell outlives the request.
+        // open across calls); the buffer stays untouched until the send's callback
+        // reports (`sending`; UCX copies a message header at once); a lent range lies in
+        // registered memory that the
+        // caller keeps valid until its request completes, which waits for the target's
+        // ack, sent only once the whole message arrived, or for the endpoint's force
+        // close when it fails (the same hold as a put of that range has on its source);
+        // the cell outlives the request.
         let request = unsafe {
             self.ucp.api().ucp_am_send_nbx(
                 msg.ep,
                 am_id,
-                ptr::null(),
-                0,
-                msg.buf.as_ptr() as *const c_void,
-                msg.buf.len(),
+                header.as_ptr() as *const c_void,
+                header.len(),
+                data.0,
+                data.1,
                 &param,
             )
         };
