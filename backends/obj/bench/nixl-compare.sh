@@ -13,9 +13,11 @@
 #   defaults: both sides as shipped (Ferry: max_in_flight 64, multipart uploads from
 #             32 MiB and ranged GETs, both in 16 MiB parts; NIXL: its standard S3 client,
 #             num_threads = hardware threads / 2, one request per object);
-#   matched:  one HTTP request per object and 32 at a time on both sides (Ferry:
-#             max_in_flight=32, part_bytes and multipart_threshold_bytes 128 MiB; NIXL:
-#             num_threads=32);
+#   matched:  one HTTP request per object and 32 at a time on both sides, and no
+#             SHA-256 of the body on either (Ferry: max_in_flight=32, part_bytes and
+#             multipart_threshold_bytes 128 MiB, unsigned_payload=true; NIXL:
+#             num_threads=32; its AWS SDK C++ sends STREAMING-UNSIGNED-PAYLOAD-TRAILER
+#             with a CRC64NVME trailer over http, as its PUT headers show);
 #   multipart: objects from 16 MiB in 16 MiB parts side by side on both sides (Ferry:
 #             part_bytes and multipart_threshold_bytes 16 MiB, unsigned_payload=true as
 #             the CRT sends UNSIGNED-PAYLOAD over http too; NIXL: crtMinLimit=16777216,
@@ -59,7 +61,7 @@ curl -s -X PUT "$endpoint/$bucket" >/dev/null || true
 out=$(mktemp -d -t ferry-obj-compare.XXXXXX)
 ferry_run() { # config block count -> "OP GBps" lines
   local config=$1 block=$2 count=$3 extra=()
-  [ "$config" = matched ] && extra=(--param max_in_flight=32 --param part_bytes=134217728 --param multipart_threshold_bytes=134217728)
+  [ "$config" = matched ] && extra=(--param max_in_flight=32 --param part_bytes=134217728 --param multipart_threshold_bytes=134217728 --param unsigned_payload=true)
   [ "$config" = multipart ] && extra=(--param part_bytes=16777216 --param multipart_threshold_bytes=16777216 --param unsigned_payload=true)
   "$ferry_bin" bench xfer --backend obj --endpoint "$endpoint" --bucket "$bucket" \
     --op write,read --start-block "$block" --max-block "$block" \
@@ -87,6 +89,21 @@ nixl_run() { # config block count
   done
 }
 
+# Before each side's run, wait until the server has been idle for half a second (its
+# CPU time, where this script started it; else 2 s): a failed side can leave the server
+# busy for seconds with the rest of its bodies (seen after NIXL's failing 64 MiB PUT:
+# moto served 8 requests a second for 11 s), which would be charged to whoever runs next.
+settle() {
+  if [ -z "$moto_pid" ]; then sleep 2; return; fi
+  local before after
+  for _ in $(seq 120); do
+    before=$(awk '{print $14 + $15}' "/proc/$moto_pid/stat" 2>/dev/null || echo 0)
+    sleep 0.5
+    after=$(awk '{print $14 + $15}' "/proc/$moto_pid/stat" 2>/dev/null || echo 0)
+    (( after - before <= 2 )) && return
+  done
+}
+
 declare -A samples
 for round in $(seq "$rounds"); do
   for config in defaults matched multipart; do
@@ -95,6 +112,7 @@ for round in $(seq "$rounds"); do
       if ((round % 2)); then order="ferry nixl"; else order="nixl ferry"; fi
       for side in $order; do
         [[ "${samples[$config|$block|$count|WRITE|$side]:-}" == *failed* ]] && continue
+        settle
         while read -r op gbps; do
           key="$config|$block|$count|$op|$side"
           samples[$key]="${samples[$key]:-} $gbps"
@@ -106,7 +124,7 @@ for round in $(seq "$rounds"); do
 done
 
 echo "load average: $(cut -d' ' -f1-3 /proc/loadavg); endpoint $endpoint; $rounds rounds, $iters iters (+$warmup warm-up) each"
-printf '| config | objects | op | Ferry GB/s | NIXL GB/s | Ferry / NIXL |\n|---|---|---|---|---|---|\n'
+printf '| config | objects | op | Ferry GB/s | NIXL GB/s | Ferry / NIXL (medians) | per-round ratios (median) |\n|---|---|---|---|---|---|---|\n'
 median() { # "failed" when any sample is
   local all; all=$(cat)
   if [[ "$all" == *failed* ]]; then echo failed; return; fi
@@ -119,7 +137,14 @@ for config in defaults matched multipart; do
       f=$(echo "${samples[$config|$block|$count|$op|ferry]:-}" | median)
       n=$(echo "${samples[$config|$block|$count|$op|nixl]:-}" | median)
       ratio=$(python3 -c "print(f'{$f/$n:.2f}x')" 2>/dev/null || echo -)
-      printf '| %s | %s MiB x %s | %s | %s | %s | %s |\n' "$config" $((block >> 20)) "$count" "$op" "$f" "$n" "$ratio"
+      # Round k's Ferry sample over round k's NIXL sample, and their median.
+      per_round=$(python3 -c '
+import statistics, sys
+f, n = (a.split() for a in sys.argv[1:3])
+r = [float(x) / float(y) for x, y in zip(f, n)]
+print(", ".join(f"{x:.2f}" for x in r) + f" ({statistics.median(r):.2f}x)")
+' "${samples[$config|$block|$count|$op|ferry]:-}" "${samples[$config|$block|$count|$op|nixl]:-}" 2>/dev/null || echo -)
+      printf '| %s | %s MiB x %s | %s | %s | %s | %s | %s |\n' "$config" $((block >> 20)) "$count" "$op" "$f" "$n" "$ratio" "$per_round"
     done
   done
 done

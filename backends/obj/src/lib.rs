@@ -111,7 +111,7 @@ pub const PARAMS: &[ParamSpec] = &[
         default: "auto",
         doc: "sign requests without hashing their bodies (UNSIGNED-PAYLOAD): true, false, \
               or auto (unsigned over https, where TLS protects the body; signed over http, \
-              as the AWS SDKs do)",
+              as boto3 does; aws-sdk-cpp's S3 client sends unsigned bodies over http too)",
     },
     ParamSpec {
         name: "part_bytes",
