@@ -303,6 +303,9 @@ pub struct BatchCounts {
     pub allocated_acks: u64,
     /// READ replies whose buffer had to be allocated (none free for reuse).
     pub allocated_replies: u64,
+    /// Answers received to the pings loads send (one per load of a peer whose ranges go
+    /// in Ferry's messages, `connect_on_load`).
+    pub pongs: u64,
     /// This backend's batch messages in flight now.
     pub in_flight: usize,
 }

@@ -293,6 +293,13 @@ pub const BATCH_READ_REPLY_AM_ID: u32 = 0x4656;
 /// batch header (count 1) and the range's entry, the message itself is the range's data,
 /// so the initiator sends it from the caller's memory. Acked as a batch message.
 pub const BATCH_WRITE_ONE_AM_ID: u32 = 0x4657;
+/// Active-message id of a ping (format 1): an 8-byte cookie, which the target answers
+/// with an ack ([`BATCH_ACK_AM_ID`]) on its reply endpoint. A load sends one so that
+/// the path back from the target is set up before the first request needs it.
+pub const PING_AM_ID: u32 = 0x4658;
+/// The cookie of a ping (no batch message has it: their index part is below
+/// `am_batch_messages`).
+pub const PING_COOKIE: u64 = u64::MAX;
 /// Bytes of a [`BATCH_WRITE_ONE_AM_ID`] message's header.
 pub const BATCH_WRITE_ONE_HEADER_LEN_BYTES: usize = BATCH_HEADER_LEN_BYTES + BATCH_ENTRY_LEN_BYTES;
 /// Largest data a READ batch request may ask for in one reply.

@@ -137,6 +137,33 @@ fn random_small_and_mixed_writes_land_byte_for_byte() {
     }
 }
 
+/// A load pings the peer (so the way back is set up before the first request): the
+/// answer arrives as an ack that names no batch message, counted apart and never taken
+/// for a stale ack; the peer refuses nothing.
+#[test]
+fn a_load_pings_the_peer_and_the_answer_is_not_a_stale_ack() {
+    if !setup() {
+        return;
+    }
+    for &transports in TRANSPORTS {
+        let mut p = pair_with(transports, LEN, &[], &[("progress_thread", "true")]);
+        let deadline = Instant::now() + TIMEOUT;
+        // B's progress thread answers A's ping, usually while A's load waits for it.
+        while p.a.batch_counts().pongs == 0 && Instant::now() < deadline {
+            let mut done = Completions::with_capacity(4);
+            p.a.progress(&mut done);
+        }
+        let (a, b) = (p.a.batch_counts(), p.b.batch_counts());
+        if a.sent == 0 && a.pongs == 0 && transports.is_empty() {
+            // UCX's own transports here need no messages (RDMA): no ping is sent.
+            continue;
+        }
+        assert_eq!(a.pongs, 1, "{}: {a:?}", label(transports));
+        assert_eq!(a.stale_acks, 0, "{}: {a:?}", label(transports));
+        assert_eq!(b.refused, 0, "{}: {b:?}", label(transports));
+    }
+}
+
 #[test]
 fn notification_comes_only_after_the_batched_data() {
     if !setup() {

@@ -162,6 +162,8 @@ pub(crate) struct BatchEvents {
     pub(crate) unsent_acks: AtomicU64,
     /// Acks whose buffer was allocated because the pool was empty.
     pub(crate) allocated_acks: AtomicU64,
+    /// Answers to this initiator's pings ([`wire::PING_COOKIE`]) so far.
+    pub(super) pongs: AtomicU64,
     /// READ replies whose buffer was allocated (none free in the pool).
     pub(crate) allocated_replies: AtomicU64,
     ack_pool: Box<[AckBuf]>,
@@ -208,6 +210,7 @@ impl BatchEvents {
             dropped_acks: AtomicU64::new(0),
             unsent_acks: AtomicU64::new(0),
             allocated_acks: AtomicU64::new(0),
+            pongs: AtomicU64::new(0),
             allocated_replies: AtomicU64::new(0),
             reads: Mutex::new((0..messages).map(|_| ReadWait::default()).collect()),
             replies: Mutex::new(Vec::new()),
@@ -412,6 +415,33 @@ pub(super) unsafe extern "C" fn on_batch_write_one(
     ucs_status_t::UCS_OK
 }
 
+/// Handler of [`wire::PING_AM_ID`] (target side): answer with an ack of the ping's
+/// cookie on the reply endpoint.
+pub(super) unsafe extern "C" fn on_ping(
+    arg: *mut c_void,
+    _header: *const c_void,
+    _header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const ucp_am_recv_param_t,
+) -> ucs_status_t {
+    // SAFETY: as UCX called this handler, registered with the core's events as `arg`.
+    let got = unsafe { am_received(arg, data, length, param) };
+    let batch = &got.events.batch;
+    let cookie = got.payload.and_then(|p| p.first_chunk::<8>());
+    let (Some(cookie), Some(reply_ep)) = (cookie, got.reply_ep) else {
+        batch.unsent_acks.fetch_add(1, Ordering::Relaxed);
+        return ucs_status_t::UCS_OK;
+    };
+    batch.send_ack(
+        got.events_ptr,
+        reply_ep,
+        u64::from_le_bytes(*cookie),
+        BatchStatus::Written,
+    );
+    ucs_status_t::UCS_OK
+}
+
 /// Handler of [`wire::BATCH_ACK_AM_ID`] (initiator side).
 pub(super) unsafe extern "C" fn on_batch_ack(
     arg: *mut c_void,
@@ -425,6 +455,9 @@ pub(super) unsafe extern "C" fn on_batch_ack(
     let got = unsafe { am_received(arg, data, length, param) };
     let batch = &got.events.batch;
     match wire::parse_ack(got.payload.unwrap_or_default()) {
+        Ok((wire::PING_COOKIE, _)) => {
+            batch.pongs.fetch_add(1, Ordering::Release);
+        }
         Ok(ack) if batch.acks_in.push(ack).is_ok() => {}
         _ => {
             batch.dropped_acks.fetch_add(1, Ordering::Relaxed);

@@ -94,6 +94,7 @@ impl Core {
             unsent_acks: b.unsent_acks.load(Ordering::Relaxed),
             allocated_acks: b.allocated_acks.load(Ordering::Relaxed),
             allocated_replies: b.allocated_replies.load(Ordering::Relaxed),
+            pongs: b.pongs.load(Ordering::Relaxed),
             in_flight: self.am.in_flight(),
         }
     }

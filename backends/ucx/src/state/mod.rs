@@ -66,8 +66,8 @@ use ferry_ucx_sys::*;
 use crate::{Config, ErrorMode, BACKEND};
 
 use batch::{
-    on_batch_ack, on_batch_read, on_batch_read_reply, on_batch_write, on_batch_write_one, AmBatch,
-    BatchEvents,
+    on_batch_ack, on_batch_read, on_batch_read_reply, on_batch_write, on_batch_write_one, on_ping,
+    AmBatch, BatchEvents,
 };
 pub(crate) use callbacks::Events;
 use callbacks::{on_ep_error, on_notif, on_op_done, CompletionQueue, OpCell, PeerLink};
@@ -427,6 +427,7 @@ impl Core {
             (NOTIF_AM_ID, on_notif as AmRecvFn),
             (crate::wire::BATCH_WRITE_AM_ID, on_batch_write),
             (crate::wire::BATCH_WRITE_ONE_AM_ID, on_batch_write_one),
+            (crate::wire::PING_AM_ID, on_ping),
             (crate::wire::BATCH_ACK_AM_ID, on_batch_ack),
             (crate::wire::BATCH_READ_AM_ID, on_batch_read),
             (crate::wire::BATCH_READ_REPLY_AM_ID, on_batch_read_reply),
