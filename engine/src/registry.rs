@@ -56,7 +56,7 @@ pub const DEFAULT_BACKENDS: &[&str] = &["LOOPBACK", "SHM", "UCX", "POSIX"];
 
 /// Parameters a backend gets in the default set unless the caller sets them: (type, key,
 /// value). UCX's shared-memory tuning (`shm_fifo_size`/`shm_seg_bytes=auto`: 4096 FIFO
-/// entries of 32 KiB) makes UCX allocate and zero ~128 MiB of shared memory per
+/// entries of 32 KiB until 2026-12-03, 256 now) made UCX allocate and zero ~128 MiB of shared memory per
 /// transport when the backend is created (measured: `ucx_info` creating a worker takes
 /// 173 ms with it, 29 ms without, UCX 1.13.1); in the default set a same-host peer's
 /// DRAM goes through SHM, so UCX keeps its own defaults there and an agent with the

@@ -28,7 +28,7 @@ ENV = {
     "UCX_NET_DEVICES": "lo",
     "UCX_WARN_UNUSED_ENV_VARS": "n",
     "UCX_ZCOPY_THRESH": "16k",
-    "UCX_MM_FIFO_SIZE": "4096",
+    "UCX_MM_FIFO_SIZE": "256",
     "UCX_MM_SEG_SIZE": "32768",
     "UCX_RNDV_THRESH": "inf",
 }

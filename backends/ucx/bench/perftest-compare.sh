@@ -61,7 +61,7 @@ case "$version" in
 esac
 env_of() { # tls
   case "$1" in
-    shm) echo "$common_env UCX_MM_FIFO_SIZE=4096 UCX_MM_SEG_SIZE=32768" ;;
+    shm) echo "$common_env UCX_MM_FIFO_SIZE=256 UCX_MM_SEG_SIZE=32768" ;;
     tcp) echo "$common_env UCX_TLS=tcp" ;;
   esac
 }

@@ -164,7 +164,7 @@ pub const PARAMS: &[ParamSpec] = &[
         name: "shm_fifo_size",
         default: "auto",
         doc: "receive FIFO entries of UCX's shared-memory transports (UCX_MM_FIFO_SIZE), a power \
-              of two 2..=65536; 'auto' = 4096 unless UCX_MM_FIFO_SIZE, UCX_SYSV_FIFO_SIZE or \
+              of two 2..=65536; 'auto' = 256 unless UCX_MM_FIFO_SIZE, UCX_SYSV_FIFO_SIZE or \
               UCX_POSIX_FIFO_SIZE is set; 'ucx' = UCX's own default (64)",
     },
     ParamSpec {
@@ -379,9 +379,13 @@ pub struct Config {
 }
 
 /// Shared-memory FIFO size applied by `shm_fifo_size=auto`. UCX's default of 64 entries
-/// makes a batch of more than 64 small puts wait for the target to drain the FIFO; with
-/// UCX 1.13 that costs ~5× in descriptors per second (see the README).
-pub const SHM_FIFO_SIZE_AUTO: u32 = 4096;
+/// made a batch of more than 64 small puts wait for the target to drain the FIFO (with
+/// UCX 1.13, ~5× fewer descriptors per second, measured before small ranges went in
+/// batch messages). 256 holds as many messages as `am_batch_messages` sends at once;
+/// 4096 (the value until 2026-12-03) measured no faster with batching and cost ~34 MB
+/// of resident memory per backend (UCX touches every FIFO entry's buffer at creation:
+/// 40.8 MB per idle agent against 6.2 MB; see the README).
+pub const SHM_FIFO_SIZE_AUTO: u32 = 256;
 
 /// Environment variables through which a user already chose the shared-memory FIFO size.
 const FIFO_SIZE_ENV: [&str; 3] = [
