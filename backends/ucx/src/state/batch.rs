@@ -60,7 +60,7 @@
 
 use std::cell::UnsafeCell;
 
-use super::callbacks::am_received;
+use super::callbacks::{am_received, AmReceived};
 use super::*;
 use crate::wire::{self, BatchStatus};
 use crate::AmBatchMode;
@@ -227,6 +227,23 @@ impl BatchEvents {
         }
     }
 
+    /// A target handler's answer to message `got` with `cookie` (its first 8 bytes, if
+    /// it had them): `status` counted if a refusal, then acked on the reply endpoint, or
+    /// counted as unsent where there is no cookie or no endpoint.
+    fn answer(&self, got: &AmReceived<'_>, cookie: Option<&[u8; 8]>, status: BatchStatus) {
+        if status != BatchStatus::Written {
+            self.refused.fetch_add(1, Ordering::Relaxed);
+        }
+        match (cookie, got.reply_ep) {
+            (Some(cookie), Some(ep)) => {
+                self.send_ack(got.events_ptr, ep, u64::from_le_bytes(*cookie), status)
+            }
+            _ => {
+                self.unsent_acks.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
     /// Send an ack on `ep` (a reply endpoint, valid for the duration of the handler).
     fn send_ack(&self, events: *const Events, ep: ucp_ep_h, cookie: u64, status: BatchStatus) {
         let buf: *const AckBuf = match self.free_acks.pop() {
@@ -310,16 +327,25 @@ unsafe extern "C" fn on_ack_sent(
 
 /// Check a WRITE batch message against the region index and write it: all or nothing.
 fn apply_batch_write(regions: &mut RegionIndex, msg: &[u8]) -> BatchStatus {
-    let Ok(batch) = wire::parse_batch_write(msg) else {
-        return BatchStatus::Malformed;
-    };
-    if !batch
-        .ranges()
+    match wire::parse_batch_write(msg) {
+        Ok(batch) => write_ranges(regions, batch.ranges()),
+        Err(_) => BatchStatus::Malformed,
+    }
+}
+
+/// Write `(target address, data)` ranges if every one lies in registered memory, else
+/// none.
+fn write_ranges<'a>(
+    regions: &mut RegionIndex,
+    ranges: impl Iterator<Item = (u64, &'a [u8])> + Clone,
+) -> BatchStatus {
+    if !ranges
+        .clone()
         .all(|(addr, data)| regions.covers(addr, data.len() as u64))
     {
         return BatchStatus::OutsideRegistered;
     }
-    for (addr, data) in batch.ranges() {
+    for (addr, data) in ranges {
         // SAFETY: the range lies inside memory registered with this backend (checked just
         // above, with registration excluded meanwhile: it needs the core, which the
         // progressing thread holds). Registered memory is the caller's promise to keep
@@ -332,33 +358,21 @@ fn apply_batch_write(regions: &mut RegionIndex, msg: &[u8]) -> BatchStatus {
 /// Handler of [`wire::BATCH_WRITE_AM_ID`] (target side).
 pub(super) unsafe extern "C" fn on_batch_write(
     arg: *mut c_void,
-    _header: *const c_void,
-    _header_length: usize,
+    header: *const c_void,
+    header_length: usize,
     data: *mut c_void,
     length: usize,
     param: *const ucp_am_recv_param_t,
 ) -> ucs_status_t {
     // SAFETY: as UCX called this handler, registered with the core's events as `arg`.
-    let got = unsafe { am_received(arg, data, length, param) };
+    let got = unsafe { am_received(arg, header, header_length, data, length, param) };
     let batch = &got.events.batch;
     let msg = got.payload.unwrap_or_default();
     let status = {
         let mut regions = batch.regions.lock().unwrap_or_else(|e| e.into_inner());
         apply_batch_write(&mut regions, msg)
     };
-    if status != BatchStatus::Written {
-        batch.refused.fetch_add(1, Ordering::Relaxed);
-    }
-    let (Some(cookie), Some(reply_ep)) = (msg.first_chunk::<8>(), got.reply_ep) else {
-        batch.unsent_acks.fetch_add(1, Ordering::Relaxed);
-        return ucs_status_t::UCS_OK;
-    };
-    batch.send_ack(
-        got.events_ptr,
-        reply_ep,
-        u64::from_le_bytes(*cookie),
-        status,
-    );
+    batch.answer(&got, msg.first_chunk::<8>(), status);
     ucs_status_t::UCS_OK
 }
 
@@ -373,45 +387,20 @@ pub(super) unsafe extern "C" fn on_batch_write_one(
     param: *const ucp_am_recv_param_t,
 ) -> ucs_status_t {
     // SAFETY: as UCX called this handler, registered with the core's events as `arg`.
-    let got = unsafe { am_received(arg, data, length, param) };
+    let got = unsafe { am_received(arg, header, header_length, data, length, param) };
     let batch = &got.events.batch;
-    let header: &[u8] = if header_length == 0 {
-        &[]
-    } else {
-        // SAFETY: UCX guarantees header/header_length describe readable memory during the
-        // callback.
-        unsafe { std::slice::from_raw_parts(header as *const u8, header_length) }
-    };
     // A rendezvous message (no payload here) is not one of ours: malformed.
-    let parsed = got.payload.map(|d| wire::parse_batch_write_one(header, d));
-    let status = match parsed {
+    let status = match got
+        .payload
+        .map(|d| wire::parse_batch_write_one(got.header, d))
+    {
         Some(Ok((_, addr, data))) => {
             let mut regions = batch.regions.lock().unwrap_or_else(|e| e.into_inner());
-            if regions.covers(addr, data.len() as u64) {
-                // SAFETY: as in `apply_batch_write`: the range lies inside memory
-                // registered with this backend, checked just above with registration
-                // excluded meanwhile; the source is the message.
-                unsafe { ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) };
-                BatchStatus::Written
-            } else {
-                BatchStatus::OutsideRegistered
-            }
+            write_ranges(&mut regions, std::iter::once((addr, data)))
         }
         _ => BatchStatus::Malformed,
     };
-    if status != BatchStatus::Written {
-        batch.refused.fetch_add(1, Ordering::Relaxed);
-    }
-    let (Some(cookie), Some(reply_ep)) = (header.first_chunk::<8>(), got.reply_ep) else {
-        batch.unsent_acks.fetch_add(1, Ordering::Relaxed);
-        return ucs_status_t::UCS_OK;
-    };
-    batch.send_ack(
-        got.events_ptr,
-        reply_ep,
-        u64::from_le_bytes(*cookie),
-        status,
-    );
+    batch.answer(&got, got.header.first_chunk::<8>(), status);
     ucs_status_t::UCS_OK
 }
 
@@ -419,40 +408,31 @@ pub(super) unsafe extern "C" fn on_batch_write_one(
 /// cookie on the reply endpoint.
 pub(super) unsafe extern "C" fn on_ping(
     arg: *mut c_void,
-    _header: *const c_void,
-    _header_length: usize,
+    header: *const c_void,
+    header_length: usize,
     data: *mut c_void,
     length: usize,
     param: *const ucp_am_recv_param_t,
 ) -> ucs_status_t {
     // SAFETY: as UCX called this handler, registered with the core's events as `arg`.
-    let got = unsafe { am_received(arg, data, length, param) };
+    let got = unsafe { am_received(arg, header, header_length, data, length, param) };
     let batch = &got.events.batch;
     let cookie = got.payload.and_then(|p| p.first_chunk::<8>());
-    let (Some(cookie), Some(reply_ep)) = (cookie, got.reply_ep) else {
-        batch.unsent_acks.fetch_add(1, Ordering::Relaxed);
-        return ucs_status_t::UCS_OK;
-    };
-    batch.send_ack(
-        got.events_ptr,
-        reply_ep,
-        u64::from_le_bytes(*cookie),
-        BatchStatus::Written,
-    );
+    batch.answer(&got, cookie, BatchStatus::Written);
     ucs_status_t::UCS_OK
 }
 
 /// Handler of [`wire::BATCH_ACK_AM_ID`] (initiator side).
 pub(super) unsafe extern "C" fn on_batch_ack(
     arg: *mut c_void,
-    _header: *const c_void,
-    _header_length: usize,
+    header: *const c_void,
+    header_length: usize,
     data: *mut c_void,
     length: usize,
     param: *const ucp_am_recv_param_t,
 ) -> ucs_status_t {
     // SAFETY: as UCX called this handler, registered with the core's events as `arg`.
-    let got = unsafe { am_received(arg, data, length, param) };
+    let got = unsafe { am_received(arg, header, header_length, data, length, param) };
     let batch = &got.events.batch;
     match wire::parse_ack(got.payload.unwrap_or_default()) {
         Ok((wire::PING_COOKIE, _)) => {
@@ -571,14 +551,14 @@ impl BatchEvents {
 /// Handler of [`wire::BATCH_READ_AM_ID`] (target side).
 pub(super) unsafe extern "C" fn on_batch_read(
     arg: *mut c_void,
-    _header: *const c_void,
-    _header_length: usize,
+    header: *const c_void,
+    header_length: usize,
     data: *mut c_void,
     length: usize,
     param: *const ucp_am_recv_param_t,
 ) -> ucs_status_t {
     // SAFETY: as UCX called this handler, registered with the core's events as `arg`.
-    let got = unsafe { am_received(arg, data, length, param) };
+    let got = unsafe { am_received(arg, header, header_length, data, length, param) };
     let batch = &got.events.batch;
     let msg = got.payload.unwrap_or_default();
     let Some(reply_ep) = got.reply_ep.filter(|_| msg.len() >= 8) else {
@@ -594,14 +574,14 @@ pub(super) unsafe extern "C" fn on_batch_read(
 /// the local ranges the message was posted with, then queue its ack.
 pub(super) unsafe extern "C" fn on_batch_read_reply(
     arg: *mut c_void,
-    _header: *const c_void,
-    _header_length: usize,
+    header: *const c_void,
+    header_length: usize,
     data: *mut c_void,
     length: usize,
     param: *const ucp_am_recv_param_t,
 ) -> ucs_status_t {
     // SAFETY: as UCX called this handler, registered with the core's events as `arg`.
-    let got = unsafe { am_received(arg, data, length, param) };
+    let got = unsafe { am_received(arg, header, header_length, data, length, param) };
     let batch = &got.events.batch;
     let Ok((cookie, mut status, payload)) = wire::parse_read_reply(got.payload.unwrap_or_default())
     else {

@@ -151,6 +151,8 @@ pub(super) struct AmReceived<'a> {
     pub(super) payload: Option<&'a [u8]>,
     /// The endpoint to answer on, when UCX passed one.
     pub(super) reply_ep: Option<ucp_ep_h>,
+    /// The message's user header (empty when it has none).
+    pub(super) header: &'a [u8],
 }
 
 /// Read an active message's arguments.
@@ -162,6 +164,8 @@ pub(super) struct AmReceived<'a> {
 /// only during the callback.
 pub(super) unsafe fn am_received<'a>(
     arg: *mut c_void,
+    header: *const c_void,
+    header_length: usize,
     data: *mut c_void,
     length: usize,
     param: *const ucp_am_recv_param_t,
@@ -178,11 +182,19 @@ pub(super) unsafe fn am_received<'a>(
         // SAFETY: eager data is readable during the callback (the caller's promise).
         Some(unsafe { std::slice::from_raw_parts(data as *const u8, length) })
     };
+    let header = if header_length == 0 {
+        &[][..]
+    } else {
+        // SAFETY: UCX guarantees header/header_length describe readable memory during the
+        // callback (the caller's promise).
+        unsafe { std::slice::from_raw_parts(header as *const u8, header_length) }
+    };
     AmReceived {
         events,
         events_ptr,
         payload,
         reply_ep: (recv_attr & u64::from(UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0).then_some(reply_ep),
+        header,
     }
 }
 
@@ -195,19 +207,13 @@ pub(super) unsafe extern "C" fn on_notif(
     param: *const ucp_am_recv_param_t,
 ) -> ucs_status_t {
     // SAFETY: as UCX called this handler, registered with the core's events as `arg`.
-    let got = unsafe { am_received(arg, data, length, param) };
+    let got = unsafe { am_received(arg, header, header_length, data, length, param) };
     let events = got.events;
     let Some(payload) = got.payload else {
         events.dropped_notifs.fetch_add(1, Ordering::Relaxed);
         return ucs_status_t::UCS_OK;
     };
-    let from: &[u8] = if header_length == 0 {
-        &[]
-    } else {
-        // SAFETY: UCX guarantees header/header_length describe readable memory during the
-        // callback.
-        unsafe { std::slice::from_raw_parts(header as *const u8, header_length) }
-    };
+    let from = got.header;
     let accepted = events
         .inbox
         .lock()
