@@ -652,7 +652,11 @@ fn phase_dispatch<'a>(
         // (and their memory valid by `register`'s promise) for the whole post.
         let result = unsafe { backend.post(endpoint, &batch, &mut world.completions) };
         drop(batch);
-        let post_duration = t0.map(|t| t.elapsed()).unwrap_or_default();
+        let ended = t0.map(|_| Instant::now());
+        let post_duration = t0.zip(ended).map(|(t, e)| e - t).unwrap_or_default();
+        if ended.is_some() {
+            world.dispatched_at = ended;
+        }
         for p in group {
             let row = p.row as usize;
             match &result {

@@ -10,8 +10,9 @@
 //!   generational table; the public metadata is the packed rkey.
 //! - **Peers**: a peer's endpoint is created, and its wireup waited for (up to 5 ms),
 //!   when its metadata is loaded (`connect_on_load`, the default: the first request
-//!   pays no wireup); with `unpack_on_load` the packed rkeys of the regions it lists are
-//!   unpacked then too, else on first use; with `connect_on_load=false` everything
+//!   pays no wireup); the packed rkeys of the regions it lists are unpacked then too
+//!   (`unpack_on_load`: by default all but those UCX maps here, a peer's shared-memory
+//!   segments, which wait for first use); with `connect_on_load=false` everything
 //!   waits for the first use (or [`Backend::connect`]).
 //!   Error handling is `peer` by default; rkeys are cached per region token until the
 //!   peer is unloaded, reloaded with new connection info, or reported dead.
@@ -140,11 +141,13 @@ pub const PARAMS: &[ParamSpec] = &[
     },
     ParamSpec {
         name: "unpack_on_load",
-        default: "false",
-        doc: "with connect_on_load, also unpack the rkeys of every region the peer lists at \
-              load (as NIXL does); off by default because an unpacked rkey of a peer's \
-              UCX-allocated (shared-memory) region keeps that segment mapped here until the \
-              peer is unloaded, used or not",
+        default: "auto",
+        doc: "with connect_on_load, also unpack at load the rkeys of the regions the peer \
+              lists (as NIXL does), so the first request pays none: auto = every region \
+              but those UCX maps into this process (a peer's UCX-allocated shared-memory \
+              segments: their rkey is released at once and unpacked on first use, so no \
+              segment stays mapped here unused); true = all, mapped ones too; false = \
+              none, each on first use (an idle loaded peer then holds no unpacked rkeys)",
     },
     ParamSpec {
         name: "chunk_bytes",
@@ -310,6 +313,20 @@ pub struct BatchCounts {
     pub in_flight: usize,
 }
 
+/// Which rkeys a load unpacks (`unpack_on_load`, with `connect_on_load`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UnpackOnLoad {
+    /// None: each on its first use.
+    Never,
+    /// Every region's, except those UCX maps into this process (`ucp_rkey_ptr`
+    /// succeeds: a peer's shared-memory segment), which are released at once and
+    /// unpacked on first use, so no segment stays mapped here unused (`auto`, the
+    /// default).
+    Unmapped,
+    /// Every region's, mapped ones too (`true`).
+    All,
+}
+
 /// Endpoint error-handling mode.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ErrorMode {
@@ -336,8 +353,8 @@ pub struct Config {
     pub progress_thread: bool,
     /// Whether loading a peer's metadata creates its endpoint (and waits for its wireup).
     pub connect_on_load: bool,
-    /// Whether it also unpacks the rkeys of the peer's regions.
-    pub unpack_on_load: bool,
+    /// Which rkeys of the peer's regions it also unpacks.
+    pub unpack_on_load: UnpackOnLoad,
     /// Requests in flight at once.
     pub max_requests: usize,
     /// How long a peer's requests may make no progress before the peer is declared
@@ -490,9 +507,10 @@ impl Config {
             _ => return Err(bad("connect_on_load", "expected true or false")),
         };
         let unpack_on_load = match get("unpack_on_load") {
-            "true" | "1" | "yes" => true,
-            "false" | "0" | "no" => false,
-            _ => return Err(bad("unpack_on_load", "expected true or false")),
+            "auto" => UnpackOnLoad::Unmapped,
+            "true" | "1" | "yes" => UnpackOnLoad::All,
+            "false" | "0" | "no" => UnpackOnLoad::Never,
+            _ => return Err(bad("unpack_on_load", "expected auto, true or false")),
         };
         let max_requests: usize = get("max_requests")
             .parse()

@@ -184,3 +184,135 @@ fn hundred_alloc_free_cycles_leave_nothing_mapped() {
     }
     eprintln!("100 cycles: {shared} of them in a shared-memory segment (SysV or POSIX)");
 }
+
+/// How many mappings of this process are of file `inode` with `path`.
+fn mappings_of(inode: u64, path: &str) -> usize {
+    let maps = std::fs::read_to_string("/proc/self/maps").expect("read /proc/self/maps");
+    maps.lines()
+        .filter(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            fields.len() >= 6 && fields[4] == inode.to_string() && fields[5..].join(" ") == path
+        })
+        .count()
+}
+
+/// A load unpacks the rkeys of the regions the peer lists (`connect_on_load`,
+/// `unpack_on_load`). With `auto` (the default) an rkey UCX maps into this process — a
+/// peer's allocation in a shared-memory segment — is released at once, so the load
+/// leaves no extra mapping of the segment behind; with `true` it is kept, mapped. Either
+/// way a WRITE into the allocation then lands byte for byte (`auto` unpacks it then).
+#[test]
+fn a_load_keeps_no_peer_segment_mapped_unless_told_to() {
+    if !setup() {
+        return;
+    }
+    let none = ("error_handling", "none");
+    let mut b = backend("segment-b", "", &[none]);
+    // An allocation in a shared-memory segment (UCX picks how it allocates: try a few).
+    let mut found = None;
+    for _ in 0..8 {
+        let a = b.alloc(MemKind::Dram, 1 << 20).expect("alloc");
+        match mapping_at(a.addr).filter(|(inode, _)| *inode != 0) {
+            Some(file) => {
+                found = Some((a, file));
+                break;
+            }
+            None => free(&mut b, a.addr).expect("free"),
+        }
+    }
+    let Some((alloc, (inode, path))) = found else {
+        panic!("UCX placed none of 8 allocations in a shared-memory segment");
+    };
+    let r = b
+        .register_t(&ferry_backend_api::RegionSpec {
+            kind: MemKind::Dram,
+            desc: Desc::new(alloc.addr, alloc.len, 0),
+            path: None,
+        })
+        .expect("register");
+    let regions = common::HandRegions {
+        name: "segment-b".into(),
+        md: [(r.token, r.public_md.clone())].into(),
+        descs: [(r.token, Desc::new(alloc.addr, alloc.len, 0))].into(),
+    };
+    let conn = b.conn_info();
+    let peer = peer_id(1);
+    for (n, mode) in ["true", "auto"].into_iter().enumerate() {
+        let mut a = backend(
+            &format!("segment-a-{mode}"),
+            "",
+            &[none, ("unpack_on_load", mode)],
+        );
+        let before = mappings_of(inode, &path);
+        a.load_remote(
+            peer,
+            ferry_backend_api::RemoteAgent {
+                name: "segment-b",
+                conn_info: &conn,
+                regions: std::sync::Arc::new(regions.clone()),
+            },
+        )
+        .expect("load");
+        let (connected, kept) = a.peer_connection(peer).expect("loaded");
+        assert!(connected, "{mode}");
+        let extra = mappings_of(inode, &path) - before;
+        if mode == "true" {
+            assert_eq!(kept, 1, "true keeps the rkey");
+            assert!(
+                extra >= 1,
+                "UCX did not map the peer's segment at unpack: {path}"
+            );
+        } else {
+            assert_eq!((kept, extra), (0, 0), "auto keeps no mapped rkey");
+        }
+        // A WRITE into the allocation, then it is mapped (and cached) either way.
+        let mut src = Buffer::new(4096);
+        Rng::new(n as u64).fill(&mut src.0);
+        let (src_token, _) = register(&mut a, &src);
+        let at = alloc.addr + 8192;
+        let ranges = [Range {
+            local_addr: src.addr(),
+            remote_addr: at,
+            len: 4096,
+            local_dev: 0,
+            remote_dev: 0,
+            local_token: src_token,
+            remote_token: r.token,
+        }];
+        let posts = [Post {
+            tag: 7,
+            op: Op::Write,
+            local_kind: MemKind::Dram,
+            remote_kind: MemKind::Dram,
+            ranges: &ranges,
+            notif: None,
+        }];
+        let mut done = Completions::with_capacity(4);
+        a.post_t(Endpoint::Peer(peer), &posts, &mut done)
+            .expect("post");
+        let result = match done.as_slice().first() {
+            Some(c) => c.result,
+            None => {
+                wait_for(
+                    &mut [&mut a, &mut b],
+                    &[7],
+                    std::time::Duration::from_secs(10),
+                )[0]
+                .result
+            }
+        };
+        assert_eq!(result, Ok(()), "{mode}");
+        // SAFETY: b's live allocation; the WRITE completed, nothing writes it now.
+        let landed = unsafe { std::slice::from_raw_parts((at) as *const u8, 4096) };
+        assert!(landed == &src.0[..], "{mode}: bytes differ");
+        assert_eq!(a.peer_connection(peer), Some((true, 1)), "{mode}");
+        drop(a);
+        assert_eq!(
+            mappings_of(inode, &path),
+            before,
+            "{mode}: still mapped after unload"
+        );
+    }
+    b.deregister_t(MemKind::Dram, r.token).unwrap();
+    free(&mut b, alloc.addr).expect("free");
+}

@@ -914,10 +914,12 @@ fn a_small_post_window_hands_batches_over_in_pieces_byte_for_byte() {
 }
 
 /// `connect_on_load` (the default): loading a peer makes its endpoint; with
-/// `unpack_on_load` it also unpacks the rkeys of the regions it lists, an rkey UCX
-/// refuses does not fail the load and is reported by the first request that needs it,
-/// and a reload with new regions unpacks only those. With `connect_on_load=false`
-/// nothing happens until the first request.
+/// `unpack_on_load` (`auto`, the default, or `true`) it also unpacks the rkeys of the
+/// regions it lists (ordinary memory here, which UCX does not map, so `auto` keeps
+/// them too), an rkey UCX refuses does not fail the load and is reported by the first
+/// request that needs it, and a reload with new regions unpacks only those. With
+/// `unpack_on_load=false` the rkeys wait for the first request; with
+/// `connect_on_load=false` nothing happens until then.
 #[test]
 fn loading_a_peer_connects_and_unpacks_its_rkeys_unless_told_not_to() {
     if !setup() {
@@ -926,11 +928,16 @@ fn loading_a_peer_connects_and_unpacks_its_rkeys_unless_told_not_to() {
     const LEN: usize = 1 << 16;
     for &transports in TRANSPORTS {
         // (connect_on_load, unpack_on_load)
-        for (connect, unpack) in [(true, true), (true, false), (false, false)] {
-            let flag = format!("connect {connect}, unpack {unpack}");
+        for (connect, unpack_param, unpack) in [
+            (true, "true", true),
+            (true, "auto", true),
+            (true, "false", false),
+            (false, "auto", false),
+        ] {
+            let flag = format!("connect {connect}, unpack_on_load={unpack_param}");
             let params = [
                 ("connect_on_load", if connect { "true" } else { "false" }),
-                ("unpack_on_load", if unpack { "true" } else { "false" }),
+                ("unpack_on_load", unpack_param),
             ];
             let mut a = backend("agent-a", transports, &params);
             let mut b = backend("agent-b", transports, &[]);

@@ -170,6 +170,9 @@ pub struct World {
     pub(crate) pools: Pools,
     /// Completion sink shared by all backends.
     pub(crate) completions: Completions,
+    /// When this flush's last post returned (telemetry on): the completion time of
+    /// what the posts completed at once, so routing them reads no clock of its own.
+    pub(crate) dispatched_at: Option<std::time::Instant>,
     /// Per-flush scratch.
     pub(crate) arena: bumpalo::Bump,
     /// Regions deregistered so far (part of the published metadata generation).
@@ -267,6 +270,7 @@ impl World {
             peer_names: HashMap::new(),
             pools: Pools::default(),
             completions: Completions::with_capacity(xfers),
+            dispatched_at: None,
             arena: bumpalo::Bump::with_capacity(64 * 1024),
             deregistrations: 0,
             allocations: Vec::new(),

@@ -641,16 +641,27 @@ impl World {
     /// Drive every backend once and route completions to their requests. Returns how
     /// many completions were routed. Never blocks.
     pub(crate) fn progress(&mut self) -> u32 {
+        // What the posts of this flush completed at once is stamped with the time the
+        // last post returned; what the backends complete now, with one clock read, taken
+        // only if they complete something (a polling `check` reads no clock).
+        let queued = self.completions.as_slice().len();
+        let dispatched_at = self.dispatched_at.take();
         for slot in 0..MAX_BACKENDS {
             if let Some(backend) = self.backends.backends[slot].as_mut() {
                 backend.progress(&mut self.completions);
             }
         }
         let mut routed = 0;
-        let now = self.bounds.telemetry.then(Instant::now);
+        let telemetry = self.bounds.telemetry;
+        let mut now = None;
         let mut completions = std::mem::take(&mut self.completions);
-        for c in completions.as_slice() {
-            routed += u32::from(self.route(*c, now));
+        for (i, c) in completions.as_slice().iter().enumerate() {
+            let at = match (telemetry, i < queued, dispatched_at) {
+                (false, ..) => None,
+                (true, true, Some(t)) => Some(t),
+                (true, ..) => Some(*now.get_or_insert_with(Instant::now)),
+            };
+            routed += u32::from(self.route(*c, at));
         }
         completions.clear();
         self.completions = completions;

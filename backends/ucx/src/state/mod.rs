@@ -147,8 +147,8 @@ pub(crate) struct Core {
     close_force: bool,
     /// Create a peer's endpoint when its metadata is loaded.
     connect_on_load: bool,
-    /// And unpack its regions' rkeys then.
-    unpack_on_load: bool,
+    /// And unpack which of its regions' rkeys then.
+    unpack_on_load: crate::UnpackOnLoad,
     /// Completions produced outside a `post` call (callbacks, progress thread).
     pub(crate) ready: Completions,
     /// Largest single put/get; longer ranges are split.

@@ -174,33 +174,48 @@ impl Core {
         let state = &self.peers[&peer];
         let regions = state.regions.clone();
         let mut todo = Vec::new();
-        if self.unpack_on_load {
+        let mode = self.unpack_on_load;
+        if mode != crate::UnpackOnLoad::Never {
             regions.for_each_region(crate::BACKEND, &mut |token, desc, _| {
                 if !state.rkeys.contains_key(&token) {
                     todo.push((token, desc.addr));
                 }
             });
         }
-        let mut refused = 0usize;
+        let (mut refused, mut mapped) = (0usize, 0usize);
         for &(token, addr) in &todo {
-            if let Err(e) = self.rkey_for(Endpoint::Peer(peer), ep, token, addr) {
-                if refused == 0 {
-                    log::warn!("UCX: at load: {e} (its first request reports it again)");
+            match self.rkey_for(Endpoint::Peer(peer), ep, token, addr) {
+                Err(e) => {
+                    if refused == 0 {
+                        log::warn!("UCX: at load: {e} (its first request reports it again)");
+                    }
+                    refused += 1;
                 }
-                refused += 1;
+                Ok(key) if key.mapped && mode == crate::UnpackOnLoad::Unmapped => {
+                    // A segment of the peer's, now mapped here: not kept mapped for a
+                    // region that may never be used; its first use unpacks it again.
+                    let state = self.peers.get_mut(&peer).expect("present");
+                    state.rkeys.remove(&token);
+                    // SAFETY: unpacked just above on this peer's live endpoint, and
+                    // dropped from the cache, so nothing else holds or frees it.
+                    unsafe { self.ucp.api().ucp_rkey_destroy(key.rkey) };
+                    mapped += 1;
+                }
+                Ok(_) => {}
             }
         }
         let worker = self.peers[&peer].worker;
         let wired = self.finish_wireup(peer, ep, worker);
         log::debug!(
-            "UCX: peer '{}' loaded: endpoint made{}, {} rkey(s) unpacked, {refused} refused",
+            "UCX: peer '{}' loaded: endpoint made{}, {} rkey(s) unpacked, {mapped} left for \
+             first use (mapped here), {refused} refused",
             self.peers[&peer].name,
             if wired {
                 " and wired up"
             } else {
                 " (wireup still running)"
             },
-            todo.len() - refused
+            todo.len() - refused - mapped
         );
     }
 
