@@ -249,25 +249,21 @@ fn ucx_first_request(c: &mut Criterion) {
         let dst = Buffer::zeroed(n * UCX_REGION);
         let mut rng = Rng::new(3);
         let src = Buffer::random(n * BLOCK, &mut rng);
-        let target = ucx_agent("scaling-ucx-target", true);
-        for i in 0..n {
-            try_register(&target, MemKind::Dram, dst.desc(i * UCX_REGION, UCX_REGION))
-                .expect("register");
-        }
-        let blob = target.local_md().expect("md");
+        // A target agent with N UCX regions in `dst`: (agent, its metadata).
+        let target_of = |name: &str, dst: &Buffer| {
+            let target = ucx_agent(name, true);
+            for i in 0..n {
+                try_register(&target, MemKind::Dram, dst.desc(i * UCX_REGION, UCX_REGION))
+                    .expect("register");
+            }
+            let blob = target.local_md().expect("md");
+            (target, blob)
+        };
+        let (_target, blob) = target_of("scaling-ucx-target", &dst);
         // A second peer of the same shape, for `_used_agent`: its request warms what
         // belongs to the initiator (its tables, UCX's pools), not to the peer timed.
         let other_dst = Buffer::zeroed(n * UCX_REGION);
-        let other = ucx_agent("scaling-ucx-other", true);
-        for i in 0..n {
-            try_register(
-                &other,
-                MemKind::Dram,
-                other_dst.desc(i * UCX_REGION, UCX_REGION),
-            )
-            .expect("register");
-        }
-        let other_blob = other.local_md().expect("md");
+        let (_other, other_blob) = target_of("scaling-ucx-other", &other_dst);
         let other_remote: Vec<Desc> = (0..n)
             .map(|i| other_dst.desc(i * UCX_REGION, BLOCK))
             .collect();

@@ -652,11 +652,14 @@ fn phase_dispatch<'a>(
         // (and their memory valid by `register`'s promise) for the whole post.
         let result = unsafe { backend.post(endpoint, &batch, &mut world.completions) };
         drop(batch);
-        let ended = t0.map(|_| Instant::now());
-        let post_duration = t0.zip(ended).map(|(t, e)| e - t).unwrap_or_default();
-        if ended.is_some() {
-            world.dispatched_at = ended;
-        }
+        let post_duration = match t0 {
+            Some(t0) => {
+                let ended = Instant::now();
+                world.dispatched_at = Some(ended);
+                ended - t0
+            }
+            None => Default::default(),
+        };
         for p in group {
             let row = p.row as usize;
             match &result {

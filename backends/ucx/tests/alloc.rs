@@ -30,11 +30,18 @@ fn mapping_at(addr: u64) -> Option<(u64, String)> {
 
 /// Whether any mapping of this process is of file `inode` with `path`.
 fn mapped(inode: u64, path: &str) -> bool {
+    mappings_of(inode, path) > 0
+}
+
+/// How many mappings of this process are of file `inode` with `path`.
+fn mappings_of(inode: u64, path: &str) -> usize {
     let maps = std::fs::read_to_string("/proc/self/maps").expect("read /proc/self/maps");
-    maps.lines().any(|line| {
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        fields.len() >= 6 && fields[4] == inode.to_string() && fields[5..].join(" ") == path
-    })
+    maps.lines()
+        .filter(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            fields.len() >= 6 && fields[4] == inode.to_string() && fields[5..].join(" ") == path
+        })
+        .count()
 }
 
 fn register_at(ucx: &mut UcxBackend, addr: u64, len: u64) -> Result<u64, Error> {
@@ -185,17 +192,6 @@ fn hundred_alloc_free_cycles_leave_nothing_mapped() {
     eprintln!("100 cycles: {shared} of them in a shared-memory segment (SysV or POSIX)");
 }
 
-/// How many mappings of this process are of file `inode` with `path`.
-fn mappings_of(inode: u64, path: &str) -> usize {
-    let maps = std::fs::read_to_string("/proc/self/maps").expect("read /proc/self/maps");
-    maps.lines()
-        .filter(|line| {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            fields.len() >= 6 && fields[4] == inode.to_string() && fields[5..].join(" ") == path
-        })
-        .count()
-}
-
 /// A load unpacks the rkeys of the regions the peer lists (`connect_on_load`,
 /// `unpack_on_load`). With `auto` (the default) an rkey UCX maps into this process — a
 /// peer's allocation in a shared-memory segment — is released at once, so the load
@@ -303,7 +299,7 @@ fn a_load_keeps_no_peer_segment_mapped_unless_told_to() {
         };
         assert_eq!(result, Ok(()), "{mode}");
         // SAFETY: b's live allocation; the WRITE completed, nothing writes it now.
-        let landed = unsafe { std::slice::from_raw_parts((at) as *const u8, 4096) };
+        let landed = unsafe { std::slice::from_raw_parts(at as *const u8, 4096) };
         assert!(landed == &src.0[..], "{mode}: bytes differ");
         assert_eq!(a.peer_connection(peer), Some((true, 1)), "{mode}");
         drop(a);

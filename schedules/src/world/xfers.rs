@@ -656,11 +656,10 @@ impl World {
         let mut now = None;
         let mut completions = std::mem::take(&mut self.completions);
         for (i, c) in completions.as_slice().iter().enumerate() {
-            let at = match (telemetry, i < queued, dispatched_at) {
-                (false, ..) => None,
-                (true, true, Some(t)) => Some(t),
-                (true, ..) => Some(*now.get_or_insert_with(Instant::now)),
-            };
+            let at = telemetry.then(|| match dispatched_at {
+                Some(t) if i < queued => t,
+                _ => *now.get_or_insert_with(Instant::now),
+            });
             routed += u32::from(self.route(*c, at));
         }
         completions.clear();
