@@ -370,7 +370,8 @@ impl MdState {
             }
             let conn = include_conn_info
                 .then(|| world.slot_conn_info(slot))
-                .flatten();
+                .flatten()
+                .transpose()?;
             *entry = Some(writer.backend(name, conn.as_deref()));
         }
         let table = world.regions();

@@ -609,7 +609,9 @@ pub trait Backend: Send {
     }
 
     /// Connection info peers need to reach this backend (empty for local-only ones).
-    fn conn_info(&self) -> Vec<u8>;
+    /// An error where making it needs resources that could not be had (UCX creates its
+    /// workers on first need).
+    fn conn_info(&self) -> Result<Vec<u8>>;
 
     /// Take in (or refresh) a peer's connection info and regions.
     fn load_remote(&mut self, peer: PeerId, remote: RemoteAgent<'_>) -> Result<()>;

@@ -1052,8 +1052,8 @@ impl Backend for GdsBackend {
         }
     }
 
-    fn conn_info(&self) -> Vec<u8> {
-        Vec::new()
+    fn conn_info(&self) -> Result<Vec<u8>> {
+        Ok(Vec::new())
     }
 
     fn load_remote(&mut self, _peer: PeerId, _remote: RemoteAgent<'_>) -> Result<()> {

@@ -883,11 +883,11 @@ impl Backend for Loopback {
         Ok(())
     }
 
-    fn conn_info(&self) -> Vec<u8> {
+    fn conn_info(&self) -> Result<Vec<u8>> {
         let mut info = Vec::with_capacity(12);
         info.extend_from_slice(&std::process::id().to_le_bytes());
         info.extend_from_slice(&self.id.to_le_bytes());
-        info
+        Ok(info)
     }
 
     fn load_remote(&mut self, peer: PeerId, remote: RemoteAgent<'_>) -> Result<()> {

@@ -72,7 +72,7 @@ fn load(initiator: &mut Loopback, target: &Loopback, name: &str, regions: &[Vec<
             peer(0),
             RemoteAgent {
                 name,
-                conn_info: &target.conn_info(),
+                conn_info: &target.conn_info().expect("conn info"),
                 regions: Arc::new(HandRegions {
                     name: name.into(),
                     md,

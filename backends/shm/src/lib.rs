@@ -947,8 +947,8 @@ impl Backend for Shm {
         Ok(())
     }
 
-    fn conn_info(&self) -> Vec<u8> {
-        self.conn().encode()
+    fn conn_info(&self) -> Result<Vec<u8>> {
+        Ok(self.conn().encode())
     }
 
     fn load_remote(&mut self, peer: PeerId, remote: RemoteAgent<'_>) -> Result<()> {

@@ -972,10 +972,11 @@ impl Backend for UcxBackend {
         self.core().free(addr)
     }
 
-    fn conn_info(&self) -> Vec<u8> {
+    fn conn_info(&self) -> Result<Vec<u8>> {
         // Every build that writes format 2 handles batch messages (the handlers are
         // registered on every worker, whatever `am_batch` says about sending them).
-        wire::encode(&self.core().worker_addresses(), wire::FEATURE_BATCH_AM)
+        let addresses = self.core().worker_addresses()?;
+        Ok(wire::encode(&addresses, wire::FEATURE_BATCH_AM))
     }
 
     fn load_remote(&mut self, peer: PeerId, remote: RemoteAgent<'_>) -> Result<()> {

@@ -231,7 +231,7 @@ fn a_load_keeps_no_peer_segment_mapped_unless_told_to() {
         md: [(r.token, r.public_md.clone())].into(),
         descs: [(r.token, Desc::new(alloc.addr, alloc.len, 0))].into(),
     };
-    let conn = b.conn_info();
+    let conn = b.conn_info().expect("conn info");
     let peer = peer_id(1);
     for (n, mode) in ["true", "auto"].into_iter().enumerate() {
         let mut a = backend(

@@ -210,7 +210,7 @@ fn a_message_into_memory_no_longer_registered_is_refused_whole_without_writing()
         let mut p = pair(transports, &[]);
         let gone = Buffer::new(64 << 10);
         let (gone_token, gone_md) = register(&mut p.b, &gone);
-        let b_info = p.b.conn_info();
+        let b_info = p.b.conn_info().expect("conn info");
         load(
             &mut p.a,
             p.peer_b,
@@ -321,7 +321,7 @@ fn unloading_the_target_with_acks_pending_fails_each_request_once() {
         assert_eq!(p.a.in_flight(), 0, "slots left");
         assert_eq!(p.a.batch_counts().in_flight, 0, "batch messages left");
         // Reloaded, the peer works again.
-        let b_info = p.b.conn_info();
+        let b_info = p.b.conn_info().expect("conn info");
         load(
             &mut p.a,
             p.peer_b,
@@ -363,7 +363,7 @@ fn a_peer_without_the_batch_feature_gets_puts_and_gets() {
             let mut p = pair(transports, &[]);
             p.a.connect(p.peer_b).unwrap();
             assert_eq!(p.a.batches_to(p.peer_b), Some(true), "{what}");
-            let old = without_batch_feature(&p.b.conn_info(), format_1);
+            let old = without_batch_feature(&p.b.conn_info().expect("conn info"), format_1);
             let regions = [(p.b_token, p.b_md.clone())];
             load(&mut p.a, p.peer_b, "agent-b", &old, &regions);
             p.a.connect(p.peer_b).unwrap();
@@ -392,7 +392,7 @@ fn a_peer_without_the_batch_feature_gets_puts_and_gets() {
             assert_eq!(p.a.batch_counts().in_flight, 0, "{what}");
 
             // It says it again: batching again.
-            let now = p.b.conn_info();
+            let now = p.b.conn_info().expect("conn info");
             load(&mut p.a, p.peer_b, "agent-b", &now, &regions);
             p.a.connect(p.peer_b).unwrap();
             assert_eq!(p.a.batches_to(p.peer_b), Some(true), "{what}");
@@ -432,7 +432,7 @@ fn small_ranges_into_a_region_ucx_maps_here_go_as_puts() {
         (p.b_token, p.b_md.clone()),
         (shared_token.token, shared_token.public_md.clone()),
     ];
-    let info = p.b.conn_info();
+    let info = p.b.conn_info().expect("conn info");
     load(&mut p.a, p.peer_b, "agent-b", &info, &regions);
     Rng::new(0x5a9).fill(&mut p.a_buf.0);
     let small = |remote: u64, token: u64| -> Vec<Range> {

@@ -324,7 +324,7 @@ fn bad_input_gets_typed_errors() {
         &mut p.a,
         evil,
         "evil",
-        &p.b.conn_info(),
+        &p.b.conn_info().expect("conn info"),
         &[(5, b"not an rkey".to_vec())],
     );
     let mut r = good;
@@ -471,7 +471,7 @@ fn unload_fails_in_flight_requests_with_remote_disconnect() {
         &mut p.a,
         p.peer_b,
         "agent-b",
-        &p.b.conn_info(),
+        &p.b.conn_info().expect("conn info"),
         &[(bt, bmd.public_md.clone()), (bmd.token, bmd.public_md)],
     );
     Rng::new(3).fill(&mut p.a_buf.0);
@@ -669,7 +669,7 @@ fn stress(cycles: u64, transports: &str, ep_close: &str, close_rounds: &str) {
             &mut p.a,
             peer,
             "agent-b",
-            &p.b.conn_info(),
+            &p.b.conn_info().expect("conn info"),
             &[(b_token, b_md.clone())],
         );
         let batch = [
@@ -960,7 +960,7 @@ fn loading_a_peer_connects_and_unpacks_its_rkeys_unless_told_not_to() {
             regions
                 .descs
                 .insert(77, ferry_backend_api::Desc::new(0x1000, 64, 0));
-            let conn = b.conn_info();
+            let conn = b.conn_info().expect("conn info");
             let remote = |regions: &HandRegions| RemoteAgent {
                 name: "agent-b",
                 conn_info: &conn,
@@ -1061,7 +1061,7 @@ fn agents_that_load_a_peer_and_go_away_at_once_leave_it_serving() {
                 &mut gone,
                 peer_id(round),
                 "agent-b",
-                &p.b.conn_info(),
+                &p.b.conn_info().expect("conn info"),
                 &b_region,
             );
         }

@@ -144,7 +144,7 @@ fn child_main(addr: &str) {
     pattern(READ_SEED, mem.bytes());
     let (token, md) = mem.register(&mut ucx);
     let mut stream = TcpStream::connect(addr).expect("child connects to parent");
-    send_frame(&mut stream, &ucx.conn_info());
+    send_frame(&mut stream, &ucx.conn_info().expect("conn info"));
     send_frame(&mut stream, &token.to_le_bytes());
     send_frame(&mut stream, &md);
     send_frame(&mut stream, &mem.addr().to_le_bytes());

@@ -137,7 +137,7 @@ mod gpu {
             &mut a,
             peer,
             "vram-b",
-            &b.conn_info(),
+            &b.conn_info().expect("conn info"),
             &[(b_reg.token, b_reg.public_md.clone())],
         );
 
@@ -211,7 +211,7 @@ mod gpu {
             &mut a,
             peer,
             "host-only-b",
-            &b.conn_info(),
+            &b.conn_info().expect("conn info"),
             &[(b_reg.token, b_reg.public_md.clone())],
         );
         let mut src = vec![0u8; len];
@@ -282,7 +282,7 @@ mod gpu {
             &mut a,
             peer,
             "vmm-b",
-            &b.conn_info(),
+            &b.conn_info().expect("conn info"),
             &[(b_reg.token, b_reg.public_md.clone())],
         );
         let mut src = vec![0u8; one.len()];

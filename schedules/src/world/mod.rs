@@ -434,8 +434,8 @@ impl World {
         self.backends.caps.get(slot).copied().flatten()
     }
 
-    /// Connection info of the backend in `slot`.
-    pub fn slot_conn_info(&self, slot: usize) -> Option<Vec<u8>> {
+    /// Connection info of the backend in `slot` (`None`: no backend there).
+    pub fn slot_conn_info(&self, slot: usize) -> Option<Result<Vec<u8>, Error>> {
         self.backends
             .backends
             .get(slot)?

@@ -254,8 +254,8 @@ impl Backend for PosixBackend {
         self.deregister_region(kind, token)
     }
 
-    fn conn_info(&self) -> Vec<u8> {
-        Vec::new()
+    fn conn_info(&self) -> Result<Vec<u8>> {
+        Ok(Vec::new())
     }
 
     fn load_remote(&mut self, _peer: PeerId, _remote: RemoteAgent<'_>) -> Result<()> {

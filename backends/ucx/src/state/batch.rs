@@ -923,7 +923,7 @@ impl Core {
             UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
         param.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
         param.cb.send = Some(on_op_done);
-        param.user_data = &self.cells[cell as usize] as *const OpCell as *mut c_void;
+        param.user_data = self.cells.get(cell) as *const OpCell as *mut c_void;
         // A lent range: header and entry as UCX's message header, the data from the
         // caller's memory as the message (contiguous, so UCX sends it zero-copy in one
         // fragment; a gather list of the two would take its multi-fragment protocol,

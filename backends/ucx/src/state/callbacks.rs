@@ -11,40 +11,48 @@ use super::*;
 /// A cell's status while no completion waits in it.
 const NO_STATUS: i32 = i32::MAX;
 
+/// Request slots whose callback cells are allocated together (two cells each: 8 KiB).
+pub(super) const SLOT_CHUNK: usize = 256;
+
+/// Reports the completion queue holds at most (besides one per batch message); past
+/// that the consumer's scan takes them (see [`CompletionQueue`]).
+const QUEUE_SLOTS_MAX: usize = 1024;
+
 /// Completions reported by UCX callbacks, waiting for `Core::pump`.
 ///
 /// # Why it never loses a completion
 ///
 /// A callback stores its status in its request's [`OpCell`] and queues the cell's
-/// index. The queue holds one entry per request slot, and a slot never has more than one
-/// callback-bearing UCX request outstanding: a batch's slots share one endpoint flush
-/// (reported on the head slot's even cell) and each slot's notification is sent only
-/// after that flush was handled (reported on its odd cell); put/get requests carry no
-/// callback. A slot is freed only after its last report was taken. Batch messages
-/// (`batch.rs`) have one cell each, after the slots' cells, and one send outstanding at
-/// most. So at most one index per slot and one per message is queued at any time and
-/// the queue (sized for both) cannot be full. Should that reasoning
-/// ever fail, nothing is lost either: a report that does not fit sets `overflow`, and the
-/// consumer then takes every cell's stored status in one scan (each status is taken
-/// exactly once, by whoever swaps it out of its cell first).
+/// index. A slot never has more than one callback-bearing UCX request outstanding: a
+/// batch's slots share one endpoint flush (reported on the head slot's even cell) and
+/// each slot's notification is sent only after that flush was handled (reported on its
+/// odd cell); put/get requests carry no callback. A slot is freed only after its last
+/// report was taken. Batch messages (`batch.rs`) have one cell each, after the slots'
+/// cells, and one send outstanding at most. So at most one index per slot and one per
+/// message is queued at any time. The queue holds that many up to
+/// [`QUEUE_SLOTS_MAX`] slots (so a large `max_requests` costs no memory up front); a
+/// report that does not fit sets `overflow`, and the consumer then takes every cell's
+/// stored status in one scan (each status is taken exactly once, by whoever swaps it
+/// out of its cell first), so nothing is lost either way.
 pub(super) struct CompletionQueue {
     ready: ArrayQueue<u32>,
     overflow: AtomicBool,
 }
 
 impl CompletionQueue {
-    /// A queue for `cells` callback cells serving `slots` request slots.
-    pub(super) fn new(slots: usize) -> CompletionQueue {
+    /// A queue for the callback cells of `slots` request slots and `messages` batch
+    /// messages.
+    pub(super) fn new(slots: usize, messages: usize) -> CompletionQueue {
         CompletionQueue {
-            ready: ArrayQueue::new(slots.max(1)),
+            ready: ArrayQueue::new((slots.min(QUEUE_SLOTS_MAX) + messages).max(1)),
             overflow: AtomicBool::new(false),
         }
     }
 
-    /// The next reported completion: (cell index, status).
-    pub(super) fn pop(&self, cells: &[OpCell]) -> Option<(u32, ucs_status_t)> {
+    /// The next reported completion: (cell index, status); `cell` finds a cell by index.
+    pub(super) fn pop<'c>(&self, cell: impl Fn(u32) -> &'c OpCell) -> Option<(u32, ucs_status_t)> {
         while let Some(index) = self.ready.pop() {
-            if let Some(status) = cells[index as usize].take() {
+            if let Some(status) = cell(index).take() {
                 return Some((index, status));
             }
         }
@@ -103,6 +111,67 @@ impl OpCell {
     pub(super) fn take(&self) -> Option<ucs_status_t> {
         let status = self.status.swap(NO_STATUS, Ordering::AcqRel);
         (status != NO_STATUS).then_some(ucs_status_t(status as i8))
+    }
+}
+
+/// The callback cells: two per request slot (flush, notification), allocated a chunk
+/// of [`SLOT_CHUNK`] slots at a time as the slot table grows, then one per batch
+/// message. A chunk never moves once made (UCX holds pointers to its cells as
+/// `user_data`) and lives until the core drops, after every worker.
+pub(super) struct Cells {
+    chunks: Vec<Box<[OpCell]>>,
+    messages: Box<[OpCell]>,
+    /// Index of the first message cell: two per slot of `max_requests`.
+    base: u32,
+    events: *const Events,
+}
+
+impl Cells {
+    /// Cells for up to `slots` request slots (none made yet) and `messages` batch
+    /// messages; `events` is where their reports go.
+    pub(super) fn new(events: *const Events, slots: usize, messages: usize) -> Cells {
+        let base = (slots * 2) as u32;
+        Cells {
+            chunks: Vec::new(),
+            messages: (0..messages as u32)
+                .map(|m| OpCell::new(events, base + m))
+                .collect(),
+            base,
+            events,
+        }
+    }
+
+    /// Make the cells of slot `slot` (and the rest of its chunk) if they are not yet.
+    pub(super) fn cover(&mut self, slot: usize) {
+        let slots_max = self.base as usize / 2;
+        while self.chunks.len() * SLOT_CHUNK <= slot {
+            let first = self.chunks.len() * SLOT_CHUNK;
+            let count = SLOT_CHUNK.min(slots_max - first);
+            let cells = (first * 2..(first + count) * 2)
+                .map(|index| OpCell::new(self.events, index as u32))
+                .collect();
+            self.chunks.push(cells);
+        }
+    }
+
+    /// Cell `index` (a slot's, made by [`Self::cover`], or a message's).
+    pub(super) fn get(&self, index: u32) -> &OpCell {
+        match index.checked_sub(self.base) {
+            Some(m) => &self.messages[m as usize],
+            None => {
+                let (chunk, at) = (
+                    index as usize / (SLOT_CHUNK * 2),
+                    index as usize % (SLOT_CHUNK * 2),
+                );
+                &self.chunks[chunk][at]
+            }
+        }
+    }
+
+    /// The indices of every cell made so far.
+    pub(super) fn made(&self) -> impl Iterator<Item = u32> {
+        let slot_cells = self.chunks.iter().map(|chunk| chunk.len() as u32).sum();
+        (0..slot_cells).chain(self.base..self.base + self.messages.len() as u32)
     }
 }
 
@@ -239,15 +308,15 @@ mod tests {
 
     #[test]
     fn a_full_queue_loses_no_completion_and_reports_each_once() {
-        // A queue far smaller than the cells reporting into it (which the slot
-        // discipline rules out; this checks the fallback).
-        let queue = CompletionQueue::new(2);
+        // A queue far smaller than the cells reporting into it (past QUEUE_SLOTS_MAX
+        // slots, or were the slot discipline to fail; this checks the fallback).
+        let queue = CompletionQueue::new(1, 1);
         let cells: Vec<OpCell> = (0..16).map(|i| OpCell::new(ptr::null(), i)).collect();
         for (i, cell) in cells.iter().enumerate() {
             cell.report(&queue, ucs_status_t(-(i as i8)));
         }
         let mut seen = Vec::new();
-        while let Some((cell, status)) = queue.pop(&cells) {
+        while let Some((cell, status)) = queue.pop(|i| &cells[i as usize]) {
             seen.push((cell, status));
         }
         assert_eq!(seen.len(), 2, "the queue held two");
@@ -264,16 +333,33 @@ mod tests {
         assert!(!queue.overflowed());
         // A cell reused after its report was taken reports again.
         cells[3].report(&queue, ucs_status_t::UCS_OK);
-        assert_eq!(queue.pop(&cells), Some((3, ucs_status_t::UCS_OK)));
-        assert_eq!(queue.pop(&cells), None);
+        assert_eq!(queue.pop(|i| &cells[i as usize]), Some((3, ucs_status_t::UCS_OK)));
+        assert_eq!(queue.pop(|i| &cells[i as usize]), None);
+    }
+
+    #[test]
+    fn cells_are_made_a_chunk_at_a_time_and_found_by_index() {
+        // 300 slots: one full chunk and a short one; 3 message cells after 600.
+        let mut cells = Cells::new(ptr::null(), 300, 3);
+        assert_eq!(cells.made().collect::<Vec<_>>(), vec![600, 601, 602]);
+        cells.cover(0);
+        assert_eq!(cells.made().count(), SLOT_CHUNK * 2 + 3);
+        let first = cells.get(0) as *const OpCell;
+        cells.cover(299);
+        cells.cover(299);
+        assert_eq!(cells.made().count(), 600 + 3, "the short chunk ends at max_requests");
+        assert_eq!(cells.get(0) as *const OpCell, first, "a made cell never moves");
+        for index in cells.made() {
+            assert_eq!(cells.get(index).index, index);
+        }
     }
 
     #[test]
     fn a_report_taken_by_the_scan_is_not_delivered_again_from_the_queue() {
-        let queue = CompletionQueue::new(4);
+        let queue = CompletionQueue::new(2, 2);
         let cells: Vec<OpCell> = (0..4).map(|i| OpCell::new(ptr::null(), i)).collect();
         cells[1].report(&queue, ucs_status_t::UCS_OK);
         assert_eq!(cells[1].take(), Some(ucs_status_t::UCS_OK));
-        assert_eq!(queue.pop(&cells), None);
+        assert_eq!(queue.pop(|i| &cells[i as usize]), None);
     }
 }

@@ -70,7 +70,7 @@ use batch::{
     AmBatch, BatchEvents,
 };
 pub(crate) use callbacks::Events;
-use callbacks::{on_ep_error, on_notif, on_op_done, CompletionQueue, OpCell, PeerLink};
+use callbacks::{on_ep_error, on_notif, on_op_done, Cells, CompletionQueue, OpCell, PeerLink};
 use config::{may_use_shared_memory, may_use_tcp, rndv_thresh_override, zcopy_thresh_override};
 use deadline::{Deadline, Watch};
 pub(crate) use diagnostics::errno_of;
@@ -124,13 +124,23 @@ struct Worker {
 pub(crate) struct Core {
     ucp: Arc<Ucp>,
     context: ucp_context_h,
+    /// Created on first need (`start_workers`), not with the backend: UCX's workers
+    /// hold most of its memory (~4 MB each with the shared-memory transports, UCX
+    /// 1.13), which an agent that never publishes metadata or meets a peer never uses.
     workers: Vec<Worker>,
+    /// Workers to create (`num_workers`), and whether with event fds (progress thread).
+    worker_count: usize,
+    wakeup: bool,
     agent_name: Box<[u8]>,
     err_mode: ErrorMode,
     pub(crate) events: Arc<Events>,
-    cells: Box<[OpCell]>,
+    cells: Cells,
+    /// Request slots made so far (up to `slot_max`, as the requests in flight first
+    /// need them), and those of them free.
     slots: Vec<Slot>,
     free_slots: Vec<u32>,
+    /// `max_requests`.
+    slot_max: usize,
     mems: Vec<Option<MemEntry>>,
     /// Memory UCX allocated for this backend (`memory.rs`).
     allocs: Vec<AllocEntry>,
@@ -312,7 +322,7 @@ impl Core {
         let messages = config.am_batch_messages;
         let events = Arc::new_cyclic(|weak: &std::sync::Weak<Events>| Events {
             // One report per slot and one per batch message at most (see CompletionQueue).
-            completions: CompletionQueue::new(slot_count + messages),
+            completions: CompletionQueue::new(slot_count, messages),
             ep_error: AtomicBool::new(false),
             inbox: Mutex::new(Inbox::new(config.notif_entries_max, config.notif_bytes_max)),
             refused_notifs: AtomicU64::new(0),
@@ -322,35 +332,20 @@ impl Core {
         });
         let events_ptr = Arc::as_ptr(&events);
         // Two cells per slot (flush, notification), then one per batch message (send).
-        let cells: Box<[OpCell]> = (0..(slot_count * 2 + messages) as u32)
-            .map(|index| OpCell::new(events_ptr, index))
-            .collect();
-        let slots = (0..slot_count)
-            .map(|_| Slot {
-                state: SlotState::Free,
-                tag: None,
-                peer: None,
-                failure: None,
-                notif: Vec::new(),
-                has_notif: false,
-                reserved: false,
-                next: NONE,
-                ep: ptr::null_mut(),
-                deferred: 0,
-                acks: 0,
-                flushed: None,
-            })
-            .collect();
+        let cells = Cells::new(events_ptr, slot_count, messages);
         let mut core = Core {
             ucp: ucp.clone(),
             context,
             workers: Vec::with_capacity(config.workers),
+            worker_count: config.workers,
+            wakeup: config.progress_thread,
             agent_name: agent_name.as_bytes().into(),
             err_mode: config.error_mode,
             events,
             cells,
-            slots,
-            free_slots: (0..slot_count as u32).rev().collect(),
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            slot_max: slot_count,
             mems: Vec::new(),
             allocs: Vec::new(),
             mem_generations: Vec::new(),
@@ -358,7 +353,7 @@ impl Core {
             peers: HashMap::new(),
             next_worker: 0,
             self_ep: ptr::null_mut(),
-            ready: Completions::with_capacity(slot_count),
+            ready: Completions::with_capacity(0),
             chunk_bytes: config.chunk_bytes,
             window_bytes: config.window_bytes,
             deferred: VecDeque::new(),
@@ -371,10 +366,28 @@ impl Core {
             deadline: Deadline::new(config.peer_timeout),
             vram: VramState::new(&ucp, context, config.vmm_spanning),
         };
-        for index in 0..config.workers {
-            core.add_worker(index, config.progress_thread)?;
+        // The progress thread polls the workers' event fds from its start.
+        if config.progress_thread {
+            core.start_workers()?;
         }
         Ok(core)
+    }
+
+    /// Create the workers if they are not yet (the first metadata, peer or local
+    /// endpoint needs them). A failure leaves none half made: the next call tries again.
+    pub(crate) fn start_workers(&mut self) -> Result<()> {
+        while self.workers.len() < self.worker_count {
+            let index = self.workers.len();
+            if let Err(e) = self.add_worker(index, self.wakeup) {
+                if self.workers.len() > index {
+                    let worker = self.workers.pop().expect("pushed by add_worker");
+                    // SAFETY: created just now; no endpoint or request uses it yet.
+                    unsafe { self.ucp.api().ucp_worker_destroy(worker.handle) };
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
     }
 
     fn add_worker(&mut self, index: usize, wakeup: bool) -> Result<()> {
@@ -457,14 +470,48 @@ impl Core {
         Ok(())
     }
 
+    /// Request slots that can be taken now (free, or not made yet).
+    fn slots_available(&self) -> usize {
+        self.free_slots.len() + (self.slot_max - self.slots.len())
+    }
+
+    /// A free request slot: a recycled one, else a new one (with its callback cells)
+    /// while fewer than `max_requests` exist. `None` when every slot is in flight.
+    fn take_slot(&mut self) -> Option<u32> {
+        if let Some(index) = self.free_slots.pop() {
+            return Some(index);
+        }
+        let index = self.slots.len();
+        if index >= self.slot_max {
+            return None;
+        }
+        self.cells.cover(index);
+        self.slots.push(Slot {
+            state: SlotState::Free,
+            tag: None,
+            peer: None,
+            failure: None,
+            notif: Vec::new(),
+            has_notif: false,
+            reserved: false,
+            next: NONE,
+            ep: ptr::null_mut(),
+            deferred: 0,
+            acks: 0,
+            flushed: None,
+        });
+        Some(index as u32)
+    }
+
     /// The loaded library.
     pub(crate) fn ucp(&self) -> &Arc<Ucp> {
         &self.ucp
     }
 
-    /// Worker addresses, in worker order.
-    pub(crate) fn worker_addresses(&self) -> Vec<Vec<u8>> {
-        self.workers.iter().map(|w| w.address.clone()).collect()
+    /// Worker addresses, in worker order (the workers are created if they are not yet).
+    pub(crate) fn worker_addresses(&mut self) -> Result<Vec<Vec<u8>>> {
+        self.start_workers()?;
+        Ok(self.workers.iter().map(|w| w.address.clone()).collect())
     }
 
     /// Event fds of the workers (progress-thread mode only).

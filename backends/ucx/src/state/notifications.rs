@@ -148,7 +148,7 @@ impl Core {
             UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
         param.flags = UCP_AM_SEND_FLAG_EAGER;
         param.cb.send = Some(on_op_done);
-        param.user_data = &self.cells[index as usize * 2 + 1] as *const OpCell as *mut c_void;
+        param.user_data = self.cells.get(index * 2 + 1) as *const OpCell as *mut c_void;
         // SAFETY: ep live; header (our name) and payload (slot buffer) stay untouched until
         // the send completes: the slot is not reused before its notif cell reports.
         let request = unsafe {
@@ -204,9 +204,9 @@ impl Core {
                 peer
             }
         };
-        let index = self.free_slots.pop().ok_or(Error::Capacity {
+        let index = self.take_slot().ok_or(Error::Capacity {
             what: "UCX requests in flight (parameter max_requests)",
-            limit: self.slots.len(),
+            limit: self.slot_max,
         })?;
         let slot = &mut self.slots[index as usize];
         slot.tag = None;

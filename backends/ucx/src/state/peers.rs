@@ -124,6 +124,7 @@ impl Core {
         let info = info.ok_or_else(|| Error::InvalidMetadata {
             reason: format!("UCX: first metadata of peer '{name}' has no connection info").into(),
         })?;
+        self.start_workers()?;
         let addresses = &info.addresses;
         let worker = self.next_worker % self.workers.len();
         self.next_worker += 1;
@@ -592,6 +593,7 @@ impl Core {
 
     pub(super) fn local_ep(&mut self) -> Result<ucp_ep_h> {
         if self.self_ep.is_null() {
+            self.start_workers()?;
             let address = self.workers[0].address.clone();
             self.self_ep = self.create_ep(0, &address, None)?;
             log::info!(

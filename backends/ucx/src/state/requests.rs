@@ -233,10 +233,10 @@ impl Core {
             Endpoint::Local => (self.local_ep()?, None),
             Endpoint::Peer(p) => (self.peer_ep(p)?.0, Some(p)),
         };
-        if self.free_slots.len() < batch.len() {
+        if self.slots_available() < batch.len() {
             return Err(Error::Capacity {
                 what: "UCX requests in flight (parameter max_requests)",
-                limit: self.slots.len(),
+                limit: self.slot_max,
             });
         }
         self.validate(endpoint, ep, batch)?;
@@ -267,7 +267,7 @@ impl Core {
             let batch_post = am_bytes > 0
                 && post.local_kind == MemKind::Dram
                 && post.remote_kind == MemKind::Dram;
-            let slot_index = self.free_slots.pop().expect("checked capacity");
+            let slot_index = self.take_slot().expect("checked capacity");
             if head == NONE {
                 head = slot_index;
             }
@@ -473,7 +473,7 @@ impl Core {
         let mut param = request_param();
         param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
         param.cb.send = Some(on_op_done);
-        param.user_data = &self.cells[head as usize * 2] as *const OpCell as *mut c_void;
+        param.user_data = self.cells.get(head * 2) as *const OpCell as *mut c_void;
         // SAFETY: ep live; the user_data cell outlives the request (see Events).
         let request = unsafe { api.ucp_ep_flush_nbx(ep, &param) };
         if !ucs_ptr_is_ptr(request) {
@@ -759,14 +759,14 @@ impl Core {
                 self.teardown_peer(peer);
             }
         }
-        while let Some((cell, status)) = self.events.completions.pop(&self.cells) {
+        while let Some((cell, status)) = self.events.completions.pop(|i| self.cells.get(i)) {
             any = true;
             self.cell_done(cell, status);
         }
         any |= self.am_take_acks();
         if self.events.completions.overflowed() {
-            for cell in 0..self.cells.len() as u32 {
-                if let Some(status) = self.cells[cell as usize].take() {
+            for cell in self.cells.made() {
+                if let Some(status) = self.cells.get(cell).take() {
                     any = true;
                     self.cell_done(cell, status);
                 }

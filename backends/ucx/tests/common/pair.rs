@@ -43,14 +43,14 @@ pub fn pair_with(
         &mut a,
         peer_b,
         "agent-b",
-        &b.conn_info(),
+        &b.conn_info().expect("conn info"),
         &[(b_token, b_md.clone())],
     );
     load(
         &mut b,
         peer_id(1),
         "agent-a",
-        &a.conn_info(),
+        &a.conn_info().expect("conn info"),
         &[(a_token, a_md)],
     );
     Pair {
