@@ -84,7 +84,10 @@ fn main() {
         .unwrap_or(1000usize);
     // Each case runs in a process of its own: memory freed by an earlier case stays in
     // the allocator and would hide the next one's growth.
-    if let Some(case) = std::env::var(CASE_ENV).ok().and_then(|c| c.parse::<usize>().ok()) {
+    if let Some(case) = std::env::var(CASE_ENV)
+        .ok()
+        .and_then(|c| c.parse::<usize>().ok())
+    {
         let (name, n, make) = cases(count).swap_remove(case);
         let shown = per_agent(n, make).map_or("unknown (no /proc/self/status)".to_string(), |b| {
             format!("{b} B ({:.2} MB)", b as f64 / 1e6)

@@ -400,8 +400,9 @@ pub struct Config {
 /// UCX 1.13, ~5× fewer descriptors per second, measured before small ranges went in
 /// batch messages). 256 holds as many messages as `am_batch_messages` sends at once;
 /// 4096 (the value until 2026-12-03) measured no faster with batching and cost ~34 MB
-/// of resident memory per backend (UCX touches every FIFO entry's buffer at creation:
-/// 40.8 MB per idle agent against 6.2 MB; see the README).
+/// of resident memory per worker (UCX touches every FIFO entry's buffer at creation:
+/// 40.8 MB per agent against 6.2 MB when workers were made with the backend; see the
+/// README).
 pub const SHM_FIFO_SIZE_AUTO: u32 = 256;
 
 /// Environment variables through which a user already chose the shared-memory FIFO size.

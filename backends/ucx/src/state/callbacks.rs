@@ -333,7 +333,10 @@ mod tests {
         assert!(!queue.overflowed());
         // A cell reused after its report was taken reports again.
         cells[3].report(&queue, ucs_status_t::UCS_OK);
-        assert_eq!(queue.pop(|i| &cells[i as usize]), Some((3, ucs_status_t::UCS_OK)));
+        assert_eq!(
+            queue.pop(|i| &cells[i as usize]),
+            Some((3, ucs_status_t::UCS_OK))
+        );
         assert_eq!(queue.pop(|i| &cells[i as usize]), None);
     }
 
@@ -347,8 +350,16 @@ mod tests {
         let first = cells.get(0) as *const OpCell;
         cells.cover(299);
         cells.cover(299);
-        assert_eq!(cells.made().count(), 600 + 3, "the short chunk ends at max_requests");
-        assert_eq!(cells.get(0) as *const OpCell, first, "a made cell never moves");
+        assert_eq!(
+            cells.made().count(),
+            600 + 3,
+            "the short chunk ends at max_requests"
+        );
+        assert_eq!(
+            cells.get(0) as *const OpCell,
+            first,
+            "a made cell never moves"
+        );
         for index in cells.made() {
             assert_eq!(cells.get(index).index, index);
         }
