@@ -138,7 +138,7 @@ impl Core {
                 ep: ptr::null_mut(),
                 link: None,
                 regions,
-                rkeys: HashMap::new(),
+                rkeys: HashMap::default(),
                 down: None,
                 transports: String::new(),
                 watch: Watch::default(),
