@@ -34,7 +34,8 @@ mod segment;
 pub mod wire;
 
 use std::cell::Cell;
-use std::collections::HashMap;
+// Looked up per range a post carries (a region token each): Fx hashes a u64 in a multiply.
+use rustc_hash::FxHashMap as HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -327,7 +328,7 @@ impl Shm {
             remote_iov: Vec::with_capacity(CMA_IOVECS_MAX),
             corrupt_lanes: 0,
             withdrawn: Vec::new(),
-            withdrawing: HashMap::new(),
+            withdrawing: HashMap::default(),
         })
     }
 
@@ -1072,7 +1073,7 @@ impl Backend for Shm {
             inbox,
             cma,
             regions: remote.regions,
-            resolved: HashMap::new(),
+            resolved: HashMap::default(),
             last: None,
             segments: Vec::new(),
             withdrawn: Withdrawn::default(),

@@ -59,12 +59,12 @@ use std::time::{Duration, Instant};
 use crossbeam_queue::ArrayQueue;
 // The peer and rkey maps are looked up once or twice per range a post carries: Fx
 // hashes a u64 key in a multiply, SipHash (std's default) in ~20 ns.
-use rustc_hash::FxHashMap as HashMap;
 use ferry_backend_api::{
     Completion, Completions, Endpoint, Error, Failure, FailureKind, MemKind, PeerId, PeerRegions,
     Post, Result, Subject,
 };
 use ferry_ucx_sys::*;
+use rustc_hash::FxHashMap as HashMap;
 
 use crate::{Config, ErrorMode, BACKEND};
 
