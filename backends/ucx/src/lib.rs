@@ -868,6 +868,13 @@ impl UcxBackend {
         self.core().batches_to(peer)
     }
 
+    /// Whether the UCP workers exist yet: they are made on first need (the first
+    /// registration or allocation, the connection info, a peer's load, a local
+    /// transfer), or with the backend where a progress thread runs.
+    pub fn workers_started(&self) -> bool {
+        self.core().workers_started()
+    }
+
     /// Whether a progress thread runs.
     pub fn has_progress_thread(&self) -> bool {
         self.thread.is_some()
@@ -933,10 +940,15 @@ impl Backend for UcxBackend {
                 "a UCX region needs a non-null address and a non-zero length",
             ));
         }
+        let mut core = self.core();
+        // An agent that registers memory is about to publish it or move it: its workers
+        // are made now rather than in the load of its first peer (6-14 ms with UCX
+        // 1.13's shared-memory transports), which a first transfer would wait for.
+        core.start_workers()?;
         let (token, public_md) = if region.kind == MemKind::Vram {
-            self.core().register_vram(desc.addr, desc.len, desc.dev)?
+            core.register_vram(desc.addr, desc.len, desc.dev)?
         } else {
-            self.core().register(desc.addr, desc.len)?
+            core.register(desc.addr, desc.len)?
         };
         Ok(Registered { token, public_md })
     }
@@ -960,7 +972,9 @@ impl Backend for UcxBackend {
                 what: format!("allocating {kind} memory (only DRAM)").into(),
             });
         }
-        self.core().alloc(len)
+        let mut core = self.core();
+        core.start_workers()?;
+        core.alloc(len)
     }
 
     unsafe fn free(&mut self, kind: MemKind, addr: u64) -> Result<()> {

@@ -191,6 +191,28 @@ fn standalone_self_and_empty_notifications() {
 }
 
 #[test]
+fn workers_are_made_on_first_need() {
+    if !setup() {
+        return;
+    }
+    // An idle backend holds no worker; its first registration, or its connection info,
+    // makes them, and the address it then publishes reaches a peer.
+    let buf = Buffer::new(4096);
+    let mut a = backend("lazy-a", "", &[]);
+    assert!(!a.workers_started(), "a new backend made its workers");
+    register(&mut a, &buf);
+    assert!(a.workers_started(), "the first registration made no worker");
+    let b = backend("lazy-b", "", &[]);
+    assert!(!b.workers_started());
+    let info = b.conn_info().expect("conn info");
+    assert!(b.workers_started(), "the connection info made no worker");
+    assert!(!info.is_empty());
+    // The progress thread polls the workers' event fds: they exist from the start.
+    let c = backend("lazy-c", "", &[("progress_thread", "true")]);
+    assert!(c.workers_started());
+}
+
+#[test]
 fn local_transfers_and_notification_to_self() {
     if !setup() {
         return;

@@ -83,7 +83,7 @@ use diagnostics::ucx_error;
 pub(crate) use memory::ALLOC_LEN_MAX;
 use memory::{AllocEntry, MemEntry};
 use notifications::Inbox;
-use peers::{Grave, PeerState};
+use peers::{Grave, PeerState, RemoteKey};
 use requests::{Deferred, Slot, SlotState};
 use vram::VramState;
 pub(crate) use vram::{vram_available, MEM_KINDS};
@@ -127,9 +127,10 @@ struct Worker {
 pub(crate) struct Core {
     ucp: Arc<Ucp>,
     context: ucp_context_h,
-    /// Created on first need (`start_workers`), not with the backend: UCX's workers
-    /// hold most of its memory (~4 MB each with the shared-memory transports, UCX
-    /// 1.13), which an agent that never publishes metadata or meets a peer never uses.
+    /// Created on first need (`start_workers`: the first registration or allocation,
+    /// the connection info, a peer's load, the local endpoint), not with the backend:
+    /// UCX's workers hold most of its memory (~4.4 MB each with the shared-memory
+    /// transports, UCX 1.13), which an idle agent never uses.
     workers: Vec<Worker>,
     /// Workers to create (`num_workers`), and whether with event fds (progress thread).
     worker_count: usize,
@@ -176,6 +177,9 @@ pub(crate) struct Core {
     deferred: VecDeque<Deferred>,
     /// Batched small WRITEs, initiator side (`batch.rs`).
     am: AmBatch,
+    /// The rkey of each range of the batch being posted (`validate` fills it; its
+    /// capacity is kept, so a warmed-up post allocates nothing).
+    range_keys: Vec<RemoteKey>,
 }
 
 // SAFETY: the raw UCX handles in Core are only used by whichever thread holds the core
@@ -361,6 +365,7 @@ impl Core {
             window_bytes: config.window_bytes,
             deferred: VecDeque::new(),
             am: AmBatch::new(config, (slot_count * 2) as u32),
+            range_keys: Vec::new(),
             graves: Vec::new(),
             close_rounds: config.close_rounds,
             close_force: config.close_force,
@@ -376,8 +381,8 @@ impl Core {
         Ok(core)
     }
 
-    /// Create the workers if they are not yet (the first metadata, peer or local
-    /// endpoint needs them). A failure leaves none half made: the next call tries again.
+    /// Create the workers if they are not yet. A failure leaves none half made: the
+    /// next call tries again.
     pub(crate) fn start_workers(&mut self) -> Result<()> {
         while self.workers.len() < self.worker_count {
             let index = self.workers.len();
@@ -509,6 +514,11 @@ impl Core {
     /// The loaded library.
     pub(crate) fn ucp(&self) -> &Arc<Ucp> {
         &self.ucp
+    }
+
+    /// Whether the workers exist.
+    pub(crate) fn workers_started(&self) -> bool {
+        !self.workers.is_empty()
     }
 
     /// Worker addresses, in worker order (the workers are created if they are not yet).

@@ -173,14 +173,17 @@ impl IssueBudget {
 }
 
 impl Core {
-    /// Validate a batch completely (so an error means nothing started), resolving rkeys.
+    /// Validate a batch completely (so an error means nothing started), resolving rkeys:
+    /// each range's lands in `range_keys`, in the batch's order, for `post` to take
+    /// (nothing between the two progresses a worker, so none is released meanwhile).
     pub(super) fn validate(
         &mut self,
         endpoint: Endpoint,
         ep: ucp_ep_h,
         batch: &[Post<'_>],
     ) -> Result<()> {
-        let mut last_remote: Option<u64> = None;
+        let mut last_remote: Option<(u64, RemoteKey)> = None;
+        self.range_keys.clear();
         for post in batch {
             for kind in [post.local_kind, post.remote_kind] {
                 if !self.vram.may_move(kind) {
@@ -216,10 +219,16 @@ impl Core {
                 if range.local_addr < mem.addr || end.is_none_or(|e| e > mem.addr + mem.len) {
                     return Err(Error::invalid(desc(), "outside its registered UCX region"));
                 }
-                if last_remote != Some(range.remote_token) {
-                    self.rkey_for(endpoint, ep, range.remote_token, range.remote_addr)?;
-                    last_remote = Some(range.remote_token);
-                }
+                let key = match last_remote {
+                    Some((token, key)) if token == range.remote_token => key,
+                    _ => {
+                        let key =
+                            self.rkey_for(endpoint, ep, range.remote_token, range.remote_addr)?;
+                        last_remote = Some((range.remote_token, key));
+                        key
+                    }
+                };
+                self.range_keys.push(key);
             }
         }
         Ok(())
@@ -250,7 +259,8 @@ impl Core {
 
         let mut head = NONE;
         let mut tail = NONE;
-        let mut rkey_cache: (u64, ucp_rkey_h, bool) = (u64::MAX, ptr::null_mut(), false);
+        // Each range's rkey, as `validate` found it (one lookup per range, not two).
+        let mut key_at = 0usize;
         // What this post may hand to UCX; the rest waits in `deferred` for `pump`.
         let paced = peer
             .and_then(|p| self.peers.get(&p))
@@ -279,20 +289,13 @@ impl Core {
                 self.slots[tail as usize].next = slot_index;
             }
             let mut failure = None;
+            let keys_at = key_at;
+            key_at += post.ranges.len();
             for (index, range) in post.ranges.iter().enumerate() {
                 if range.len == 0 {
                     continue;
                 }
-                let (rkey, mapped) =
-                    if rkey_cache.0 == range.remote_token && !rkey_cache.1.is_null() {
-                        (rkey_cache.1, rkey_cache.2)
-                    } else {
-                        let key = self
-                            .rkey_for(endpoint, ep, range.remote_token, range.remote_addr)
-                            .expect("validated");
-                        rkey_cache = (range.remote_token, key.rkey, key.mapped);
-                        (key.rkey, key.mapped)
-                    };
+                let RemoteKey { rkey, mapped } = self.range_keys[keys_at + index];
                 // The registered memh: UCX then skips its registration-cache lookup
                 // for protocols that need the local buffer registered (zero-copy).
                 let memh = self
