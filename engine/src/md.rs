@@ -291,6 +291,25 @@ impl PeerView for PeerMdSet {
         Some((token, self.blobs[blob].region(region)?.desc))
     }
 
+    fn find_bounds_after(
+        &self,
+        backend: u8,
+        kind: MemKind,
+        desc: Desc,
+        last: u64,
+    ) -> Option<(u64, Desc)> {
+        if !self.merged.is_empty() {
+            return self.find_bounds(backend, kind, desc);
+        }
+        // One blob: its tokens are its global region indices.
+        let per = self.per_blob.get(usize::from(backend))?;
+        let i = (*per.first()?)?;
+        let (_, last_region) = Self::split(last);
+        self.blobs[0]
+            .find_bounds_after(i, kind, desc, last_region)
+            .map(|(r, region)| (Self::token(0, r), region))
+    }
+
     #[inline]
     fn find(&self, backend: u8, kind: MemKind, desc: Desc) -> Option<u64> {
         if let Some(m) = self.merged.get(usize::from(backend)) {

@@ -146,6 +146,42 @@ impl PeerMd {
             .ok()
     }
 
+    /// Like [`PeerMd::find`], with the region's own range, trying first the region
+    /// after global index `last` (descriptors that walk a peer's regions in address
+    /// order, as one KV layer's blocks do, then cost no search).
+    pub fn find_bounds_after(
+        &self,
+        backend: u8,
+        kind: MemKind,
+        desc: Desc,
+        last: u32,
+    ) -> Option<(u32, Desc)> {
+        let end = desc.end().filter(|_| desc.len > 0)?;
+        let position = self.section_position(backend, kind)?;
+        let section = &self.md().sections[position];
+        let first = self.section_firsts[position];
+        let covering = |i: usize| {
+            let start = section.addrs[i].to_native();
+            // Validated: addrs[i] + lens[i] does not wrap.
+            let region_end = start + len_at(section, i);
+            (dev_at(section, i) == desc.dev && start <= desc.addr && end <= region_end)
+                .then(|| Desc::new(start, region_end - start, desc.dev))
+        };
+        let next = last.wrapping_add(1).wrapping_sub(first) as usize;
+        let hit = (next < section.addrs.len())
+            .then(|| covering(next).map(|d| (next, d)))
+            .flatten();
+        let (i, region) = match hit {
+            Some(hit) => hit,
+            None => {
+                let i = partition_point(section, |dev, addr| (dev, addr) <= (desc.dev, desc.addr))
+                    .checked_sub(1)?;
+                (i, covering(i)?)
+            }
+        };
+        Some((first + i as u32, region))
+    }
+
     /// The region of section (`backend`, `kind`) that covers all of `desc`, by binary
     /// search inside the archive; returns its global index. An empty or wrapping
     /// `desc` is covered by nothing.

@@ -158,6 +158,20 @@ proptest! {
             prop_assert_eq!(md.find(backend, kind, q), want);
             let want_exact = all.iter().position(|r| r.backend == backend && r.kind == kind && r.desc == q).map(|i| i as u32);
             prop_assert_eq!(md.exact(backend, kind, q), want_exact);
+            // The hinted lookup gives the same region (and its range) whatever the
+            // hint: the region before the answer, a wrong one, none.
+            let bounds = want.map(|i| (i, all[i as usize].desc));
+            let hints = [want.map_or(0, |i| i.wrapping_sub(1)), u32::MAX, addr as u32, 0];
+            for last in hints {
+                prop_assert_eq!(md.find_bounds_after(backend, kind, q, last), bounds);
+            }
+        }
+        // A walk over every region in order, each hinted by the one before.
+        let mut last = u32::MAX;
+        for (i, view) in all.iter().enumerate() {
+            let found = md.find_bounds_after(view.backend, view.kind, view.desc, last);
+            prop_assert_eq!(found, Some((i as u32, view.desc)));
+            last = i as u32;
         }
     }
 

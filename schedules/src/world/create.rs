@@ -116,8 +116,11 @@ impl World {
             RemoteSide::Peer { peer, row, index } => {
                 let view = self.peers.views[row].as_ref()?;
                 let backend = self.backends.backends[slot].as_ref()?;
+                // The region after the last one found is tried first.
+                let mut last = u64::MAX;
                 self.fill_fused(slot, lkind, local, remote, &mut ranges, &mut pins, |d| {
-                    let (token, region) = view.find_bounds(index, rkind, d)?;
+                    let (token, region) = view.find_bounds_after(index, rkind, d, last)?;
+                    last = token;
                     backend
                         .reaches(peer, token)
                         .then_some((token, region, false))

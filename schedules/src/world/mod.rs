@@ -81,6 +81,18 @@ pub trait PeerView: PeerRegions {
     /// Like [`PeerView::find`], also giving the region's own range, so the caller can
     /// test following descriptors against it without searching.
     fn find_bounds(&self, backend: u8, kind: MemKind, desc: Desc) -> Option<(u64, Desc)>;
+    /// Like [`PeerView::find_bounds`], trying first the region after the one of token
+    /// `last` (a walk over consecutive regions then costs no search).
+    fn find_bounds_after(
+        &self,
+        backend: u8,
+        kind: MemKind,
+        desc: Desc,
+        last: u64,
+    ) -> Option<(u64, Desc)> {
+        let _ = last;
+        self.find_bounds(backend, kind, desc)
+    }
     /// Regions the view describes (over all its backends and memory kinds; a region
     /// published in several blobs counts once). For logs and counts, not lookups.
     fn region_count(&self) -> usize;
