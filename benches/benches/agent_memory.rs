@@ -2,8 +2,9 @@
 //! moved nothing). Makes `FERRY_BENCH_AGENTS` (default 1,000) agents in this process,
 //! default bounds, and prints the growth of the resident set per agent, each case in a
 //! process of its own: agents with no backend, then agents with a LOOPBACK backend,
-//! then (a tenth as many) with SHM, POSIX and UCX each, where available, and UCX agents
-//! that made their metadata once (UCX's workers exist from then on). Then criterion
+//! then (a tenth as many) with SHM, POSIX and UCX each, where available, with the
+//! default backends, and UCX agents that made their metadata once (UCX's workers exist
+//! from then on). Then criterion
 //! times `Agent::new` + drop (`scaling/agent_new`), which allocating less up front also
 //! makes cheaper.
 //!
@@ -64,6 +65,18 @@ fn cases(count: usize) -> Vec<Case> {
             cases.push((name, fewer, Box::new(with(name, false))));
         }
     }
+    cases.push((
+        "default backends (create_default_backends)",
+        fewer,
+        Box::new(|i| {
+            let agent =
+                Agent::new(AgentConfig::named(format!("idle-default-{i}"))).expect("agent");
+            agent
+                .create_default_backends(|_| Params::new())
+                .expect("default backends");
+            agent
+        }),
+    ));
     if cases.iter().any(|c| c.0 == "UCX") {
         cases.push((
             "UCX, metadata made (workers created)",
