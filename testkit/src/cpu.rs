@@ -36,6 +36,13 @@ pub fn thread_cpu_seconds(name: &str) -> f64 {
     thread_cpu_ticks(name) as f64 / clock_ticks_per_second() as f64
 }
 
+/// `utime + stime` of this process's thread `tid` (a Linux thread id), in seconds; 0
+/// when `/proc` is absent or the thread is gone.
+pub fn task_cpu_seconds(tid: i32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).unwrap_or_default();
+    stat_cpu_ticks(&stat) as f64 / clock_ticks_per_second() as f64
+}
+
 /// `utime + stime` from one `stat` line. The command name (field 2) is in parentheses
 /// and may hold spaces, so fields are counted after its closing `)`: there `state` is
 /// the first field and `utime`/`stime` (fields 14 and 15 of the line) the 12th and 13th.

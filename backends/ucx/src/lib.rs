@@ -35,8 +35,9 @@
 //!   worker 0; local notifications go straight to the inbox.
 //! - **Progress**: by default the executor's progress phase calls
 //!   `ucp_worker_progress` (no thread). With `progress_thread=true` a thread progresses
-//!   the workers and, when there is nothing to do, **sleeps on the workers' event fds**
-//!   (`ucp_worker_arm` + `poll`), so it costs ~0% CPU when idle.
+//!   the workers, polls on for `progress_thread_spin_us` (200 µs) after its last
+//!   progress, and then, when there is nothing to do, **sleeps on the workers' event
+//!   fds** (`ucp_worker_arm` + `poll`), so it costs ~0% CPU when idle.
 //! - **Failure**: when UCX reports a peer's endpoint dead, or the peer's requests made
 //!   no progress for `peer_timeout_ms` (default 10 s; a link that silently went down —
 //!   see `state/deadline.rs`), its requests complete with
@@ -131,6 +132,13 @@ pub const PARAMS: &[ParamSpec] = &[
         name: "progress_thread",
         default: "false",
         doc: "progress UCX on a thread that sleeps on the workers' event fds when idle",
+    },
+    ParamSpec {
+        name: "progress_thread_spin_us",
+        default: "200",
+        doc: "with progress_thread, how long the thread keeps polling after the last \
+              progress before it sleeps on the event fds (a request that follows within \
+              this time finds it awake: no wake-up); 0 = sleep at once",
     },
     ParamSpec {
         name: "connect_on_load",
@@ -351,6 +359,8 @@ pub struct Config {
     pub library: Option<PathBuf>,
     /// Whether to run a progress thread.
     pub progress_thread: bool,
+    /// How long the progress thread polls after its last progress before it sleeps.
+    pub progress_spin: std::time::Duration,
     /// Whether loading a peer's metadata creates its endpoint (and waits for its wireup).
     pub connect_on_load: bool,
     /// Which rkeys of the peer's regions it also unpacks.
@@ -502,6 +512,14 @@ impl Config {
             "false" | "0" | "no" => false,
             _ => return Err(bad("progress_thread", "expected true or false")),
         };
+        let progress_spin = std::time::Duration::from_micros(
+            get("progress_thread_spin_us")
+                .trim()
+                .parse::<u64>()
+                .ok()
+                .filter(|us| *us <= 1_000_000)
+                .ok_or_else(|| bad("progress_thread_spin_us", "expected 0..=1000000"))?,
+        );
         let connect_on_load = match get("connect_on_load") {
             "true" | "1" | "yes" => true,
             "false" | "0" | "no" => false,
@@ -650,6 +668,7 @@ impl Config {
             transports,
             library,
             progress_thread,
+            progress_spin,
             connect_on_load,
             unpack_on_load,
             max_requests,
@@ -768,7 +787,7 @@ impl UcxBackend {
         let core = Core::new(ucp, init.agent_name, &config)?;
         let core = Arc::new(Mutex::new(core));
         let thread = if config.progress_thread {
-            Some(ProgressThread::start(core.clone())?)
+            Some(ProgressThread::start(core.clone(), config.progress_spin)?)
         } else {
             None
         };
@@ -873,6 +892,12 @@ impl UcxBackend {
     /// transfer), or with the backend where a progress thread runs.
     pub fn workers_started(&self) -> bool {
         self.core().workers_started()
+    }
+
+    /// The progress thread's Linux thread id (`None` without one, or before it started):
+    /// for reading its CPU time (`/proc/self/task/<tid>/stat`).
+    pub fn progress_thread_tid(&self) -> Option<i32> {
+        self.thread.as_ref().and_then(|t| t.tid())
     }
 
     /// Whether a progress thread runs.
@@ -1092,6 +1117,8 @@ mod tests {
             ("num_workers", "x"),
             ("error_handling", "maybe"),
             ("progress_thread", "sometimes"),
+            ("progress_thread_spin_us", "soon"),
+            ("progress_thread_spin_us", "2000000"),
             ("max_requests", "0"),
             ("shm_fifo_size", "100"),
             ("shm_fifo_size", "1"),

@@ -1,11 +1,14 @@
-//! The optional progress thread. It progresses the workers while there is work and
-//! otherwise **sleeps in `poll` on the workers' event fds** (armed with
-//! `ucp_worker_arm`) plus an eventfd used to stop it, so an idle backend costs
-//! essentially no CPU (the reference system's progress thread spins a whole core).
+//! The optional progress thread. It progresses the workers while there is work, keeps
+//! polling for `progress_thread_spin_us` (200 µs) after the last progress (a request
+//! that follows soon finds it awake), and otherwise **sleeps in `poll` on the workers'
+//! event fds** (armed with `ucp_worker_arm`) plus an eventfd used to stop it, so an
+//! idle backend costs essentially no CPU (the reference system's progress thread spins
+//! a whole core).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use ferry_backend_api::{Error, Result};
 
@@ -18,13 +21,15 @@ use crate::BACKEND;
 const IDLE_WAKEUP_MS: i32 = 1000;
 
 pub(crate) struct ProgressThread {
+    /// The thread's Linux thread id (0 until it has started).
+    tid: Arc<AtomicI32>,
     stop: Arc<AtomicBool>,
     wake_fd: i32,
     handle: Option<JoinHandle<()>>,
 }
 
 impl ProgressThread {
-    pub(crate) fn start(core: Arc<Mutex<Core>>) -> Result<ProgressThread> {
+    pub(crate) fn start(core: Arc<Mutex<Core>>, spin: Duration) -> Result<ProgressThread> {
         let efds = core.lock().unwrap_or_else(|e| e.into_inner()).event_fds();
         debug_assert!(efds.iter().all(|&fd| fd >= 0));
         // SAFETY: plain syscall creating a new fd we own.
@@ -39,9 +44,15 @@ impl ProgressThread {
         }
         let stop = Arc::new(AtomicBool::new(false));
         let thread_stop = stop.clone();
+        let tid = Arc::new(AtomicI32::new(0));
+        let thread_tid = tid.clone();
         let handle = std::thread::Builder::new()
             .name("ferry-ucx-progress".into())
-            .spawn(move || run(core, efds, wake_fd, thread_stop))
+            .spawn(move || {
+                // SAFETY: gettid has no preconditions.
+                thread_tid.store(unsafe { libc::gettid() }, Ordering::Release);
+                run(core, efds, wake_fd, thread_stop, spin)
+            })
             .map_err(|e| Error::Backend {
                 backend: BACKEND.into(),
                 errno: e.raw_os_error().unwrap_or(0),
@@ -57,6 +68,7 @@ impl ProgressThread {
             }
         };
         Ok(ProgressThread {
+            tid,
             stop,
             wake_fd,
             handle: Some(handle),
@@ -64,7 +76,20 @@ impl ProgressThread {
     }
 }
 
-fn run(core: Arc<Mutex<Core>>, efds: Vec<i32>, wake_fd: i32, stop: Arc<AtomicBool>) {
+impl ProgressThread {
+    /// The thread's Linux thread id, once it has started.
+    pub(crate) fn tid(&self) -> Option<i32> {
+        Some(self.tid.load(Ordering::Acquire)).filter(|&t| t != 0)
+    }
+}
+
+fn run(
+    core: Arc<Mutex<Core>>,
+    efds: Vec<i32>,
+    wake_fd: i32,
+    stop: Arc<AtomicBool>,
+    spin: Duration,
+) {
     let mut fds: Vec<libc::pollfd> = efds
         .iter()
         .chain(std::iter::once(&wake_fd))
@@ -74,13 +99,23 @@ fn run(core: Arc<Mutex<Core>>, efds: Vec<i32>, wake_fd: i32, stop: Arc<AtomicBoo
             revents: 0,
         })
         .collect();
+    // When the last progress was made: until `spin` after it the thread polls on
+    // instead of arming and sleeping.
+    let mut last_progress: Option<Instant> = None;
     while !stop.load(Ordering::Acquire) {
         let armed = {
             let mut core = core.lock().unwrap_or_else(|e| e.into_inner());
             core.vram_bind();
-            core.pump();
-            core.arm()
+            let now = core.pump().then(Instant::now);
+            last_progress = now.or(last_progress);
+            let awake = last_progress.is_some_and(|at| at.elapsed() < spin);
+            !awake && core.arm()
         };
+        if last_progress.is_some_and(|at| at.elapsed() < spin) {
+            // Let a caller waiting for the core take it between two polls.
+            std::thread::yield_now();
+            continue;
+        }
         if !armed {
             // Events arrived between the last progress and arming: progress again.
             continue;

@@ -15,7 +15,7 @@ use ferry_backend_api::{
     Backend, Completions, Endpoint, Error, FailureKind, MemKind, Op, Post, Range, RegionSpec,
     RemoteAgent,
 };
-use ferry_testkit::cpu::thread_cpu_seconds;
+use ferry_testkit::cpu::task_cpu_seconds;
 
 const TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -534,16 +534,47 @@ fn progress_thread_serves_the_target_and_sleeps_when_idle() {
         std::thread::sleep(Duration::from_millis(1));
     }
 
-    // Idle: the thread must sleep, not spin. Measure its CPU time over half a second.
-    let before = thread_cpu_seconds("ferry-ucx-progr");
+    // Idle: the thread must sleep, not spin (past its spin window of 200 µs). Measure its
+    // own CPU time (not other tests' threads) over half a second.
+    let tid = p.b.progress_thread_tid().expect("the thread has started");
+    std::thread::sleep(Duration::from_millis(5));
+    let before = task_cpu_seconds(tid);
     std::thread::sleep(Duration::from_millis(500));
-    let after = thread_cpu_seconds("ferry-ucx-progr");
+    let after = task_cpu_seconds(tid);
     let used_s = (after - before).max(0.0);
     eprintln!("idle progress thread used {used_s:.3} s of CPU in 500 ms");
     // 0.5 s would be a full core; allow scheduler noise only (5 ticks at 100 Hz).
     assert!(
         used_s <= 0.05,
         "idle progress thread is spinning ({used_s:.3} s of CPU in 500 ms)"
+    );
+}
+
+#[test]
+fn progress_thread_polls_through_its_spin_window_after_progress() {
+    if !setup() {
+        return;
+    }
+    // A window of 1 s: after a transfer the thread polls on, so it burns CPU for the
+    // next half second; an idle thread with the default window is checked above.
+    let mut p = pair(
+        "tcp",
+        1 << 16,
+        &[
+            ("progress_thread", "true"),
+            ("progress_thread_spin_us", "1000000"),
+        ],
+    );
+    let tid = p.b.progress_thread_tid().expect("the thread has started");
+    let ranges = [range(&p, 0, 0, 1 << 16)];
+    run_ok(&mut p, &[post(31, Op::Write, &ranges, None)]);
+    let before = task_cpu_seconds(tid);
+    std::thread::sleep(Duration::from_millis(500));
+    let used_s = task_cpu_seconds(tid) - before;
+    eprintln!("progress thread in its spin window used {used_s:.3} s of CPU in 500 ms");
+    assert!(
+        used_s >= 0.1,
+        "the thread slept inside its spin window ({used_s:.3} s of CPU in 500 ms)"
     );
 }
 
