@@ -35,8 +35,8 @@
 //!   worker 0; local notifications go straight to the inbox.
 //! - **Progress**: by default the executor's progress phase calls
 //!   `ucp_worker_progress` (no thread). With `progress_thread=true` a thread progresses
-//!   the workers, polls on for `progress_thread_spin_us` (200 µs) after its last
-//!   progress, and then, when there is nothing to do, **sleeps on the workers' event
+//!   the workers (and polls on for `progress_thread_spin_us` after its last progress,
+//!   0 by default) and, when there is nothing to do, **sleeps on the workers' event
 //!   fds** (`ucp_worker_arm` + `poll`), so it costs ~0% CPU when idle.
 //! - **Failure**: when UCX reports a peer's endpoint dead, or the peer's requests made
 //!   no progress for `peer_timeout_ms` (default 10 s; a link that silently went down —
@@ -135,7 +135,7 @@ pub const PARAMS: &[ParamSpec] = &[
     },
     ParamSpec {
         name: "progress_thread_spin_us",
-        default: "200",
+        default: "0",
         doc: "with progress_thread, how long the thread keeps polling after the last \
               progress before it sleeps on the event fds (a request that follows within \
               this time finds it awake: no wake-up); 0 = sleep at once",

@@ -1,6 +1,6 @@
 //! The optional progress thread. It progresses the workers while there is work, keeps
-//! polling for `progress_thread_spin_us` (200 µs) after the last progress (a request
-//! that follows soon finds it awake), and otherwise **sleeps in `poll` on the workers'
+//! polling for `progress_thread_spin_us` after the last progress (0 by default; a
+//! request that follows within it finds the thread awake), and otherwise **sleeps in `poll` on the workers'
 //! event fds** (armed with `ucp_worker_arm`) plus an eventfd used to stop it, so an
 //! idle backend costs essentially no CPU (the reference system's progress thread spins
 //! a whole core).

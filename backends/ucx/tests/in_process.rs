@@ -534,8 +534,8 @@ fn progress_thread_serves_the_target_and_sleeps_when_idle() {
         std::thread::sleep(Duration::from_millis(1));
     }
 
-    // Idle: the thread must sleep, not spin (past its spin window of 200 µs). Measure its
-    // own CPU time (not other tests' threads) over half a second.
+    // Idle: the thread must sleep, not spin. Measure its own CPU time (not other tests'
+    // threads) over half a second.
     let tid = p.b.progress_thread_tid().expect("the thread has started");
     std::thread::sleep(Duration::from_millis(5));
     let before = task_cpu_seconds(tid);
