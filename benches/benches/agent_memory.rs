@@ -69,8 +69,7 @@ fn cases(count: usize) -> Vec<Case> {
         "default backends (create_default_backends)",
         fewer,
         Box::new(|i| {
-            let agent =
-                Agent::new(AgentConfig::named(format!("idle-default-{i}"))).expect("agent");
+            let agent = Agent::new(AgentConfig::named(format!("idle-default-{i}"))).expect("agent");
             agent
                 .create_default_backends(|_| Params::new())
                 .expect("default backends");
