@@ -867,6 +867,13 @@ pub struct UcpApi {
         count: usize,
         param: *const ucp_request_param_t,
     ) -> ucs_status_ptr_t,
+    pub ucp_am_recv_data_nbx: unsafe extern "C" fn(
+        worker: ucp_worker_h,
+        data_desc: *mut ::core::ffi::c_void,
+        buffer: *mut ::core::ffi::c_void,
+        count: usize,
+        param: *const ucp_request_param_t,
+    ) -> ucs_status_ptr_t,
     pub ucp_am_data_release:
         unsafe extern "C" fn(worker: ucp_worker_h, data: *mut ::core::ffi::c_void),
     pub ucp_put_nbx: unsafe extern "C" fn(
@@ -948,6 +955,7 @@ impl UcpApi {
             .get(b"ucp_worker_set_am_recv_handler\0")
             .map(|sym| *sym)?;
         let ucp_am_send_nbx = __library.get(b"ucp_am_send_nbx\0").map(|sym| *sym)?;
+        let ucp_am_recv_data_nbx = __library.get(b"ucp_am_recv_data_nbx\0").map(|sym| *sym)?;
         let ucp_am_data_release = __library.get(b"ucp_am_data_release\0").map(|sym| *sym)?;
         let ucp_put_nbx = __library.get(b"ucp_put_nbx\0").map(|sym| *sym)?;
         let ucp_get_nbx = __library.get(b"ucp_get_nbx\0").map(|sym| *sym)?;
@@ -992,6 +1000,7 @@ impl UcpApi {
             ucp_rkey_destroy,
             ucp_worker_set_am_recv_handler,
             ucp_am_send_nbx,
+            ucp_am_recv_data_nbx,
             ucp_am_data_release,
             ucp_put_nbx,
             ucp_get_nbx,
@@ -1198,6 +1207,16 @@ impl UcpApi {
         param: *const ucp_request_param_t,
     ) -> ucs_status_ptr_t {
         (self.ucp_am_send_nbx)(ep, id, header, header_length, buffer, count, param)
+    }
+    pub unsafe fn ucp_am_recv_data_nbx(
+        &self,
+        worker: ucp_worker_h,
+        data_desc: *mut ::core::ffi::c_void,
+        buffer: *mut ::core::ffi::c_void,
+        count: usize,
+        param: *const ucp_request_param_t,
+    ) -> ucs_status_ptr_t {
+        (self.ucp_am_recv_data_nbx)(worker, data_desc, buffer, count, param)
     }
     pub unsafe fn ucp_am_data_release(&self, worker: ucp_worker_h, data: *mut ::core::ffi::c_void) {
         (self.ucp_am_data_release)(worker, data)

@@ -243,6 +243,22 @@ pub const PARAMS: &[ParamSpec] = &[
               checks every range against its registrations; 'on'; 'off')",
     },
     ParamSpec {
+        name: "am_tcp_rndv",
+        default: "on",
+        doc: "am_tcp WRITE pieces of 64 KiB or more go by rendezvous, in pieces of up to \
+              am_tcp_rndv_piece_bytes: the target checks the range, then UCX receives the \
+              data straight into the region (zero-copy at both ends on tcp) instead of into \
+              a UCX buffer that Ferry's handler copies from; used with peers that announce \
+              it ('on'; 'off': eager pieces of 252 KiB)",
+    },
+    ParamSpec {
+        name: "am_tcp_rndv_piece_bytes",
+        default: "auto",
+        doc: "largest WRITE piece sent by rendezvous (am_tcp_rndv); pieces of 64 KiB or more \
+              go that way, shorter tails are packed ('auto': 1 MiB from UCX 1.16, 768 KiB \
+              before; or 65536..=16777216)",
+    },
+    ParamSpec {
         name: "vmm_spanning",
         default: "refuse",
         doc: "a VRAM region of VMM memory spanning several physical allocations mapped back \
@@ -317,6 +333,13 @@ pub struct BatchCounts {
     /// Answers received to the pings loads send (one per load of a peer whose ranges go
     /// in Ferry's messages, `connect_on_load`).
     pub pongs: u64,
+    /// WRITE pieces peers sent here by rendezvous (`am_tcp_rndv`) that landed in a
+    /// region.
+    pub rndv_received: u64,
+    /// Such pieces whose receive failed (its sender's request fails).
+    pub rndv_failed: u64,
+    /// Such receives in flight now (a withdrawal of a region they reach waits for them).
+    pub rndv_in_flight: usize,
     /// This backend's batch messages in flight now.
     pub in_flight: usize,
 }
@@ -394,6 +417,10 @@ pub struct Config {
     pub am_batch: AmBatchMode,
     /// When every DRAM range goes in active messages (`Auto`: where puts go over tcp).
     pub am_tcp: AmBatchMode,
+    /// Whether such WRITE pieces that fill a message go by rendezvous.
+    pub am_tcp_rndv: bool,
+    /// Largest rendezvous piece (`None` = by UCX version).
+    pub am_tcp_rndv_piece_bytes: Option<u64>,
     /// Largest batched range (0 = off).
     pub am_batch_range_bytes: u64,
     /// Whether a VMM region spanning several physical allocations is accepted.
@@ -614,6 +641,25 @@ impl Config {
             "off" | "false" => AmBatchMode::Off,
             _ => return Err(bad("am_tcp", "expected 'auto', 'on' or 'off'")),
         };
+        let am_tcp_rndv = match get("am_tcp_rndv") {
+            "on" | "true" => true,
+            "off" | "false" => false,
+            _ => return Err(bad("am_tcp_rndv", "expected 'on' or 'off'")),
+        };
+        let am_tcp_rndv_piece_bytes: Option<u64> = match get("am_tcp_rndv_piece_bytes") {
+            "auto" => None,
+            text => Some(
+                text.parse()
+                    .ok()
+                    .filter(|n| (1 << 16..=1 << 24).contains(n))
+                    .ok_or_else(|| {
+                        bad(
+                            "am_tcp_rndv_piece_bytes",
+                            "expected 'auto' or 65536..=16777216",
+                        )
+                    })?,
+            ),
+        };
         let vmm_spanning = match get("vmm_spanning") {
             "refuse" => false,
             "allow" => true,
@@ -649,6 +695,8 @@ impl Config {
         Ok(Config {
             am_batch,
             am_tcp,
+            am_tcp_rndv,
+            am_tcp_rndv_piece_bytes,
             vmm_spanning,
             am_batch_range_bytes,
             am_batch_bytes,
@@ -978,6 +1026,14 @@ impl Backend for UcxBackend {
         Ok(Registered { token, public_md })
     }
 
+    fn withdraw(&mut self, kind: MemKind, token: u64) -> Result<bool> {
+        if kind != MemKind::Dram {
+            // Peers reach VRAM through UCX's own RMA, which cannot be fenced (README).
+            return Ok(true);
+        }
+        self.core().withdraw(token)
+    }
+
     unsafe fn deregister(&mut self, kind: MemKind, token: u64) -> Result<()> {
         if kind != MemKind::Dram && kind != MemKind::Vram {
             return Err(Error::NotSupported {
@@ -1016,7 +1072,10 @@ impl Backend for UcxBackend {
         // Every build that writes format 2 handles batch messages (the handlers are
         // registered on every worker, whatever `am_batch` says about sending them).
         let addresses = self.core().worker_addresses()?;
-        Ok(wire::encode(&addresses, wire::FEATURE_BATCH_AM))
+        Ok(wire::encode(
+            &addresses,
+            wire::FEATURE_BATCH_AM | wire::FEATURE_RNDV_PIECES,
+        ))
     }
 
     fn load_remote(&mut self, peer: PeerId, remote: RemoteAgent<'_>) -> Result<()> {

@@ -24,6 +24,9 @@ pub const FORMAT_V1: u8 = 1;
 /// Feature bit: the sender handles batch messages (`state/batch.rs`): WRITE data, READ
 /// requests, their acks and replies.
 pub const FEATURE_BATCH_AM: u8 = 1;
+/// Feature bit: the sender receives [`BATCH_WRITE_ONE_AM_ID`] pieces sent by rendezvous
+/// (checked, then received straight into the region).
+pub const FEATURE_RNDV_PIECES: u8 = 2;
 
 /// A peer's decoded connection info.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -40,6 +43,11 @@ impl ConnInfo {
     /// Whether the peer handles batch messages.
     pub fn batches(&self) -> bool {
         self.features & FEATURE_BATCH_AM != 0
+    }
+
+    /// Whether the peer receives WRITE pieces by rendezvous.
+    pub fn rndv_pieces(&self) -> bool {
+        self.features & FEATURE_RNDV_PIECES != 0
     }
 }
 /// The largest worker address accepted from a peer (UCP addresses are a few hundred
@@ -366,6 +374,9 @@ pub enum BatchStatus {
     /// A range is not inside memory registered with the target's UCX backend; nothing
     /// was written.
     OutsideRegistered = 2,
+    /// The target could not start receiving a rendezvous piece's data (UCX refused the
+    /// receive); nothing was written.
+    NotReceived = 3,
 }
 
 impl BatchStatus {
@@ -375,6 +386,7 @@ impl BatchStatus {
             0 => Some(BatchStatus::Written),
             1 => Some(BatchStatus::Malformed),
             2 => Some(BatchStatus::OutsideRegistered),
+            3 => Some(BatchStatus::NotReceived),
             _ => None,
         }
     }
@@ -511,6 +523,17 @@ pub fn parse_batch_write_one<'a>(
     header: &[u8],
     data: &'a [u8],
 ) -> Result<(u64, u64, &'a [u8]), BatchWireError> {
+    let (cookie, addr, _) = parse_batch_write_one_header(header, data.len())?;
+    Ok((cookie, addr, data))
+}
+
+/// Parse the header of a [`BATCH_WRITE_ONE_AM_ID`] message whose data is `data_len`
+/// bytes (a rendezvous message's data is not here yet, only its length): `(cookie,
+/// target address, length)`, the entry's length checked against `data_len`.
+pub fn parse_batch_write_one_header(
+    header: &[u8],
+    data_len: usize,
+) -> Result<(u64, u64, usize), BatchWireError> {
     if header.len() < BATCH_WRITE_ONE_HEADER_LEN_BYTES {
         return Err(BatchWireError::Truncated);
     }
@@ -536,12 +559,12 @@ pub fn parse_batch_write_one<'a>(
     if len == 0 {
         return Err(BatchWireError::ZeroLength { index: 0 });
     }
-    match len.cmp(&data.len()) {
+    match len.cmp(&data_len) {
         std::cmp::Ordering::Greater => Err(BatchWireError::RangeTruncated { index: 0 }),
         std::cmp::Ordering::Less => Err(BatchWireError::Trailing {
-            bytes: data.len() - len,
+            bytes: data_len - len,
         }),
-        std::cmp::Ordering::Equal => Ok((cookie, addr, data)),
+        std::cmp::Ordering::Equal => Ok((cookie, addr, len)),
     }
 }
 
@@ -679,6 +702,19 @@ mod batch_tests {
         assert_eq!(
             parse_batch_write_one(&header, &longer),
             Err(BatchWireError::Trailing { bytes: 1 })
+        );
+        // A rendezvous message's header against the length UCX announces.
+        assert_eq!(
+            parse_batch_write_one_header(&header, 40),
+            Ok((0xfeed, 0x4000, 40))
+        );
+        assert_eq!(
+            parse_batch_write_one_header(&header, 41),
+            Err(BatchWireError::Trailing { bytes: 1 })
+        );
+        assert_eq!(
+            parse_batch_write_one_header(&header[..27], 40),
+            Err(BatchWireError::Truncated)
         );
         // Every shorter header, and one longer, is refused.
         for cut in 0..header.len() {

@@ -474,3 +474,124 @@ fn small_ranges_into_a_region_ucx_maps_here_go_as_puts() {
     // SAFETY: deregistered; nothing touches the allocation any more.
     unsafe { p.b.free(MemKind::Dram, shared.addr) }.expect("free");
 }
+
+/// Over tcp every DRAM range travels in Ferry's messages (`am_tcp`), and a WRITE piece
+/// that fills a message goes by rendezvous (`am_tcp_rndv`, on by default): the target
+/// checks its range, then UCX receives the data straight into the region. Byte for byte
+/// the same as the eager pieces (`am_tcp_rndv=off`), for ranges at odd offsets and
+/// lengths whose short tails are packed as before, with the notification after all data; the
+/// target counts exactly the pieces that came by rendezvous, none failed or left.
+#[test]
+fn large_writes_over_tcp_land_byte_for_byte_by_rendezvous_and_eager() {
+    if !setup() {
+        return;
+    }
+    // With pieces of 256 KiB, 700,001 bytes are two whole pieces and a tail of 175,713
+    // (by rendezvous too: at least 64 KiB); 300,000 are one and a tail of 37,856, packed.
+    let lens = [700_001usize, 300_000];
+    for (rndv, pieces) in [("on", 4), ("off", 0)] {
+        let mut p = pair_with(
+            "tcp",
+            LEN,
+            &[("am_tcp_rndv", rndv), ("am_tcp_rndv_piece_bytes", "262144")],
+            &[],
+        );
+        let mut rng = Rng::new(0x7e57 ^ pieces);
+        for round in 0..3u64 {
+            rng.fill(&mut p.a_buf.0);
+            let ranges = [
+                range(&p, 1, 5, lens[0]),
+                range(&p, 700_100, 700_107, lens[1]),
+            ];
+            run_ok(&mut p, &[write(round, &ranges, Some(b"landed"))]);
+            assert!(
+                p.a_buf.0[1..1 + lens[0]] == p.b_buf.0[5..5 + lens[0]]
+                    && p.a_buf.0[700_100..700_100 + lens[1]]
+                        == p.b_buf.0[700_107..700_107 + lens[1]],
+                "am_tcp_rndv={rndv} round {round}: target bytes differ"
+            );
+            let mut inbox = Inbox::default();
+            wait_notifs(&mut [&mut p.b, &mut p.a], 0, &mut inbox, 1, TIMEOUT);
+            assert_eq!(inbox.0, vec![("agent-a".to_string(), b"landed".to_vec())]);
+        }
+        let b = p.b.batch_counts();
+        assert_eq!(b.rndv_received, 3 * pieces, "am_tcp_rndv={rndv}: {b:?}");
+        assert_eq!(
+            (b.rndv_failed, b.rndv_in_flight, b.refused),
+            (0, 0, 0),
+            "{b:?}"
+        );
+        assert_eq!(p.a.batch_counts().in_flight, 0);
+    }
+}
+
+/// A region withdrawn while a rendezvous piece into it is being received (accepted
+/// before the withdrawal, its data still at the initiator) stays registered until that
+/// receive ends: `withdraw` answers "not yet" meanwhile, the piece lands whole, and a
+/// WRITE that comes after the withdrawal is refused (`EFAULT`) without a byte changing.
+#[test]
+fn a_withdrawal_waits_for_a_rendezvous_piece_in_flight() {
+    if !setup() {
+        return;
+    }
+    let mut p = pair_with("tcp", LEN, &[], &[]);
+    p.a.connect(p.peer_b).unwrap();
+    let mut rng = Rng::new(0xd1ce);
+    rng.fill(&mut p.a_buf.0);
+    let piece = 252 << 10;
+    let ranges = [range(&p, 0, 0, piece)];
+    let mut done = Completions::with_capacity(4);
+    p.a.post_t(
+        Endpoint::Peer(p.peer_b),
+        &[write(1, &ranges, None)],
+        &mut done,
+    )
+    .unwrap();
+    // Progress until the target accepted the piece and asked for its data, then leave
+    // the initiator alone: the data stays there.
+    let deadline = Instant::now() + TIMEOUT;
+    while p.b.batch_counts().rndv_in_flight == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the piece never reached the target"
+        );
+        p.b.progress(&mut done);
+        if p.b.batch_counts().rndv_in_flight == 0 {
+            p.a.progress(&mut done);
+        }
+    }
+    assert!(
+        !p.b.withdraw(MemKind::Dram, p.b_token).unwrap(),
+        "withdrawn with a receive into it in flight"
+    );
+    // Once the initiator answers, the piece lands and the withdrawal completes.
+    let mut withdrawn = false;
+    let mut reported: Vec<Completion> = Vec::new();
+    while !withdrawn || reported.is_empty() {
+        assert!(Instant::now() < deadline, "not ended within {TIMEOUT:?}");
+        p.a.progress(&mut done);
+        p.b.progress(&mut done);
+        reported.extend_from_slice(done.as_slice());
+        done.clear();
+        withdrawn = withdrawn || p.b.withdraw(MemKind::Dram, p.b_token).unwrap();
+    }
+    assert_eq!(reported.len(), 1);
+    assert_eq!(reported[0].result, Ok(()), "accepted before the withdrawal");
+    assert!(
+        p.a_buf.0[..piece] == p.b_buf.0[..piece],
+        "the piece landed whole"
+    );
+    let b = p.b.batch_counts();
+    assert_eq!((b.rndv_received, b.rndv_in_flight), (1, 0), "{b:?}");
+    // After the withdrawal nothing lands.
+    let left = p.b_buf.0.clone();
+    p.a_buf.0.fill(0x5a);
+    let got = run(&mut p, &[write(2, &ranges, None)]);
+    let failure = got[0].result.expect_err("a withdrawn region must refuse");
+    assert_eq!(
+        (failure.kind, failure.errno),
+        (FailureKind::Backend, libc::EFAULT)
+    );
+    assert!(p.b_buf.0 == left, "a byte changed after the withdrawal");
+    assert_eq!(p.b.batch_counts().rndv_received, 1);
+}

@@ -65,6 +65,10 @@ use super::*;
 use crate::wire::{self, BatchStatus};
 use crate::AmBatchMode;
 
+/// Smallest WRITE piece sent by rendezvous (`am_tcp_rndv`); a shorter one (the tail of
+/// a range) is packed into a message and copied, as small ranges are.
+pub(super) const RNDV_PIECE_MIN: u64 = 64 << 10;
+
 /// Ack buffers a target keeps for sends UCX has not completed yet.
 pub(super) const ACK_POOL_LEN: usize = 1024;
 /// READ reply buffers a target keeps for reuse (more may be in flight; those are freed).
@@ -140,6 +144,44 @@ type AmSendFn = unsafe extern "C" fn(
     *const ucp_request_param_t,
 ) -> ucs_status_ptr_t;
 
+type RecvDataFn = unsafe extern "C" fn(
+    ucp_worker_h,
+    *mut c_void,
+    *mut c_void,
+    usize,
+    *const ucp_request_param_t,
+) -> ucs_status_ptr_t;
+
+/// The `arg` of a worker's [`wire::BATCH_WRITE_ONE_AM_ID`] handler (one per worker, in
+/// its `Worker`, freed after the worker): a rendezvous piece is received on the worker
+/// that got its announcement.
+pub(super) struct WorkerArg {
+    pub(super) events: *const Events,
+    pub(super) worker: ucp_worker_h,
+}
+
+/// A rendezvous receive in flight (the `user_data` of its `ucp_am_recv_data_nbx`).
+struct RndvRecv {
+    events: *const Events,
+    /// The target range, [start, end).
+    range: (u64, u64),
+    /// Where the ack goes once the data has landed: the message's reply endpoint (the
+    /// receive runs on it, so it lives while the receive can still succeed) and cookie.
+    reply_ep: Option<ucp_ep_h>,
+    cookie: Option<u64>,
+}
+
+/// Rendezvous receives into registered memory that UCX has not completed yet: a
+/// withdrawal of a region they overlap waits for them ([`BatchEvents::receiving_into`]).
+#[derive(Default)]
+struct RndvRecvs {
+    /// Target range [start, end), worker and reply endpoint of each.
+    in_flight: Vec<((u64, u64), ucp_worker_h, Option<ucp_ep_h>)>,
+    /// Boxes of finished receives, for reuse (a box's address travels through UCX).
+    #[allow(clippy::vec_box)]
+    pool: Vec<Box<RndvRecv>>,
+}
+
 /// One ack's send buffer (the `user_data` of its send).
 pub(super) struct AckBuf {
     events: *const Events,
@@ -174,7 +216,13 @@ pub(crate) struct BatchEvents {
     /// travels through UCX as `user_data`, taken back without allocating.
     #[allow(clippy::vec_box)]
     replies: Mutex<Vec<Box<ReplyBuf>>>,
+    /// Target: rendezvous receives in flight.
+    rndv: Mutex<RndvRecvs>,
+    /// Rendezvous pieces received into a region, and those whose receive failed.
+    pub(crate) rndv_received: AtomicU64,
+    pub(crate) rndv_failed: AtomicU64,
     am_send: AmSendFn,
+    recv_data: RecvDataFn,
     request_free: unsafe extern "C" fn(*mut c_void),
 }
 
@@ -222,9 +270,49 @@ impl BatchEvents {
                 })
                 .collect(),
             free_acks,
+            rndv: Mutex::new(RndvRecvs::default()),
+            rndv_received: AtomicU64::new(0),
+            rndv_failed: AtomicU64::new(0),
             am_send: api.ucp_am_send_nbx,
+            recv_data: api.ucp_am_recv_data_nbx,
             request_free: api.ucp_request_free,
         }
+    }
+
+    /// Rendezvous receives in flight.
+    pub(super) fn rndv_in_flight(&self) -> usize {
+        self.rndv
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .in_flight
+            .len()
+    }
+
+    /// The endpoints (with their workers) rendezvous receives in flight run on, each
+    /// once.
+    pub(super) fn rndv_endpoints(&self) -> Vec<(ucp_worker_h, ucp_ep_h)> {
+        let mut eps: Vec<(ucp_worker_h, ucp_ep_h)> = self
+            .rndv
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .in_flight
+            .iter()
+            .filter_map(|&(_, worker, ep)| Some((worker, ep?)))
+            .collect();
+        eps.sort_unstable();
+        eps.dedup();
+        eps
+    }
+
+    /// Whether a rendezvous receive into [addr, addr + len) is in flight.
+    pub(super) fn receiving_into(&self, addr: u64, len: u64) -> bool {
+        let end = addr.saturating_add(len);
+        self.rndv
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .in_flight
+            .iter()
+            .any(|&((start, stop), _, _)| start < end && addr < stop)
     }
 
     /// A target handler's answer to message `got` with `cookie` (its first 8 bytes, if
@@ -290,6 +378,130 @@ impl BatchEvents {
             unsafe { release_ack(buf) };
         }
     }
+
+    /// A rendezvous piece announced to `arg`'s worker: check its range like an eager
+    /// one's, then have UCX receive the data straight into it. A refused piece is
+    /// answered at once (and not received: UCX completes the sender's send without
+    /// data); an accepted one is acked when its data has landed ([`rndv_done`]). The
+    /// initiator counts the piece done only when both the ack and its send's completion
+    /// are in.
+    ///
+    /// # Safety
+    ///
+    /// Called from the handler with the worker's `arg`, `data_desc`/`length` as UCX
+    /// passed them for a rendezvous message.
+    unsafe fn receive_rndv(
+        &self,
+        arg: &WorkerArg,
+        got: &AmReceived<'_>,
+        data_desc: *mut c_void,
+        length: usize,
+    ) {
+        let cookie = got.header.first_chunk::<8>();
+        let Ok((_, addr, len)) = wire::parse_batch_write_one_header(got.header, length) else {
+            self.answer(got, cookie, BatchStatus::Malformed);
+            return;
+        };
+        let cell = {
+            let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
+            if !regions.covers(addr, len as u64) {
+                drop(regions);
+                self.answer(got, cookie, BatchStatus::OutsideRegistered);
+                return;
+            }
+            // Recorded under the regions lock: a withdrawal either sees it or its region
+            // is gone from the index before the check above.
+            let mut recvs = self.rndv.lock().unwrap_or_else(|e| e.into_inner());
+            let range = (addr, addr + len as u64);
+            recvs.in_flight.push((range, arg.worker, got.reply_ep));
+            let mut cell = recvs.pool.pop().unwrap_or_else(|| {
+                Box::new(RndvRecv {
+                    events: arg.events,
+                    range,
+                    reply_ep: None,
+                    cookie: None,
+                })
+            });
+            cell.range = range;
+            cell.reply_ep = got.reply_ep;
+            cell.cookie = cookie.map(|c| u64::from_le_bytes(*c));
+            Box::into_raw(cell)
+        };
+        let mut param = request_param();
+        param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+        param.cb.recv_am = Some(on_rndv_received);
+        param.user_data = cell as *mut c_void;
+        // SAFETY: the worker is the one running this handler; `data_desc` is its
+        // rendezvous descriptor, received once; the range lies in memory registered with
+        // this backend (checked above; a withdrawal of it waits for this receive), which
+        // the caller keeps valid and lets peers write; the cell lives until the callback.
+        let request =
+            unsafe { (self.recv_data)(arg.worker, data_desc, addr as *mut c_void, len, &param) };
+        if !ucs_ptr_is_ptr(request) {
+            // SAFETY: UCX will not call back for a receive that ended at once; the reply
+            // endpoint is valid (still in the handler).
+            unsafe { rndv_done(cell, ucs_ptr_status(request)) };
+        }
+    }
+}
+
+/// A rendezvous receive ended: forget it (a withdrawal may go on), count it, and ack a
+/// landed one on its reply endpoint. A failed one is not acked: its endpoint may be gone
+/// (the receive runs on it), and the initiator learns of the failure from its send,
+/// which UCX fails too, or from its endpoint.
+///
+/// # Safety
+///
+/// `cell` came from [`BatchEvents::receive_rndv`] and UCX no longer uses it; once. Called
+/// from the handler or from the receive's completion callback (the reply endpoint is
+/// alive in both: the receive just succeeded on it).
+unsafe fn rndv_done(cell: *mut RndvRecv, status: ucs_status_t) {
+    // SAFETY: per the contract, the box is live and ours again; `events` outlives every
+    // worker.
+    let (cell, events_ptr) = unsafe {
+        let cell = Box::from_raw(cell);
+        let events = cell.events;
+        (cell, events)
+    };
+    // SAFETY: `events` outlives every worker.
+    let batch = unsafe { &(*events_ptr).batch };
+    if status.is_ok() {
+        batch.rndv_received.fetch_add(1, Ordering::Relaxed);
+        match (cell.reply_ep, cell.cookie) {
+            (Some(ep), Some(cookie)) => {
+                batch.send_ack(events_ptr, ep, cookie, BatchStatus::Written)
+            }
+            _ => {
+                batch.unsent_acks.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    } else {
+        batch.rndv_failed.fetch_add(1, Ordering::Relaxed);
+    }
+    let mut recvs = batch.rndv.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(i) = recvs
+        .in_flight
+        .iter()
+        .position(|&(r, _, ep)| r == cell.range && ep == cell.reply_ep)
+    {
+        recvs.in_flight.swap_remove(i);
+    }
+    recvs.pool.push(cell);
+}
+
+unsafe extern "C" fn on_rndv_received(
+    request: *mut c_void,
+    status: ucs_status_t,
+    _length: usize,
+    user_data: *mut c_void,
+) {
+    let cell = user_data as *mut RndvRecv;
+    // SAFETY: user_data is the cell given to this receive; `events` outlives workers.
+    let events = unsafe { &*(*cell).events };
+    // SAFETY: the receive is complete; the cell is released once, here.
+    unsafe { rndv_done(cell, status) };
+    // SAFETY: the request this callback completes; freeing it here is allowed.
+    unsafe { (events.batch.request_free)(request) };
 }
 
 /// Return an ack buffer to its pool (or free an allocated one).
@@ -386,10 +598,26 @@ pub(super) unsafe extern "C" fn on_batch_write_one(
     length: usize,
     param: *const ucp_am_recv_param_t,
 ) -> ucs_status_t {
-    // SAFETY: as UCX called this handler, registered with the core's events as `arg`.
-    let got = unsafe { am_received(arg, header, header_length, data, length, param) };
+    // SAFETY: this handler is registered with its worker's WorkerArg as `arg`, which
+    // outlives the worker.
+    let worker_arg = unsafe { &*(arg as *const WorkerArg) };
+    // SAFETY: as UCX called this handler; `events` is the core's events.
+    let got = unsafe {
+        am_received(
+            worker_arg.events as *mut c_void,
+            header,
+            header_length,
+            data,
+            length,
+            param,
+        )
+    };
     let batch = &got.events.batch;
-    // A rendezvous message (no payload here) is not one of ours: malformed.
+    if got.rendezvous {
+        // SAFETY: called from the handler with the worker's arg and UCX's descriptor.
+        unsafe { batch.receive_rndv(worker_arg, &got, data, length) };
+        return ucs_status_t::UCS_OK;
+    }
     let status = match got
         .payload
         .map(|d| wire::parse_batch_write_one(got.header, d))
@@ -701,6 +929,10 @@ pub(super) struct AmMsg {
     /// message header), the data goes from the caller's memory (`(address, length)`),
     /// never copied into `buf`. `None`: all in `buf`.
     lent: Option<(u64, u64)>,
+    /// A lent range sent by rendezvous: its ack (sent when the target accepted it) and
+    /// its send's completion (after the data landed) must both be in before it counts as
+    /// done in its batch.
+    rndv: bool,
 }
 
 /// The initiator's batching state.
@@ -716,6 +948,10 @@ pub(super) struct AmBatch {
     mode: AmBatchMode,
     /// `am_tcp`: every DRAM range in messages, where puts go over tcp.
     all_mode: AmBatchMode,
+    /// `am_tcp_rndv`: such WRITE pieces of at least [`RNDV_PIECE_MIN`] go by
+    /// rendezvous, in pieces of up to `rndv_piece` bytes.
+    pub(super) rndv: bool,
+    pub(super) rndv_piece: u64,
     /// Index in `Core::cells` of message 0's send cell.
     cell_base: u32,
     /// Acks that named no message waiting for one.
@@ -725,7 +961,7 @@ pub(super) struct AmBatch {
 }
 
 impl AmBatch {
-    pub(super) fn new(config: &crate::Config, cell_base: u32) -> AmBatch {
+    pub(super) fn new(config: &crate::Config, cell_base: u32, rndv_piece: u64) -> AmBatch {
         let count = config.am_batch_messages;
         AmBatch {
             msgs: (0..count)
@@ -744,6 +980,7 @@ impl AmBatch {
                     count: 0,
                     buf: Vec::new(),
                     lent: None,
+                    rndv: false,
                 })
                 .collect(),
             free: (0..count as u32).rev().collect(),
@@ -756,6 +993,8 @@ impl AmBatch {
             msg_bytes: config.am_batch_bytes,
             mode: config.am_batch,
             all_mode: config.am_tcp,
+            rndv: config.am_tcp_rndv,
+            rndv_piece,
             cell_base,
             stale_acks: 0,
             sent: 0,
@@ -810,6 +1049,7 @@ impl Core {
         remote_addr: u64,
         len: u64,
         msg_bytes: usize,
+        rndv: bool,
     ) -> bool {
         let write = op == ferry_backend_api::Op::Write;
         // A WRITE range that fills a message by itself (an `am_tcp` piece of a long
@@ -817,8 +1057,9 @@ impl Core {
         // a message of its own anyway, so this adds no message or ack. Shorter ranges are
         // packed as before (a copy costs less than a message of their own).
         let lend = write
-            && wire::BATCH_HEADER_LEN_BYTES + wire::BATCH_ENTRY_LEN_BYTES + len as usize
-                >= msg_bytes;
+            && ((rndv && len >= RNDV_PIECE_MIN)
+                || wire::BATCH_HEADER_LEN_BYTES + wire::BATCH_ENTRY_LEN_BYTES + len as usize
+                    >= msg_bytes);
         if lend {
             self.am_send_open();
         }
@@ -862,6 +1103,7 @@ impl Core {
             msg.ep = ep;
             msg.count = 0;
             msg.lent = None;
+            msg.rndv = false;
             self.am.open = m;
             self.slots[head as usize].acks += 1;
         }
@@ -870,6 +1112,7 @@ impl Core {
             .extend_from_slice(&wire::batch_entry(remote_addr, len as u32));
         if lend {
             msg.lent = Some((local_addr, len));
+            msg.rndv = rndv && len >= RNDV_PIECE_MIN;
             msg.count += 1;
             msg.last = slot;
             self.am_send_open();
@@ -921,7 +1164,13 @@ impl Core {
         let mut param = request_param();
         param.op_attr_mask =
             UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-        param.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
+        // A rendezvous piece: UCX announces it and the target, having checked the range,
+        // receives the data straight into the region (zero-copy on tcp, both ends).
+        param.flags = if msg.rndv {
+            UCP_AM_SEND_FLAG_RNDV | UCP_AM_SEND_FLAG_REPLY
+        } else {
+            UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY
+        };
         param.cb.send = Some(on_op_done);
         param.user_data = self.cells.get(cell) as *const OpCell as *mut c_void;
         // A lent range: header and entry as UCX's message header, the data from the
@@ -978,8 +1227,17 @@ impl Core {
             let gone = self.peer_gone(self.slots[head as usize].peer);
             self.am_fail(m, failure_of(status, gone, None));
             self.am_acked(m);
-        } else if self.am.msgs[m as usize].acked {
+        } else if msg.acked {
+            let waited = msg.rndv;
+            if waited && status.is_err() {
+                let gone = self.peer_gone(self.slots[head as usize].peer);
+                self.am_fail(m, failure_of(status, gone, None));
+            }
             self.am_release(m);
+            if waited {
+                // Its ack came first (`am_acked`): it counts now that the data landed.
+                self.am_counted(head);
+            }
         }
     }
 
@@ -1000,10 +1258,10 @@ impl Core {
             match BatchStatus::from_wire(status) {
                 Some(BatchStatus::Written) => {}
                 refused => {
-                    let errno = if refused == Some(BatchStatus::OutsideRegistered) {
-                        libc::EFAULT
-                    } else {
-                        libc::EPROTO
+                    let errno = match refused {
+                        Some(BatchStatus::OutsideRegistered) => libc::EFAULT,
+                        Some(BatchStatus::NotReceived) => libc::EIO,
+                        _ => libc::EPROTO,
                     };
                     self.am_fail(
                         m,
@@ -1056,10 +1314,19 @@ impl Core {
         }
         let msg = &mut self.am.msgs[m as usize];
         let head = msg.head;
-        let sending = msg.sending;
-        if !sending {
+        if msg.sending && msg.rndv {
+            // Accepted, but the data may still be on its way: `am_sent` counts it.
+            return;
+        }
+        if !msg.sending {
             self.am_release(m);
         }
+        self.am_counted(head);
+    }
+
+    /// One message of batch `head` is done: the batch completes with the last, once
+    /// flushed.
+    fn am_counted(&mut self, head: u32) {
         let slot = &mut self.slots[head as usize];
         slot.acks -= 1;
         if slot.acks == 0 {

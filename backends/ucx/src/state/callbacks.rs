@@ -215,9 +215,11 @@ pub(super) struct AmReceived<'a> {
     pub(super) events: &'a Events,
     /// The same, as the pointer reply sends carry as their user data.
     pub(super) events_ptr: *const Events,
-    /// The eager payload; `None` for a rendezvous message (senders force eager: such a
-    /// message is not one of ours, and its data is not readable here).
+    /// The eager payload; `None` for a rendezvous message (its data is not readable
+    /// here; only `am_tcp` WRITE pieces are sent that way, every other message eager).
     pub(super) payload: Option<&'a [u8]>,
+    /// A rendezvous message: `data` is UCX's descriptor of data still at the sender.
+    pub(super) rendezvous: bool,
     /// The endpoint to answer on, when UCX passed one.
     pub(super) reply_ep: Option<ucp_ep_h>,
     /// The message's user header (empty when it has none).
@@ -243,7 +245,8 @@ pub(super) unsafe fn am_received<'a>(
     // SAFETY: the caller's promise: `arg` is the live events, `param` valid now.
     let (events, recv_attr, reply_ep) =
         unsafe { (&*events_ptr, (*param).recv_attr, (*param).reply_ep) };
-    let payload = if recv_attr & u64::from(UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 {
+    let rendezvous = recv_attr & u64::from(UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+    let payload = if rendezvous {
         None
     } else if length == 0 {
         Some(&[][..])
@@ -262,6 +265,7 @@ pub(super) unsafe fn am_received<'a>(
         events,
         events_ptr,
         payload,
+        rendezvous,
         reply_ep: (recv_attr & u64::from(UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0).then_some(reply_ep),
         header,
     }

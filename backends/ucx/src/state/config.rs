@@ -12,14 +12,34 @@ pub(crate) const ZCOPY_THRESH_NEW_UCX: &str = "16k";
 
 /// `RNDV_THRESH` Ferry sets unless `UCX_RNDV_THRESH` is set.
 ///
-/// Ferry's active messages are notifications of at most 64 KiB, sent eagerly, so
-/// rendezvous buys it nothing. What the setting changes is the protocol selection of
+/// Ferry chooses eager or rendezvous per message with a send flag (rendezvous only for
+/// `am_tcp_rndv` WRITE pieces), so the threshold does not decide for its own messages.
+/// What the setting changes is the protocol selection of
 /// RMA on UCX >= 1.14 over TCP: with UCX's `auto`, `UCX_PROTO_INFO=y` (UCX 1.23, NIXL
 /// wheel, `UCX_TLS=tcp`) shows `ucp_put*` and `ucp_get*` as "software emulation" (puts
 /// carried by active messages, which for large sizes use rendezvous) over the whole
 /// range; with `inf` it shows "zero-copy tcp/lo", the protocol NIXL gets (NIXL sets
 /// `RNDV_THRESH=inf` itself). See the README for what it measured.
 pub(crate) const RNDV_THRESH: &str = "inf";
+
+/// Largest `am_tcp` WRITE piece sent by rendezvous with `am_tcp_rndv_piece_bytes=auto`:
+/// 1 MiB from UCX 1.16 (its protocols v2 by default), 768 KiB before. Measured on
+/// loopback tcp, 1 MiB × 1 WRITE, interleaved runs (README): on UCX 1.13.1 768 KiB and
+/// 512 KiB pieces reached 6.7–7.0 GB/s and whole 1 MiB pieces 4.0–4.1 (eager pieces:
+/// 4.2); on UCX 1.23.0 1 MiB pieces 5.4–7.1, 768 KiB 5.1–6.1 (eager: 3.4–4.1).
+pub(super) fn rndv_piece_bytes_auto(version: ferry_ucx_sys::UcxVersion) -> u64 {
+    let protocols_v2 = version
+        >= (ferry_ucx_sys::UcxVersion {
+            major: 1,
+            minor: 16,
+            release: 0,
+        });
+    if protocols_v2 {
+        1 << 20
+    } else {
+        768 << 10
+    }
+}
 
 /// The `RNDV_THRESH` override, if any (none when the user chose one).
 pub(super) fn rndv_thresh_override() -> Option<String> {
@@ -94,6 +114,14 @@ mod tests {
             minor,
             release: 0,
         }
+    }
+
+    #[test]
+    fn rendezvous_pieces_are_a_mebibyte_from_1_16() {
+        assert_eq!(rndv_piece_bytes_auto(version(1, 13)), 768 << 10);
+        assert_eq!(rndv_piece_bytes_auto(version(1, 15)), 768 << 10);
+        assert_eq!(rndv_piece_bytes_auto(version(1, 16)), 1 << 20);
+        assert_eq!(rndv_piece_bytes_auto(version(1, 23)), 1 << 20);
     }
 
     #[test]

@@ -95,6 +95,9 @@ impl Core {
             allocated_acks: b.allocated_acks.load(Ordering::Relaxed),
             allocated_replies: b.allocated_replies.load(Ordering::Relaxed),
             pongs: b.pongs.load(Ordering::Relaxed),
+            rndv_received: b.rndv_received.load(Ordering::Relaxed),
+            rndv_failed: b.rndv_failed.load(Ordering::Relaxed),
+            rndv_in_flight: b.rndv_in_flight(),
             in_flight: self.am.in_flight(),
         }
     }

@@ -34,7 +34,8 @@ pub(super) struct MemEntry {
     pub(super) packed_rkey: Vec<u8>,
     /// Rkey unpacked on the self endpoint, for local transfers.
     pub(super) self_rkey: ucp_rkey_h,
-    /// Host memory (peers' batch messages may write it; `batch.rs`).
+    /// Host memory (peers' batch messages may write it; `batch.rs`) still in the region
+    /// index: false once withdrawn (or for VRAM).
     pub(super) dram: bool,
 }
 
@@ -242,6 +243,32 @@ impl Core {
             (Some(Some(_)), Some(&g)) if g == generation => Some(index),
             _ => None,
         }
+    }
+
+    /// Withdraw a registration from peers: out of the region index (their messages into
+    /// it are refused from now on), then done once no rendezvous receive into it is in
+    /// flight (`batch.rs`: such a receive was checked before it started and lands after).
+    pub(crate) fn withdraw(&mut self, token: u64) -> Result<bool> {
+        let index = self
+            .mem_index(token)
+            .ok_or_else(|| Error::not_found(token_subject(token)))?;
+        let entry = self.mems[index].as_mut().expect("mem_index checked");
+        let (addr, len) = (entry.addr, entry.len);
+        if entry.dram {
+            entry.dram = false;
+            self.events
+                .batch
+                .regions
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(addr, len);
+        }
+        if !self.events.batch.receiving_into(addr, len) {
+            return Ok(true);
+        }
+        // Let UCX move what it can; the engine asks again later.
+        self.pump();
+        Ok(!self.events.batch.receiving_into(addr, len))
     }
 
     pub(crate) fn deregister(&mut self, token: u64) -> Result<()> {

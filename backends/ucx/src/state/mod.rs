@@ -120,6 +120,8 @@ struct Worker {
     handle: ucp_worker_h,
     address: Vec<u8>,
     efd: i32,
+    /// The `arg` of its handler of rendezvous WRITE pieces (freed after the worker).
+    arg: Box<batch::WorkerArg>,
 }
 
 /// The UCX state of one backend instance. Accessed by one thread at a time (the backend
@@ -364,7 +366,13 @@ impl Core {
             chunk_bytes: config.chunk_bytes,
             window_bytes: config.window_bytes,
             deferred: VecDeque::new(),
-            am: AmBatch::new(config, (slot_count * 2) as u32),
+            am: AmBatch::new(
+                config,
+                (slot_count * 2) as u32,
+                config
+                    .am_tcp_rndv_piece_bytes
+                    .unwrap_or_else(|| config::rndv_piece_bytes_auto(ucp.version())),
+            ),
             range_keys: Vec::new(),
             graves: Vec::new(),
             close_rounds: config.close_rounds,
@@ -415,6 +423,10 @@ impl Core {
             handle,
             address: Vec::new(),
             efd: -1,
+            arg: Box::new(batch::WorkerArg {
+                events: Arc::as_ptr(&self.events),
+                worker: handle,
+            }),
         });
         let mut address: *mut ucp_address_t = ptr::null_mut();
         let mut address_len: usize = 0;
@@ -453,9 +465,17 @@ impl Core {
             (crate::wire::BATCH_READ_AM_ID, on_batch_read),
             (crate::wire::BATCH_READ_REPLY_AM_ID, on_batch_read_reply),
         ];
+        let events_arg = am.arg;
+        let worker_arg = &*self.workers[index].arg as *const batch::WorkerArg as *mut c_void;
         for (id, cb) in handlers {
             am.id = id;
             am.cb = Some(cb);
+            // The one-range WRITE handler may receive by rendezvous, on its own worker.
+            am.arg = if id == crate::wire::BATCH_WRITE_ONE_AM_ID {
+                worker_arg
+            } else {
+                events_arg
+            };
             // SAFETY: worker live; the arg outlives the worker (see Events).
             let status = unsafe { api.ucp_worker_set_am_recv_handler(handle, &am) };
             if !status.is_ok() {
@@ -551,6 +571,22 @@ impl Drop for Core {
                     rkeys: Vec::new(),
                 });
             }
+        }
+        // Rendezvous receives still in flight (their initiator went away mid-piece) are
+        // requests on the endpoints UCX made for those peers, and UCX 1.13 aborts when a
+        // worker is destroyed with a request left on an endpoint: close those endpoints
+        // (forced: UCX cancels the receives) first.
+        for (worker, ep) in self.events.batch.rndv_endpoints() {
+            let force = std::mem::replace(&mut self.close_force, true);
+            if let Some(request) = self.close_ep(worker, ep) {
+                self.graves.push(Grave {
+                    worker,
+                    request,
+                    link: None,
+                    rkeys: Vec::new(),
+                });
+            }
+            self.close_force = force;
         }
         // Give pending closes a bounded time to finish, so their state is released in
         // UCX's order (rkeys before the worker goes).

@@ -54,6 +54,12 @@ pub(super) struct PeerState {
     /// Whether every DRAM range to it goes in batch messages (`am_tcp`), never as a
     /// UCX put or get.
     pub(super) am_all: bool,
+    /// Whether its connection info says it receives WRITE pieces by rendezvous
+    /// (`wire::FEATURE_RNDV_PIECES`).
+    pub(super) accepts_rndv: bool,
+    /// Whether `am_all` WRITE pieces that fill a message go to it by rendezvous
+    /// (`am_tcp_rndv`, and it accepts them).
+    pub(super) rndv_pieces: bool,
     /// The peer's listening TCP sockets our endpoint connected to (`sockets.rs`): reset
     /// before a failed endpoint is closed, so nothing queued in the kernel goes later.
     pub(super) tcp_remotes: Vec<std::net::SocketAddr>,
@@ -108,13 +114,17 @@ impl Core {
             state.name.push_str(name);
             if let Some(info) = info {
                 let remote = info.addresses[state.worker % info.addresses.len()].clone();
-                if remote != state.remote_address || info.batches() != state.accepts_batches {
+                if remote != state.remote_address
+                    || info.batches() != state.accepts_batches
+                    || info.rndv_pieces() != state.accepts_rndv
+                {
                     // The peer restarted (or moved, or came back as another build):
                     // forget its endpoint and rkeys.
                     self.teardown_peer(peer);
                     let state = self.peers.get_mut(&peer).expect("present");
                     state.remote_address = remote;
                     state.accepts_batches = info.batches();
+                    state.accepts_rndv = info.rndv_pieces();
                     state.down = None;
                 }
             }
@@ -146,6 +156,8 @@ impl Core {
                 accepts_batches: info.batches(),
                 paced: false,
                 am_all: false,
+                accepts_rndv: info.rndv_pieces(),
+                rndv_pieces: false,
                 tcp_remotes: Vec::new(),
                 vram_logged: false,
                 wireup: ptr::null_mut(),
@@ -571,11 +583,17 @@ impl Core {
         state.am_msg_bytes = am_msg_bytes;
         state.paced = super::requests::rma_over_tcp(&transports);
         state.am_all = am_msg_bytes > 0 && self.am.all_ranges(&transports);
+        state.rndv_pieces = state.am_all && state.accepts_rndv && self.am.rndv;
         log::info!(
             "UCX {}: endpoint to '{}' on worker {worker} uses {transports}; small ranges {}",
             self.ucp.version(),
             state.name,
-            if state.am_all {
+            if state.rndv_pieces {
+                format!(
+                    "batched in messages of up to {am_msg_bytes} bytes, large ones in pieces \
+                     received by rendezvous"
+                )
+            } else if state.am_all {
                 format!("and large ones go in Ferry's messages of up to {am_msg_bytes} bytes")
             } else if am_msg_bytes > 0 {
                 format!("batched in messages of up to {am_msg_bytes} bytes")

@@ -70,6 +70,9 @@ pub(super) struct Deferred {
     pub(super) am_bytes: u32,
     /// Only in messages (`am_tcp`): with no message free it waits, never a put/get.
     pub(super) am_only: bool,
+    /// A WRITE piece that fills a message goes by rendezvous (`am_tcp_rndv`): the target
+    /// receives it straight into the region.
+    pub(super) rndv: bool,
     /// The CUDA device whose context is current while it is issued ([`NO_DEVICE`]: host
     /// memory on both sides, none needed).
     pub(super) dev: u16,
@@ -273,6 +276,9 @@ impl Core {
         let am_all = peer
             .and_then(|p| self.peers.get(&p))
             .is_some_and(|s| s.am_all);
+        let rndv = peer
+            .and_then(|p| self.peers.get(&p))
+            .is_some_and(|s| s.rndv_pieces);
         for post in batch {
             let batch_post = am_bytes > 0
                 && post.local_kind == MemKind::Dram
@@ -324,6 +330,11 @@ impl Core {
                         0
                     },
                     am_only: batch_post && !mapped && am_all,
+                    rndv: batch_post
+                        && !mapped
+                        && am_all
+                        && rndv
+                        && post.op == ferry_backend_api::Op::Write,
                     dev: self.vram.piece_device(post, range),
                 };
                 if piece.am_only {
@@ -488,7 +499,11 @@ impl Core {
     /// allow: whole if it is small, else in pieces of one message each (`am_only`).
     /// Advances `piece` past what went.
     fn am_pack_piece(&mut self, piece: &mut Deferred, budget: &mut IssueBudget) {
-        let cap = (piece.am_bytes as usize - AM_RANGE_OVERHEAD_BYTES) as u64;
+        let cap = if piece.rndv {
+            self.am.rndv_piece
+        } else {
+            (piece.am_bytes as usize - AM_RANGE_OVERHEAD_BYTES) as u64
+        };
         while piece.len > 0 && budget.left() {
             if piece.am_only && self.am.in_flight() >= PIECES_IN_FLIGHT_MAX {
                 return;
@@ -507,6 +522,7 @@ impl Core {
                 piece.remote_addr,
                 now,
                 piece.am_bytes as usize,
+                piece.rndv,
             ) {
                 return;
             }
