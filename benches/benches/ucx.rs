@@ -28,7 +28,8 @@
 //! process (the single-copy limit the shared-memory rows are held to), no UCX.
 //!
 //! `FERRY_BENCH_UCX_METADATA=15000` instead measures the metadata of that many
-//! UCX-registered regions (blob bytes, `local_md` and `load_remote_md` medians).
+//! UCX-registered regions (blob bytes, `local_md` and `load_remote_md` medians), with
+//! `error_handling=none` and any `FERRY_BENCH_UCX_PARAMS` (e.g. `unpack_on_load=false`).
 
 use std::process::{Command, Stdio};
 
@@ -41,7 +42,12 @@ fn metadata(count: &str) {
         eprintln!("FERRY_BENCH_UCX_METADATA: expected a region count, got {count:?}");
         std::process::exit(1);
     };
-    let params = [("error_handling".to_string(), "none".to_string())];
+    let mut params = vec![("error_handling".to_string(), "none".to_string())];
+    if let Ok(extra) = std::env::var("FERRY_BENCH_UCX_PARAMS") {
+        for (k, v) in extra.split(';').filter_map(|kv| kv.split_once('=')) {
+            params.push((k.to_string(), v.to_string()));
+        }
+    }
     match ferry_benches::ucx_md::run(
         count,
         1 << 20,
