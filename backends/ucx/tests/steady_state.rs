@@ -1,6 +1,7 @@
 //! Steady state of batched small transfers (`state/batch.rs`): after warm-up, posting
-//! batched writes and reads to a peer and progressing both backends allocate nothing
-//! (the batch message buffers, the ack and reply buffers and queues are pooled), and
+//! batched writes and reads to a peer (and over tcp a WRITE piece by rendezvous) and
+//! progressing both backends allocate nothing (the batch message buffers, the ack and
+//! reply buffers, the rendezvous receive records and queues are pooled), and
 //! the loop leaves no
 //! request slot or batch message behind. One test only in this binary, so the global
 //! allocation counter sees nothing but the backends and this loop. (UCX's own
@@ -38,6 +39,8 @@ fn batched_writes_allocate_nothing_once_warm() {
         let large: Vec<Range> = (0..4)
             .map(|i| range(&p, (64 << 10) + i * 8192, (64 << 10) + i * 8192, 8192))
             .collect();
+        // Over tcp (`am_tcp`): one piece that goes by rendezvous (`am_tcp_rndv`).
+        let big = [range(&p, 256 << 10, 256 << 10, 512 << 10)];
         let reads: Vec<Range> = (0..256)
             .map(|i| {
                 range(
@@ -63,14 +66,15 @@ fn batched_writes_allocate_nothing_once_warm() {
         let mut cycle = |a: &mut ferry_ucx::UcxBackend, b: &mut ferry_ucx::UcxBackend, i: u64| {
             done.clear();
             let posts = [
-                post(i * 2, Op::Write, &small, Some(notif)),
-                post(i * 2 + 1, Op::Write, &large, None),
+                post(i * 3, Op::Write, &small, Some(notif)),
+                post(i * 3 + 1, Op::Write, &large, None),
+                post(i * 3 + 2, Op::Write, &big, None),
             ];
             let read = [post(u64::MAX - i, Op::Read, &reads, None)];
             a.post_t(Endpoint::Peer(peer), &posts, &mut done).unwrap();
             let deadline = Instant::now() + Duration::from_secs(30);
             a.post_t(Endpoint::Peer(peer), &read, &mut done).unwrap();
-            while done.len() < 3 {
+            while done.len() < 4 {
                 a.progress(&mut done);
                 b.progress(&mut done);
                 assert!(Instant::now() < deadline, "cycle {i} timed out");
