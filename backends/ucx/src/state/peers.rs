@@ -185,36 +185,50 @@ impl Core {
             }
         };
         let state = &self.peers[&peer];
-        let regions = state.regions.clone();
-        let mut todo = Vec::new();
         let mode = self.unpack_on_load;
-        if mode != crate::UnpackOnLoad::Never {
-            regions.for_each_region(crate::BACKEND, &mut |token, desc, _| {
-                if !state.rkeys.contains_key(&token) {
-                    todo.push((token, desc.addr));
-                }
-            });
-        }
+        // Unpacked from the public metadata the listing hands over (no lookup per
+        // region), kept after the listing (the cache is read during it).
+        let mut unpacked: Vec<(u64, RemoteKey)> = Vec::new();
         let (mut refused, mut mapped) = (0usize, 0usize);
-        for &(token, addr) in &todo {
-            match self.rkey_for(Endpoint::Peer(peer), ep, token, addr) {
-                Err(e) => {
-                    if refused == 0 {
-                        log::warn!("UCX: at load: {e} (its first request reports it again)");
+        if mode != crate::UnpackOnLoad::Never {
+            let ucp = &self.ucp;
+            state
+                .regions
+                .for_each_region(crate::BACKEND, &mut |token, desc, md| {
+                    if state.rkeys.contains_key(&token) {
+                        return;
                     }
-                    refused += 1;
-                }
-                Ok(key) if key.mapped && mode == crate::UnpackOnLoad::Unmapped => {
-                    // A segment of the peer's, now mapped here: not kept mapped for a
-                    // region that may never be used; its first use unpacks it again.
-                    let state = self.peers.get_mut(&peer).expect("present");
-                    state.rkeys.remove(&token);
-                    // SAFETY: unpacked just above on this peer's live endpoint, and
-                    // dropped from the cache, so nothing else holds or frees it.
-                    unsafe { self.ucp.api().ucp_rkey_destroy(key.rkey) };
-                    mapped += 1;
-                }
-                Ok(_) => {}
+                    match unpack_peer_rkey(ucp, ep, &state.name, token, desc.addr, md) {
+                        Err(e) => {
+                            if refused == 0 {
+                                log::warn!(
+                                    "UCX: at load: {e} (its first request reports it again)"
+                                );
+                            }
+                            refused += 1;
+                        }
+                        Ok(key) if key.mapped && mode == crate::UnpackOnLoad::Unmapped => {
+                            // A segment of the peer's, now mapped here: not kept mapped for
+                            // a region that may never be used; its first use unpacks it
+                            // again.
+                            // SAFETY: unpacked just above on this peer's live endpoint and
+                            // never cached, so nothing else holds or frees it.
+                            unsafe { ucp.api().ucp_rkey_destroy(key.rkey) };
+                            mapped += 1;
+                        }
+                        Ok(key) => unpacked.push((token, key)),
+                    }
+                });
+        }
+        let kept = unpacked.len();
+        let state = self.peers.get_mut(&peer).expect("present");
+        state.rkeys.reserve(kept);
+        for (token, key) in unpacked {
+            // A token is listed once; were one listed again, its first key is released.
+            if let Some(twice) = state.rkeys.insert(token, key) {
+                // SAFETY: unpacked above on this peer's live endpoint, replaced in the
+                // cache just now, so nothing else holds or frees it.
+                unsafe { self.ucp.api().ucp_rkey_destroy(twice.rkey) };
             }
         }
         let worker = self.peers[&peer].worker;
@@ -228,7 +242,7 @@ impl Core {
             } else {
                 " (wireup still running)"
             },
-            todo.len() - refused - mapped
+            kept
         );
     }
 
@@ -684,45 +698,50 @@ impl Core {
                         format!("region token {token:#x} of peer '{}'", state.name).into(),
                     ))
                 })?;
-                let packed =
-                    crate::wire::unframe_rkey(packed).map_err(|why| Error::InvalidMetadata {
-                        reason: format!(
-                            "UCX rkey of region token {token:#x} of peer '{}': {why}",
-                            state.name
-                        )
-                        .into(),
-                    })?;
-                let mut rkey: ucp_rkey_h = ptr::null_mut();
-                // SAFETY: ep live; UCX parses the packed rkey (peer bytes) and reports
-                // malformed input as an error status.
-                let status = unsafe {
-                    api.ucp_ep_rkey_unpack(ep, packed.as_ptr() as *const c_void, &mut rkey)
-                };
-                if !status.is_ok() {
-                    return Err(Error::InvalidMetadata {
-                        reason: format!(
-                            "UCX rkey of region token {token:#x} of peer '{}': {}",
-                            state.name,
-                            self.ucp.status_string(status)
-                        )
-                        .into(),
-                    });
-                }
-                let mut mapped_at: *mut c_void = ptr::null_mut();
-                // SAFETY: rkey was just unpacked; UCX only reports whether (and where)
-                // it can map the peer's address, nothing is accessed through it here.
-                let mapped = unsafe { api.ucp_rkey_ptr(rkey, remote_addr, &mut mapped_at) }.is_ok();
-                if mapped {
-                    log::debug!(
-                        "UCX: region token {token:#x} of peer '{}' is mapped here: small \
-                         ranges to it go as puts",
-                        state.name
-                    );
-                }
-                let key = RemoteKey { rkey, mapped };
+                let key = unpack_peer_rkey(&self.ucp, ep, &state.name, token, remote_addr, packed)?;
                 state.rkeys.insert(token, key);
                 Ok(key)
             }
         }
     }
+}
+
+/// Unpack the rkey of a peer's region from its public metadata (`packed`, as framed by
+/// `wire::frame_rkey`) on `ep`, and ask UCX whether it maps the region here.
+fn unpack_peer_rkey(
+    ucp: &Ucp,
+    ep: ucp_ep_h,
+    peer_name: &str,
+    token: u64,
+    remote_addr: u64,
+    packed: &[u8],
+) -> Result<RemoteKey> {
+    let api = ucp.api();
+    let packed = crate::wire::unframe_rkey(packed).map_err(|why| Error::InvalidMetadata {
+        reason: format!("UCX rkey of region token {token:#x} of peer '{peer_name}': {why}").into(),
+    })?;
+    let mut rkey: ucp_rkey_h = ptr::null_mut();
+    // SAFETY: ep live (the caller's); UCX parses the packed rkey (peer bytes) and reports
+    // malformed input as an error status.
+    let status = unsafe { api.ucp_ep_rkey_unpack(ep, packed.as_ptr() as *const c_void, &mut rkey) };
+    if !status.is_ok() {
+        return Err(Error::InvalidMetadata {
+            reason: format!(
+                "UCX rkey of region token {token:#x} of peer '{peer_name}': {}",
+                ucp.status_string(status)
+            )
+            .into(),
+        });
+    }
+    let mut mapped_at: *mut c_void = ptr::null_mut();
+    // SAFETY: rkey was just unpacked; UCX only reports whether (and where) it can map the
+    // peer's address, nothing is accessed through it here.
+    let mapped = unsafe { api.ucp_rkey_ptr(rkey, remote_addr, &mut mapped_at) }.is_ok();
+    if mapped {
+        log::debug!(
+            "UCX: region token {token:#x} of peer '{peer_name}' is mapped here: small ranges \
+             to it go as puts"
+        );
+    }
+    Ok(RemoteKey { rkey, mapped })
 }
