@@ -259,6 +259,13 @@ pub const PARAMS: &[ParamSpec] = &[
               before; or 65536..=16777216)",
     },
     ParamSpec {
+        name: "am_tcp_rndv_receives_max",
+        default: "4096",
+        doc: "rendezvous pieces from peers this backend receives at once (1..=1048576); a \
+              piece beyond is refused and its request fails with ENOBUFS (an initiator \
+              keeps at most 32 in flight)",
+    },
+    ParamSpec {
         name: "vmm_spanning",
         default: "refuse",
         doc: "a VRAM region of VMM memory spanning several physical allocations mapped back \
@@ -338,6 +345,8 @@ pub struct BatchCounts {
     pub rndv_received: u64,
     /// Such pieces whose receive failed (its sender's request fails).
     pub rndv_failed: u64,
+    /// Such pieces refused because `am_tcp_rndv_receives_max` receives were in flight.
+    pub rndv_refused: u64,
     /// Such receives in flight now (a withdrawal of a region they reach waits for them).
     pub rndv_in_flight: usize,
     /// This backend's batch messages in flight now.
@@ -421,6 +430,8 @@ pub struct Config {
     pub am_tcp_rndv: bool,
     /// Largest rendezvous piece (`None` = by UCX version).
     pub am_tcp_rndv_piece_bytes: Option<u64>,
+    /// Rendezvous receives in flight at once (target side).
+    pub am_tcp_rndv_receives_max: usize,
     /// Largest batched range (0 = off).
     pub am_batch_range_bytes: u64,
     /// Whether a VMM region spanning several physical allocations is accepted.
@@ -660,6 +671,11 @@ impl Config {
                     })?,
             ),
         };
+        let am_tcp_rndv_receives_max: usize = get("am_tcp_rndv_receives_max")
+            .parse()
+            .ok()
+            .filter(|n| (1..=1 << 20).contains(n))
+            .ok_or_else(|| bad("am_tcp_rndv_receives_max", "expected 1..=1048576"))?;
         let vmm_spanning = match get("vmm_spanning") {
             "refuse" => false,
             "allow" => true,
@@ -697,6 +713,7 @@ impl Config {
             am_tcp,
             am_tcp_rndv,
             am_tcp_rndv_piece_bytes,
+            am_tcp_rndv_receives_max,
             vmm_spanning,
             am_batch_range_bytes,
             am_batch_bytes,

@@ -377,6 +377,9 @@ pub enum BatchStatus {
     /// The target could not start receiving a rendezvous piece's data (UCX refused the
     /// receive); nothing was written.
     NotReceived = 3,
+    /// The target had as many rendezvous receives in flight as it takes
+    /// (`am_tcp_rndv_receives_max`); nothing was written.
+    Busy = 4,
 }
 
 impl BatchStatus {
@@ -387,6 +390,7 @@ impl BatchStatus {
             1 => Some(BatchStatus::Malformed),
             2 => Some(BatchStatus::OutsideRegistered),
             3 => Some(BatchStatus::NotReceived),
+            4 => Some(BatchStatus::Busy),
             _ => None,
         }
     }

@@ -595,3 +595,101 @@ fn a_withdrawal_waits_for_a_rendezvous_piece_in_flight() {
     assert!(p.b_buf.0 == left, "a byte changed after the withdrawal");
     assert_eq!(p.b.batch_counts().rndv_received, 1);
 }
+
+/// A target takes at most `am_tcp_rndv_receives_max` rendezvous pieces at once: with
+/// one receive in flight (its initiator not progressed, so its data stays there), a
+/// second initiator's pieces are refused without a byte written, and its request fails
+/// with `ENOBUFS`; the first piece lands once its initiator answers.
+#[test]
+fn rendezvous_pieces_beyond_the_targets_bound_are_refused() {
+    if !setup() {
+        return;
+    }
+    let piece = 64 << 10;
+    let mut p = pair_with(
+        "tcp",
+        LEN,
+        &[("am_tcp_rndv_piece_bytes", "65536")],
+        &[("am_tcp_rndv_receives_max", "1")],
+    );
+    p.a.connect(p.peer_b).unwrap();
+    let mut rng = Rng::new(0xb0b);
+    rng.fill(&mut p.a_buf.0);
+    let mut done = Completions::with_capacity(4);
+    let first = [range(&p, 0, 0, piece)];
+    p.a.post_t(
+        Endpoint::Peer(p.peer_b),
+        &[write(1, &first, None)],
+        &mut done,
+    )
+    .unwrap();
+    let deadline = Instant::now() + TIMEOUT;
+    while p.b.batch_counts().rndv_in_flight == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the piece never reached the target"
+        );
+        p.b.progress(&mut done);
+        if p.b.batch_counts().rndv_in_flight == 0 {
+            p.a.progress(&mut done);
+        }
+    }
+    // A second initiator, writing two pieces into the rest of the target's buffer.
+    let mut c = backend("agent-c", "tcp", &[("am_tcp_rndv_piece_bytes", "65536")]);
+    let c_buf = Buffer::new(LEN);
+    let (c_token, _) = register(&mut c, &c_buf);
+    load(
+        &mut c,
+        p.peer_b,
+        "agent-b",
+        &p.b.conn_info().expect("conn info"),
+        &[(p.b_token, p.b_md.clone())],
+    );
+    c.connect(p.peer_b).unwrap();
+    let second = [Range {
+        local_addr: c_buf.addr(),
+        remote_addr: p.b_buf.addr() + piece as u64,
+        len: 2 * piece as u64,
+        local_dev: 0,
+        remote_dev: 0,
+        local_token: c_token,
+        remote_token: p.b_token,
+    }];
+    let mut c_done = Completions::with_capacity(4);
+    c.post_t(
+        Endpoint::Peer(p.peer_b),
+        &[write(2, &second, None)],
+        &mut c_done,
+    )
+    .unwrap();
+    while c_done.is_empty() {
+        assert!(Instant::now() < deadline, "the second request never ended");
+        c.progress(&mut c_done);
+        p.b.progress(&mut done);
+    }
+    let failure = c_done.as_slice()[0]
+        .result
+        .expect_err("the target was at its bound");
+    assert_eq!(
+        (failure.kind, failure.errno),
+        (FailureKind::Backend, libc::ENOBUFS)
+    );
+    let b = p.b.batch_counts();
+    assert_eq!((b.rndv_refused, b.rndv_in_flight), (2, 1), "{b:?}");
+    assert!(
+        p.b_buf.0[piece..3 * piece].iter().all(|&x| x == 0),
+        "a refused piece was written"
+    );
+    // The first initiator answers: its piece lands.
+    let mut reported: Vec<Completion> = Vec::new();
+    while reported.is_empty() {
+        assert!(Instant::now() < deadline, "not ended within {TIMEOUT:?}");
+        p.a.progress(&mut done);
+        p.b.progress(&mut done);
+        reported.extend_from_slice(done.as_slice());
+        done.clear();
+    }
+    assert_eq!(reported[0].result, Ok(()));
+    assert!(p.a_buf.0[..piece] == p.b_buf.0[..piece]);
+    assert_eq!(p.b.batch_counts().rndv_received, 1);
+}

@@ -216,8 +216,12 @@ pub(crate) struct BatchEvents {
     /// travels through UCX as `user_data`, taken back without allocating.
     #[allow(clippy::vec_box)]
     replies: Mutex<Vec<Box<ReplyBuf>>>,
-    /// Target: rendezvous receives in flight.
+    /// Target: rendezvous receives in flight, at most `rndv_max` (`am_tcp_rndv_receives_max`:
+    /// a peer announcing pieces it never sends cannot make this grow without bound).
     rndv: Mutex<RndvRecvs>,
+    rndv_max: usize,
+    /// Rendezvous pieces refused because `rndv_max` receives were in flight.
+    pub(crate) rndv_refused: AtomicU64,
     /// Rendezvous pieces received into a region, and those whose receive failed.
     pub(crate) rndv_received: AtomicU64,
     pub(crate) rndv_failed: AtomicU64,
@@ -246,7 +250,12 @@ struct ReplyBuf {
 impl BatchEvents {
     /// State for `messages` initiator messages in flight; `events` is where the
     /// enclosing [`Events`] will live.
-    pub(super) fn new(api: &UcpApi, events: *const Events, messages: usize) -> BatchEvents {
+    pub(super) fn new(
+        api: &UcpApi,
+        events: *const Events,
+        messages: usize,
+        rndv_max: usize,
+    ) -> BatchEvents {
         let free_acks = ArrayQueue::new(ACK_POOL_LEN);
         for i in 0..ACK_POOL_LEN as u32 {
             let _ = free_acks.push(i);
@@ -271,6 +280,8 @@ impl BatchEvents {
                 .collect(),
             free_acks,
             rndv: Mutex::new(RndvRecvs::default()),
+            rndv_max,
+            rndv_refused: AtomicU64::new(0),
             rndv_received: AtomicU64::new(0),
             rndv_failed: AtomicU64::new(0),
             am_send: api.ucp_am_send_nbx,
@@ -412,6 +423,12 @@ impl BatchEvents {
             // Recorded under the regions lock: a withdrawal either sees it or its region
             // is gone from the index before the check above.
             let mut recvs = self.rndv.lock().unwrap_or_else(|e| e.into_inner());
+            if recvs.in_flight.len() >= self.rndv_max {
+                drop((recvs, regions));
+                self.rndv_refused.fetch_add(1, Ordering::Relaxed);
+                self.answer(got, cookie, BatchStatus::Busy);
+                return;
+            }
             let range = (addr, addr + len as u64);
             recvs.in_flight.push((range, arg.worker, got.reply_ep));
             let mut cell = recvs.pool.pop().unwrap_or_else(|| {
@@ -1261,6 +1278,7 @@ impl Core {
                     let errno = match refused {
                         Some(BatchStatus::OutsideRegistered) => libc::EFAULT,
                         Some(BatchStatus::NotReceived) => libc::EIO,
+                        Some(BatchStatus::Busy) => libc::ENOBUFS,
                         _ => libc::EPROTO,
                     };
                     self.am_fail(

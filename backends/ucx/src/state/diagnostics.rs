@@ -97,6 +97,7 @@ impl Core {
             pongs: b.pongs.load(Ordering::Relaxed),
             rndv_received: b.rndv_received.load(Ordering::Relaxed),
             rndv_failed: b.rndv_failed.load(Ordering::Relaxed),
+            rndv_refused: b.rndv_refused.load(Ordering::Relaxed),
             rndv_in_flight: b.rndv_in_flight(),
             in_flight: self.am.in_flight(),
         }

@@ -337,7 +337,12 @@ impl Core {
             refused_notifs: AtomicU64::new(0),
             dropped_notifs: AtomicU64::new(0),
             request_free: api.ucp_request_free,
-            batch: BatchEvents::new(api, weak.as_ptr(), messages),
+            batch: BatchEvents::new(
+                api,
+                weak.as_ptr(),
+                messages,
+                config.am_tcp_rndv_receives_max,
+            ),
         });
         let events_ptr = Arc::as_ptr(&events);
         // Two cells per slot (flush, notification), then one per batch message (send).
