@@ -426,7 +426,7 @@ pub struct Config {
     pub am_batch: AmBatchMode,
     /// When every DRAM range goes in active messages (`Auto`: where puts go over tcp).
     pub am_tcp: AmBatchMode,
-    /// Whether such WRITE pieces that fill a message go by rendezvous.
+    /// Whether such WRITE pieces of 64 KiB or more go by rendezvous.
     pub am_tcp_rndv: bool,
     /// Largest rendezvous piece (`None` = by UCX version).
     pub am_tcp_rndv_piece_bytes: Option<u64>,
@@ -525,11 +525,28 @@ impl Config {
                 format!("parameter {key}='{}': {why}", get(key)),
             )
         };
-        let workers: usize = get("num_workers")
-            .parse()
-            .ok()
-            .filter(|n| (1..=64).contains(n))
-            .ok_or_else(|| bad("num_workers", "expected 1..=64"))?;
+        // A whole number in `range`; with `auto`, also that word (then `None`).
+        let number = |key: &str, range: std::ops::RangeInclusive<u64>| -> Result<u64> {
+            get(key)
+                .trim()
+                .parse::<u64>()
+                .ok()
+                .filter(|n| range.contains(n))
+                .ok_or_else(|| {
+                    bad(
+                        key,
+                        &format!("expected {}..={}", range.start(), range.end()),
+                    )
+                })
+        };
+        let auto_or_number = |key: &str, range: std::ops::RangeInclusive<u64>| {
+            if get(key) == "auto" {
+                return Ok(None);
+            }
+            let why = format!("expected 'auto' or {}..={}", range.start(), range.end());
+            number(key, range).map(Some).map_err(|_| bad(key, &why))
+        };
+        let workers = number("num_workers", 1..=64)? as usize;
         let error_mode = match get("error_handling") {
             "peer" => ErrorMode::Peer,
             "none" => ErrorMode::None,
@@ -657,39 +674,14 @@ impl Config {
             "off" | "false" => false,
             _ => return Err(bad("am_tcp_rndv", "expected 'on' or 'off'")),
         };
-        let am_tcp_rndv_piece_bytes: Option<u64> = match get("am_tcp_rndv_piece_bytes") {
-            "auto" => None,
-            text => Some(
-                text.parse()
-                    .ok()
-                    .filter(|n| (1 << 16..=1 << 24).contains(n))
-                    .ok_or_else(|| {
-                        bad(
-                            "am_tcp_rndv_piece_bytes",
-                            "expected 'auto' or 65536..=16777216",
-                        )
-                    })?,
-            ),
-        };
-        let am_tcp_rndv_receives_max: usize = get("am_tcp_rndv_receives_max")
-            .parse()
-            .ok()
-            .filter(|n| (1..=1 << 20).contains(n))
-            .ok_or_else(|| bad("am_tcp_rndv_receives_max", "expected 1..=1048576"))?;
+        let am_tcp_rndv_piece_bytes = auto_or_number("am_tcp_rndv_piece_bytes", 1 << 16..=1 << 24)?;
+        let am_tcp_rndv_receives_max = number("am_tcp_rndv_receives_max", 1..=1 << 20)? as usize;
         let vmm_spanning = match get("vmm_spanning") {
             "refuse" => false,
             "allow" => true,
             _ => return Err(bad("vmm_spanning", "expected 'refuse' or 'allow'")),
         };
-        let am_batch_bytes: Option<usize> = match get("am_batch_bytes") {
-            "auto" => None,
-            text => Some(
-                text.parse()
-                    .ok()
-                    .filter(|n| (1024..=1 << 16).contains(n))
-                    .ok_or_else(|| bad("am_batch_bytes", "expected 'auto' or 1024..=65536"))?,
-            ),
-        };
+        let am_batch_bytes = auto_or_number("am_batch_bytes", 1024..=1 << 16)?.map(|n| n as usize);
         let range_max = am_batch_bytes.unwrap_or(AM_BATCH_BYTES_SHM)
             - wire::BATCH_HEADER_LEN_BYTES
             - wire::BATCH_ENTRY_LEN_BYTES;
@@ -703,11 +695,7 @@ impl Config {
                     &format!("expected 0..={range_max} (am_batch_bytes, or 16384, - 28)"),
                 )
             })?;
-        let am_batch_messages: usize = get("am_batch_messages")
-            .parse()
-            .ok()
-            .filter(|n| (1..=65536).contains(n))
-            .ok_or_else(|| bad("am_batch_messages", "expected 1..=65536"))?;
+        let am_batch_messages = number("am_batch_messages", 1..=65536)? as usize;
         Ok(Config {
             am_batch,
             am_tcp,

@@ -525,6 +525,25 @@ fn large_writes_over_tcp_land_byte_for_byte_by_rendezvous_and_eager() {
     }
 }
 
+/// Post one WRITE of `ranges` (request 1) from `a` and progress both sides until `b`
+/// has accepted a rendezvous piece and asked for its data; then `a` is left alone, so
+/// the receive stays in flight until `a` is progressed again.
+fn hold_one_rndv_receive(p: &mut Pair, ranges: &[Range], done: &mut Completions) {
+    p.a.post_t(Endpoint::Peer(p.peer_b), &[write(1, ranges, None)], done)
+        .unwrap();
+    let deadline = Instant::now() + TIMEOUT;
+    while p.b.batch_counts().rndv_in_flight == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the piece never reached the target"
+        );
+        p.b.progress(done);
+        if p.b.batch_counts().rndv_in_flight == 0 {
+            p.a.progress(done);
+        }
+    }
+}
+
 /// A region withdrawn while a rendezvous piece into it is being received (accepted
 /// before the withdrawal, its data still at the initiator) stays registered until that
 /// receive ends: `withdraw` answers "not yet" meanwhile, the piece lands whole, and a
@@ -541,25 +560,8 @@ fn a_withdrawal_waits_for_a_rendezvous_piece_in_flight() {
     let piece = 252 << 10;
     let ranges = [range(&p, 0, 0, piece)];
     let mut done = Completions::with_capacity(4);
-    p.a.post_t(
-        Endpoint::Peer(p.peer_b),
-        &[write(1, &ranges, None)],
-        &mut done,
-    )
-    .unwrap();
-    // Progress until the target accepted the piece and asked for its data, then leave
-    // the initiator alone: the data stays there.
+    hold_one_rndv_receive(&mut p, &ranges, &mut done);
     let deadline = Instant::now() + TIMEOUT;
-    while p.b.batch_counts().rndv_in_flight == 0 {
-        assert!(
-            Instant::now() < deadline,
-            "the piece never reached the target"
-        );
-        p.b.progress(&mut done);
-        if p.b.batch_counts().rndv_in_flight == 0 {
-            p.a.progress(&mut done);
-        }
-    }
     assert!(
         !p.b.withdraw(MemKind::Dram, p.b_token).unwrap(),
         "withdrawn with a receive into it in flight"
@@ -617,23 +619,8 @@ fn rendezvous_pieces_beyond_the_targets_bound_are_refused() {
     rng.fill(&mut p.a_buf.0);
     let mut done = Completions::with_capacity(4);
     let first = [range(&p, 0, 0, piece)];
-    p.a.post_t(
-        Endpoint::Peer(p.peer_b),
-        &[write(1, &first, None)],
-        &mut done,
-    )
-    .unwrap();
+    hold_one_rndv_receive(&mut p, &first, &mut done);
     let deadline = Instant::now() + TIMEOUT;
-    while p.b.batch_counts().rndv_in_flight == 0 {
-        assert!(
-            Instant::now() < deadline,
-            "the piece never reached the target"
-        );
-        p.b.progress(&mut done);
-        if p.b.batch_counts().rndv_in_flight == 0 {
-            p.a.progress(&mut done);
-        }
-    }
     // A second initiator, writing two pieces into the rest of the target's buffer.
     let mut c = backend("agent-c", "tcp", &[("am_tcp_rndv_piece_bytes", "65536")]);
     let c_buf = Buffer::new(LEN);

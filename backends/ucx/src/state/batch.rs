@@ -192,7 +192,7 @@ pub(super) struct AckBuf {
 
 /// What the batch AM handlers and ack sends touch (inside [`Events`]).
 pub(crate) struct BatchEvents {
-    pub(super) regions: Mutex<RegionIndex>,
+    regions: Mutex<RegionIndex>,
     /// Acks received: (cookie, status), for `Core::pump`.
     acks_in: ArrayQueue<(u64, u32)>,
     /// Batch messages from peers this backend refused (malformed, or a range outside
@@ -288,6 +288,11 @@ impl BatchEvents {
             recv_data: api.ucp_am_recv_data_nbx,
             request_free: api.ucp_request_free,
         }
+    }
+
+    /// The index of registered DRAM the handlers check ranges against.
+    pub(super) fn regions(&self) -> std::sync::MutexGuard<'_, RegionIndex> {
+        self.regions.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Rendezvous receives in flight.
@@ -414,7 +419,7 @@ impl BatchEvents {
             return;
         };
         let cell = {
-            let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
+            let mut regions = self.regions();
             if !regions.covers(addr, len as u64) {
                 drop(regions);
                 self.answer(got, cookie, BatchStatus::OutsideRegistered);
@@ -473,13 +478,9 @@ impl BatchEvents {
 /// from the handler or from the receive's completion callback (the reply endpoint is
 /// alive in both: the receive just succeeded on it).
 unsafe fn rndv_done(cell: *mut RndvRecv, status: ucs_status_t) {
-    // SAFETY: per the contract, the box is live and ours again; `events` outlives every
-    // worker.
-    let (cell, events_ptr) = unsafe {
-        let cell = Box::from_raw(cell);
-        let events = cell.events;
-        (cell, events)
-    };
+    // SAFETY: per the contract, the box is live and ours again.
+    let cell = unsafe { Box::from_raw(cell) };
+    let events_ptr = cell.events;
     // SAFETY: `events` outlives every worker.
     let batch = unsafe { &(*events_ptr).batch };
     if status.is_ok() {
@@ -598,7 +599,7 @@ pub(super) unsafe extern "C" fn on_batch_write(
     let batch = &got.events.batch;
     let msg = got.payload.unwrap_or_default();
     let status = {
-        let mut regions = batch.regions.lock().unwrap_or_else(|e| e.into_inner());
+        let mut regions = batch.regions();
         apply_batch_write(&mut regions, msg)
     };
     batch.answer(&got, msg.first_chunk::<8>(), status);
@@ -640,7 +641,7 @@ pub(super) unsafe extern "C" fn on_batch_write_one(
         .map(|d| wire::parse_batch_write_one(got.header, d))
     {
         Some(Ok((_, addr, data))) => {
-            let mut regions = batch.regions.lock().unwrap_or_else(|e| e.into_inner());
+            let mut regions = batch.regions();
             write_ranges(&mut regions, std::iter::once((addr, data)))
         }
         _ => BatchStatus::Malformed,
@@ -733,7 +734,7 @@ impl BatchEvents {
         let status = match wire::parse_batch_read(msg) {
             Err(_) => BatchStatus::Malformed,
             Ok(read) => {
-                let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
+                let mut regions = self.regions();
                 if read
                     .ranges()
                     .all(|(addr, len)| regions.covers(addr, u64::from(len)))
@@ -946,9 +947,9 @@ pub(super) struct AmMsg {
     /// message header), the data goes from the caller's memory (`(address, length)`),
     /// never copied into `buf`. `None`: all in `buf`.
     lent: Option<(u64, u64)>,
-    /// A lent range sent by rendezvous: its ack (sent when the target accepted it) and
-    /// its send's completion (after the data landed) must both be in before it counts as
-    /// done in its batch.
+    /// A lent range sent by rendezvous: its ack (sent once the data landed) and its
+    /// send's completion (UCX may report it earlier) must both be in before it counts
+    /// as done in its batch.
     rndv: bool,
 }
 
@@ -1069,13 +1070,14 @@ impl Core {
         rndv: bool,
     ) -> bool {
         let write = op == ferry_backend_api::Op::Write;
+        let rndv = write && rndv && len >= RNDV_PIECE_MIN;
         // A WRITE range that fills a message by itself (an `am_tcp` piece of a long
         // range) is sent from the caller's memory, not copied into the message: it took
         // a message of its own anyway, so this adds no message or ack. Shorter ranges are
         // packed as before (a copy costs less than a message of their own).
-        let lend = write
-            && ((rndv && len >= RNDV_PIECE_MIN)
-                || wire::BATCH_HEADER_LEN_BYTES + wire::BATCH_ENTRY_LEN_BYTES + len as usize
+        let lend = rndv
+            || (write
+                && wire::BATCH_HEADER_LEN_BYTES + wire::BATCH_ENTRY_LEN_BYTES + len as usize
                     >= msg_bytes);
         if lend {
             self.am_send_open();
@@ -1129,7 +1131,7 @@ impl Core {
             .extend_from_slice(&wire::batch_entry(remote_addr, len as u32));
         if lend {
             msg.lent = Some((local_addr, len));
-            msg.rndv = rndv && len >= RNDV_PIECE_MIN;
+            msg.rndv = rndv;
             msg.count += 1;
             msg.last = slot;
             self.am_send_open();
@@ -1333,7 +1335,7 @@ impl Core {
         let msg = &mut self.am.msgs[m as usize];
         let head = msg.head;
         if msg.sending && msg.rndv {
-            // Accepted, but the data may still be on its way: `am_sent` counts it.
+            // Landed, but UCX may still hold the caller's memory: `am_sent` counts it.
             return;
         }
         if !msg.sending {

@@ -34,9 +34,9 @@ pub(super) struct MemEntry {
     pub(super) packed_rkey: Vec<u8>,
     /// Rkey unpacked on the self endpoint, for local transfers.
     pub(super) self_rkey: ucp_rkey_h,
-    /// Host memory (peers' batch messages may write it; `batch.rs`) still in the region
-    /// index: false once withdrawn (or for VRAM).
-    pub(super) dram: bool,
+    /// In the region index peers' batch messages are checked against (`batch.rs`): host
+    /// memory, until withdrawn.
+    pub(super) indexed: bool,
 }
 
 impl Core {
@@ -211,15 +211,10 @@ impl Core {
             len,
             packed_rkey: packed,
             self_rkey: ptr::null_mut(),
-            dram,
+            indexed: dram,
         };
-        if entry.dram {
-            self.events
-                .batch
-                .regions
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .add(addr, len);
+        if entry.indexed {
+            self.events.batch.regions().add(addr, len);
         }
         let index = match self.free_mems.pop() {
             Some(i) => {
@@ -254,14 +249,9 @@ impl Core {
             .ok_or_else(|| Error::not_found(token_subject(token)))?;
         let entry = self.mems[index].as_mut().expect("mem_index checked");
         let (addr, len) = (entry.addr, entry.len);
-        if entry.dram {
-            entry.dram = false;
-            self.events
-                .batch
-                .regions
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(addr, len);
+        if entry.indexed {
+            entry.indexed = false;
+            self.events.batch.regions().remove(addr, len);
         }
         if !self.events.batch.receiving_into(addr, len) {
             return Ok(true);
@@ -276,13 +266,8 @@ impl Core {
             .mem_index(token)
             .ok_or_else(|| Error::not_found(token_subject(token)))?;
         let entry = self.mems[index].take().expect("mem_index checked");
-        if entry.dram {
-            self.events
-                .batch
-                .regions
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(entry.addr, entry.len);
+        if entry.indexed {
+            self.events.batch.regions().remove(entry.addr, entry.len);
         }
         let api = self.ucp.api();
         if !entry.self_rkey.is_null() {

@@ -558,6 +558,21 @@ impl Core {
     }
 }
 
+impl Core {
+    /// Close `ep`, an endpoint with no state of ours beside it; a close UCX has not
+    /// confirmed yet waits in the graveyard.
+    fn close_into_grave(&mut self, worker: ucp_worker_h, ep: ucp_ep_h, force: bool) {
+        if let Some(request) = self.close_ep(worker, ep, force) {
+            self.graves.push(Grave {
+                worker,
+                request,
+                link: None,
+                rkeys: Vec::new(),
+            });
+        }
+    }
+}
+
 impl Drop for Core {
     fn drop(&mut self) {
         let peers: Vec<PeerId> = self.peers.keys().copied().collect();
@@ -567,31 +582,14 @@ impl Drop for Core {
         self.peers.clear();
         if !self.self_ep.is_null() {
             let ep = std::mem::replace(&mut self.self_ep, ptr::null_mut());
-            let worker = self.workers[0].handle;
-            if let Some(request) = self.close_ep(worker, ep) {
-                self.graves.push(Grave {
-                    worker,
-                    request,
-                    link: None,
-                    rkeys: Vec::new(),
-                });
-            }
+            self.close_into_grave(self.workers[0].handle, ep, self.close_force);
         }
         // Rendezvous receives still in flight (their initiator went away mid-piece) are
         // requests on the endpoints UCX made for those peers, and UCX 1.13 aborts when a
         // worker is destroyed with a request left on an endpoint: close those endpoints
         // (forced: UCX cancels the receives) first.
         for (worker, ep) in self.events.batch.rndv_endpoints() {
-            let force = std::mem::replace(&mut self.close_force, true);
-            if let Some(request) = self.close_ep(worker, ep) {
-                self.graves.push(Grave {
-                    worker,
-                    request,
-                    link: None,
-                    rkeys: Vec::new(),
-                });
-            }
-            self.close_force = force;
+            self.close_into_grave(worker, ep, true);
         }
         // Give pending closes a bounded time to finish, so their state is released in
         // UCX's order (rkeys before the worker goes).

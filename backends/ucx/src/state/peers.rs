@@ -393,7 +393,7 @@ impl Core {
         let pending = if ep.is_null() {
             None
         } else {
-            self.close_ep(worker, ep)
+            self.close_ep(worker, ep, self.close_force)
         };
         let grave = Grave {
             worker,
@@ -480,16 +480,18 @@ impl Core {
     /// progress its worker a
     /// bounded number of rounds. Returns the close request if UCX has not confirmed the
     /// close yet (the caller keeps the endpoint's state alive until it has).
-    pub(super) fn close_ep(&mut self, worker: ucp_worker_h, ep: ucp_ep_h) -> Option<*mut c_void> {
+    pub(super) fn close_ep(
+        &mut self,
+        worker: ucp_worker_h,
+        ep: ucp_ep_h,
+        force: bool,
+    ) -> Option<*mut c_void> {
         let api = self.ucp.api();
         let mut param = request_param();
         param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-        // Force (the default) cancels what is outstanding; flush lets it finish first.
-        param.flags = if self.close_force {
-            UCP_EP_CLOSE_FLAG_FORCE
-        } else {
-            0
-        };
+        // Force (`ep_close=force`, the default) cancels what is outstanding; flush lets it
+        // finish first.
+        param.flags = if force { UCP_EP_CLOSE_FLAG_FORCE } else { 0 };
         // SAFETY: ep is live and owned by us; param valid for the call.
         let request = unsafe { api.ucp_ep_close_nbx(ep, &param) };
         if !ucs_ptr_is_ptr(request) {

@@ -70,8 +70,9 @@ pub(super) struct Deferred {
     pub(super) am_bytes: u32,
     /// Only in messages (`am_tcp`): with no message free it waits, never a put/get.
     pub(super) am_only: bool,
-    /// A WRITE piece that fills a message goes by rendezvous (`am_tcp_rndv`): the target
-    /// receives it straight into the region.
+    /// Its WRITE pieces of at least `batch::RNDV_PIECE_MIN` go by rendezvous
+    /// (`am_tcp_rndv`), in pieces of up to `am_tcp_rndv_piece_bytes`: the target
+    /// receives them straight into the region.
     pub(super) rndv: bool,
     /// The CUDA device whose context is current while it is issued ([`NO_DEVICE`]: host
     /// memory on both sides, none needed).
@@ -270,15 +271,11 @@ impl Core {
             .is_some_and(|s| s.paced);
         let mut budget = IssueBudget::new(self.window_bytes, paced, self.chunk_bytes);
         let mut deferred = 0u32;
-        let am_bytes = peer
+        let (am_bytes, am_all, rndv) = peer
             .and_then(|p| self.peers.get(&p))
-            .map_or(0, |s| s.am_msg_bytes);
-        let am_all = peer
-            .and_then(|p| self.peers.get(&p))
-            .is_some_and(|s| s.am_all);
-        let rndv = peer
-            .and_then(|p| self.peers.get(&p))
-            .is_some_and(|s| s.rndv_pieces);
+            .map_or((0, false, false), |s| {
+                (s.am_msg_bytes, s.am_all, s.rndv_pieces)
+            });
         for post in batch {
             let batch_post = am_bytes > 0
                 && post.local_kind == MemKind::Dram
