@@ -10,6 +10,9 @@
 #   ITERS_A=10000,300,10 ITERS_B=1000,150,10 ...     # timed iterations, 4 KiB,1 MiB,64 MiB
 #   KEEP=/tmp/cmp-logs ...                           # keep every log and results.tsv
 #   FERRY_BIN=target/release/ferry benches/defaults-compare.sh   # skip the build
+#   BLOCKS=4096 ...                                  # only some of the blocks (bytes)
+#   FERRY_PARAMS="ucx.progress_thread_spin_us=200" ... # Ferry not as shipped: --param
+#                                                    # each word, both roles (in the header)
 #
 # Settings (each exactly the same for both sides; every process starts from `env -i`
 # with PATH and HOME only, plus the variables named here):
@@ -64,13 +67,19 @@ WARMUP="${WARMUP:-10}"
 ITERS_A="${ITERS_A:-10000,300,10}"
 ITERS_B="${ITERS_B:-1000,150,10}"
 LOCK="${FERRY_BENCH_LOCK:-/tmp/ferry-bench.lock}"
-BLOCKS=(4096 1048576 67108864)
+ALL_BLOCKS=(4096 1048576 67108864)
+IFS=, read -r -a BLOCKS <<<"${BLOCKS:-4096,1048576,67108864}"
+for b in "${BLOCKS[@]}"; do
+  case " ${ALL_BLOCKS[*]} " in *" $b "*) ;; *) echo "BLOCKS: $b is not one of ${ALL_BLOCKS[*]}" >&2; exit 2 ;; esac
+done
+ferry_params=()
+for p in ${FERRY_PARAMS:-}; do ferry_params+=(--param "$p"); done
 iters_for() {
   local list i
   if [ "$1" = a ]; then list="$ITERS_A"; else list="$ITERS_B"; fi
   IFS=, read -r -a list <<<"$list"
   for i in 0 1 2; do
-    if [ "${BLOCKS[$i]}" = "$2" ]; then echo "${list[$i]}"; return; fi
+    if [ "${ALL_BLOCKS[$i]}" = "$2" ]; then echo "${list[$i]}"; return; fi
   done
 }
 warmup_for() {
@@ -263,7 +272,7 @@ run_ferry() {
   exec 9>"$LOCK"
   flock 9
   "${ns_target[@]}" taskset -c 1 "${base_env[@]}" "${setting_env[@]}" "$FERRY_BIN" \
-    bench xfer ${FERRY_BACKEND:+--backend "$FERRY_BACKEND"} --role target --tcpstore "$store_addr" --run-id "$id" "${sizes[@]}" \
+    bench xfer ${FERRY_BACKEND:+--backend "$FERRY_BACKEND"} --role target --tcpstore "$store_addr" --run-id "$id" "${sizes[@]}" "${ferry_params[@]}" \
     >"$log.target" 2>&1 9>&- &
   tpid=$!
   pids+=("$tpid")
@@ -280,7 +289,7 @@ run_ferry() {
     fi
   fi
   run_fg "${ns_initiator[@]}" timeout 300 taskset -c 0 "${base_env[@]}" "${setting_env[@]}" "$FERRY_BIN" \
-    bench xfer ${FERRY_BACKEND:+--backend "$FERRY_BACKEND"} --role initiator --tcpstore "$store_addr" --run-id "$id" "${sizes[@]}" \
+    bench xfer ${FERRY_BACKEND:+--backend "$FERRY_BACKEND"} --role initiator --tcpstore "$store_addr" --run-id "$id" "${sizes[@]}" "${ferry_params[@]}" \
     --op write,read --iters "$iters" --warmup "$warmup" --json "$json" \
     >"$log.initiator" 2>&1
   rc=$fg_rc
@@ -359,7 +368,7 @@ run_nixl() {
 }
 
 # --- the header ----------------------------------------------------------------------
-sys_libucp="$(ldconfig -p | awk '/libucp\.so\.0 /{print $NF; exit}')"
+sys_libucp="$(ldconfig -p | awk '/libucp\.so\.0 / && !f {print $NF; f = 1}')"   # reads to the end: an early exit would SIGPIPE ldconfig under pipefail
 ferry_backends="$("${base_env[@]}" RUST_LOG=ferry_ucx=info NO_COLOR=1 "$FERRY_BIN" backends 2>&1 || true)"
 ferry_ucx_line="$(printf '%s\n' "$ferry_backends" | sed 's/\x1b\[[0-9;]*m//g' \
   | grep -o 'UCX [0-9.]* .* loaded from .*' | head -1)"
@@ -372,7 +381,7 @@ echo "# Ferry (shipped defaults) vs NIXL $nixl_version (defaults), issue 20 item
 echo
 echo "- when: $(date -u '+%Y-%m-%d %H:%M:%S UTC'); host: $(hostname), $(nproc) CPUs, $(uname -r), load average $(cut -d' ' -f1-3 /proc/loadavg), THP $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null || echo '?')"
 echo "- Ferry: $FERRY_BIN ($("$FERRY_BIN" --version)), repository at $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')$(git -C "$root" diff --quiet HEAD -- 2>/dev/null || echo ' (+ local changes)'); libucp: the system's libucp.so.0 -> $sys_libucp ($ferry_ucx_line; FERRY_UCX_LIBRARY unset, no ucx_library)"
-echo "- Ferry params: none (\`ferry bench xfer${FERRY_BACKEND:+ --backend $FERRY_BACKEND}\`: ${FERRY_BACKEND:-the default backend set LOOPBACK, SHM, UCX, POSIX, each peer taking the first that reaches it}, backend defaults; the target role turns its own progress_thread=true on by default); rendezvous: \`ferry store serve\` (TCPStore), pinned to CPU 1"
+echo "- Ferry params: ${FERRY_PARAMS:-none} (\`ferry bench xfer${FERRY_BACKEND:+ --backend $FERRY_BACKEND}\`: ${FERRY_BACKEND:-the default backend set LOOPBACK, SHM, UCX, POSIX, each peer taking the first that reaches it}, backend defaults; the target role turns its own progress_thread=true on by default); rendezvous: \`ferry store serve\` (TCPStore), pinned to CPU 1"
 echo "- NIXL: nixl-cu12 $nixl_version from $venv (--no-deps + numpy), \`nixl_agent(name)\` with the default nixl_agent_config (backends [\"UCX\"] with default init params, progress thread on); libucp: $nixl_libucp (UCX $nixl_ucx_version); rendezvous: metadata blobs through files"
 echo "- both: initiator on CPU 0, target on CPU 1 (taskset); one descriptor per request; request made once per op, $WARMUP warm-up (3 at 64 MiB) + timed iterations (4 KiB, 1 MiB, 64 MiB): (a) $ITERS_A, (b) $ITERS_B; buffers calloc'd, block-sized (≥ 4 KiB); environment \`env -i PATH HOME\` + the setting's:"
 echo "  - (a) one host: no UCX_* variables"

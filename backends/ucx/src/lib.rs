@@ -84,6 +84,7 @@ use ferry_ucx_sys::{LoadError, Ucp};
 
 use crate::state::Core;
 use crate::thread::ProgressThread;
+pub use crate::thread::Spin;
 
 /// The backend's type name.
 pub const BACKEND: &str = "UCX";
@@ -135,10 +136,13 @@ pub const PARAMS: &[ParamSpec] = &[
     },
     ParamSpec {
         name: "progress_thread_spin_us",
-        default: "0",
+        default: "auto",
         doc: "with progress_thread, how long the thread keeps polling after the last \
               progress before it sleeps on the event fds (a request that follows within \
-              this time finds it awake: no wake-up); 0 = sleep at once",
+              this time finds it awake: no wake-up); 0 = sleep at once; auto = up to 100 \
+              us, only while requests keep coming back within it (3 wake-ups in a row \
+              each within 100 us of the progress before), off again once 100 us pass \
+              with nothing; auto:N = the same with a window of N us",
     },
     ParamSpec {
         name: "connect_on_load",
@@ -391,8 +395,8 @@ pub struct Config {
     pub library: Option<PathBuf>,
     /// Whether to run a progress thread.
     pub progress_thread: bool,
-    /// How long the progress thread polls after its last progress before it sleeps.
-    pub progress_spin: std::time::Duration,
+    /// When the progress thread polls on after progress instead of sleeping.
+    pub progress_spin: Spin,
     /// Whether loading a peer's metadata creates its endpoint (and waits for its wireup).
     pub connect_on_load: bool,
     /// Which rkeys of the peer's regions it also unpacks.
@@ -567,14 +571,25 @@ impl Config {
             "false" | "0" | "no" => false,
             _ => return Err(bad("progress_thread", "expected true or false")),
         };
-        let progress_spin = std::time::Duration::from_micros(
-            get("progress_thread_spin_us")
-                .trim()
-                .parse::<u64>()
-                .ok()
-                .filter(|us| *us <= 1_000_000)
-                .ok_or_else(|| bad("progress_thread_spin_us", "expected 0..=1000000"))?,
-        );
+        let progress_spin = {
+            let key = "progress_thread_spin_us";
+            let value = get(key).trim();
+            let us = |n: &str, range: std::ops::RangeInclusive<u64>| {
+                n.parse::<u64>()
+                    .ok()
+                    .filter(|n| range.contains(n))
+                    .map(std::time::Duration::from_micros)
+                    .ok_or_else(|| bad(key, "expected 'auto', 'auto:1..=1000000' or 0..=1000000"))
+            };
+            match value.strip_prefix("auto") {
+                Some("") => Spin::Auto(thread::AUTO_WINDOW),
+                Some(window) => match window.strip_prefix(':') {
+                    Some(n) => Spin::Auto(us(n, 1..=1_000_000)?),
+                    None => return Err(bad(key, "expected 'auto', 'auto:1..=1000000' or 0..=1000000")),
+                },
+                None => Spin::Fixed(us(value, 0..=1_000_000)?),
+            }
+        };
         let connect_on_load = match get("connect_on_load") {
             "true" | "1" | "yes" => true,
             "false" | "0" | "no" => false,
@@ -953,6 +968,12 @@ impl UcxBackend {
         self.thread.as_ref().and_then(|t| t.tid())
     }
 
+    /// How many times the progress thread has started polling on instead of sleeping
+    /// (each a spin window opened after progress; 0 without a thread).
+    pub fn progress_thread_spins(&self) -> u64 {
+        self.thread.as_ref().map_or(0, |t| t.spins())
+    }
+
     /// Whether a progress thread runs.
     pub fn has_progress_thread(&self) -> bool {
         self.thread.is_some()
@@ -1183,6 +1204,9 @@ mod tests {
             ("progress_thread", "sometimes"),
             ("progress_thread_spin_us", "soon"),
             ("progress_thread_spin_us", "2000000"),
+            ("progress_thread_spin_us", "auto:0"),
+            ("progress_thread_spin_us", "auto:"),
+            ("progress_thread_spin_us", "automatic"),
             ("max_requests", "0"),
             ("shm_fifo_size", "100"),
             ("shm_fifo_size", "1"),

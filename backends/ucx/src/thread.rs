@@ -1,11 +1,11 @@
-//! The optional progress thread. It progresses the workers while there is work, keeps
-//! polling for `progress_thread_spin_us` after the last progress (0 by default; a
-//! request that follows within it finds the thread awake), and otherwise **sleeps in `poll` on the workers'
-//! event fds** (armed with `ucp_worker_arm`) plus an eventfd used to stop it, so an
-//! idle backend costs essentially no CPU (the reference system's progress thread spins
-//! a whole core).
+//! The optional progress thread. It progresses the workers while there is work, may keep
+//! polling for a while after the last progress (`progress_thread_spin_us`, see
+//! [`Spin`]: a request that follows within that window finds the thread awake and pays
+//! no wake-up), and otherwise **sleeps in `poll` on the workers' event fds** (armed with
+//! `ucp_worker_arm`) plus an eventfd used to stop it, so an idle backend costs
+//! essentially no CPU (the reference system's progress thread spins a whole core).
 
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -20,16 +20,86 @@ use crate::BACKEND;
 /// own progress calls cover that case too).
 const IDLE_WAKEUP_MS: i32 = 1000;
 
+/// When the progress thread polls on after progress instead of sleeping.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Spin {
+    /// Poll on for this long after every progress (zero: sleep at once).
+    Fixed(Duration),
+    /// Poll on for up to this long after progress, but only while work keeps coming
+    /// back within it: after [`AUTO_STREAK`] wake-ups in a row that each found progress
+    /// within the window of the previous one (so polling would have caught them). A
+    /// window that passes without progress turns polling off until such a streak is
+    /// seen again. Isolated requests, or a trickle sparser than the window, never make
+    /// the thread spin; a steady exchange (request, answer, next request) does, and each
+    /// of its requests then finds the thread awake. What polling can waste is bounded
+    /// by one window per streak.
+    Auto(Duration),
+}
+
+/// The window of `progress_thread_spin_us=auto`.
+pub const AUTO_WINDOW: Duration = Duration::from_micros(100);
+/// Short wake-ups in a row before `auto` polls on.
+pub const AUTO_STREAK: u32 = 3;
+
+/// The thread's state for [`Spin`]: when it last made progress, and (auto) how many
+/// wake-ups in a row came soon after the progress before.
+#[derive(Debug)]
+struct SpinGate {
+    spin: Spin,
+    last_progress: Option<Instant>,
+    streak: u32,
+}
+
+impl SpinGate {
+    fn new(spin: Spin) -> SpinGate {
+        SpinGate {
+            spin,
+            last_progress: None,
+            streak: 0,
+        }
+    }
+
+    /// Progress was made at `now`; `woke` says whether the thread had slept in `poll`
+    /// since the pass before (rather than polling on).
+    fn progressed(&mut self, now: Instant, woke: bool) {
+        if let (Spin::Auto(window), true) = (self.spin, woke) {
+            let soon = self
+                .last_progress
+                .is_some_and(|at| now.saturating_duration_since(at) < window);
+            self.streak = if soon { self.streak.saturating_add(1) } else { 0 };
+        }
+        self.last_progress = Some(now);
+    }
+
+    /// Whether the thread polls on at `now` instead of arming and sleeping.
+    fn awake(&mut self, now: Instant) -> bool {
+        let (window, on) = match self.spin {
+            Spin::Fixed(window) => (window, true),
+            Spin::Auto(window) => (window, self.streak >= AUTO_STREAK),
+        };
+        let within = self
+            .last_progress
+            .is_some_and(|at| now.saturating_duration_since(at) < window);
+        if on && !within {
+            // The window passed with nothing: the exchange has stopped.
+            self.streak = 0;
+        }
+        on && within
+    }
+}
+
 pub(crate) struct ProgressThread {
     /// The thread's Linux thread id (0 until it has started).
     tid: Arc<AtomicI32>,
+    /// Spin windows opened (the thread polled on after progress instead of sleeping).
+    spins: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
     wake_fd: i32,
     handle: Option<JoinHandle<()>>,
 }
 
 impl ProgressThread {
-    pub(crate) fn start(core: Arc<Mutex<Core>>, spin: Duration) -> Result<ProgressThread> {
+    pub(crate) fn start(core: Arc<Mutex<Core>>, spin: Spin) -> Result<ProgressThread> {
         let efds = core.lock().unwrap_or_else(|e| e.into_inner()).event_fds();
         debug_assert!(efds.iter().all(|&fd| fd >= 0));
         // SAFETY: plain syscall creating a new fd we own.
@@ -46,12 +116,14 @@ impl ProgressThread {
         let thread_stop = stop.clone();
         let tid = Arc::new(AtomicI32::new(0));
         let thread_tid = tid.clone();
+        let spins = Arc::new(AtomicU64::new(0));
+        let thread_spins = spins.clone();
         let handle = std::thread::Builder::new()
             .name("ferry-ucx-progress".into())
             .spawn(move || {
                 // SAFETY: gettid has no preconditions.
                 thread_tid.store(unsafe { libc::gettid() }, Ordering::Release);
-                run(core, efds, wake_fd, thread_stop, spin)
+                run(core, efds, wake_fd, thread_stop, spin, &thread_spins)
             })
             .map_err(|e| Error::Backend {
                 backend: BACKEND.into(),
@@ -69,6 +141,7 @@ impl ProgressThread {
         };
         Ok(ProgressThread {
             tid,
+            spins,
             stop,
             wake_fd,
             handle: Some(handle),
@@ -81,6 +154,11 @@ impl ProgressThread {
     pub(crate) fn tid(&self) -> Option<i32> {
         Some(self.tid.load(Ordering::Acquire)).filter(|&t| t != 0)
     }
+
+    /// Spin windows opened so far.
+    pub(crate) fn spins(&self) -> u64 {
+        self.spins.load(Ordering::Relaxed)
+    }
 }
 
 fn run(
@@ -88,7 +166,8 @@ fn run(
     efds: Vec<i32>,
     wake_fd: i32,
     stop: Arc<AtomicBool>,
-    spin: Duration,
+    spin: Spin,
+    spins: &AtomicU64,
 ) {
     let mut fds: Vec<libc::pollfd> = efds
         .iter()
@@ -99,19 +178,28 @@ fn run(
             revents: 0,
         })
         .collect();
-    // When the last progress was made: until `spin` after it the thread polls on
-    // instead of arming and sleeping.
-    let mut last_progress: Option<Instant> = None;
+    let mut gate = SpinGate::new(spin);
+    // Whether the thread slept in poll since its last pass.
+    let mut woke = false;
+    let mut was_awake = false;
     while !stop.load(Ordering::Acquire) {
-        let armed = {
+        let (awake, armed) = {
             let mut core = core.lock().unwrap_or_else(|e| e.into_inner());
             core.vram_bind();
-            let now = core.pump().then(Instant::now);
-            last_progress = now.or(last_progress);
-            let awake = last_progress.is_some_and(|at| at.elapsed() < spin);
-            !awake && core.arm()
+            let progressed = core.pump();
+            let now = Instant::now();
+            if progressed {
+                gate.progressed(now, woke);
+            }
+            woke = false;
+            let awake = gate.awake(now);
+            (awake, !awake && core.arm())
         };
-        if last_progress.is_some_and(|at| at.elapsed() < spin) {
+        if awake && !was_awake {
+            spins.fetch_add(1, Ordering::Relaxed);
+        }
+        was_awake = awake;
+        if awake {
             // Let a caller waiting for the core take it between two polls.
             std::thread::yield_now();
             continue;
@@ -120,6 +208,7 @@ fn run(
             // Events arrived between the last progress and arming: progress again.
             continue;
         }
+        woke = true;
         for fd in &mut fds {
             fd.revents = 0;
         }
@@ -144,5 +233,68 @@ impl Drop for ProgressThread {
         }
         // SAFETY: the thread has exited; nobody uses the fd any more.
         unsafe { libc::close(self.wake_fd) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn us(n: u64) -> Duration {
+        Duration::from_micros(n)
+    }
+
+    #[test]
+    fn fixed_polls_for_its_window_after_every_progress() {
+        let t0 = Instant::now();
+        let mut g = SpinGate::new(Spin::Fixed(us(200)));
+        assert!(!g.awake(t0), "no progress yet");
+        g.progressed(t0, true);
+        assert!(g.awake(t0 + us(199)));
+        assert!(!g.awake(t0 + us(200)));
+        let mut zero = SpinGate::new(Spin::Fixed(Duration::ZERO));
+        zero.progressed(t0, true);
+        assert!(!zero.awake(t0), "0 sleeps at once");
+    }
+
+    #[test]
+    fn auto_polls_only_after_a_streak_of_short_wakeups_and_stops_when_it_ends() {
+        let t0 = Instant::now();
+        let w = AUTO_WINDOW.as_micros() as u64;
+        let mut g = SpinGate::new(Spin::Auto(AUTO_WINDOW));
+        // An isolated request, and a trickle sparser than the window: never awake.
+        g.progressed(t0, true);
+        assert!(!g.awake(t0));
+        let mut t = t0;
+        for _ in 0..10 {
+            t += us(w + 1);
+            g.progressed(t, true);
+            assert!(!g.awake(t), "a trickle sparser than the window made it spin");
+        }
+        // Progress found without sleeping in between (one request's several events)
+        // does not count towards the streak.
+        for _ in 0..10 {
+            t += us(1);
+            g.progressed(t, false);
+            assert!(!g.awake(t));
+        }
+        // A steady exchange: wake-ups each within the window of the one before.
+        for i in 1..=AUTO_STREAK {
+            t += us(w / 4);
+            g.progressed(t, true);
+            assert_eq!(g.awake(t), i >= AUTO_STREAK, "after {i} short wake-ups");
+        }
+        // Progress caught while polling keeps it polling.
+        t += us(w / 2);
+        assert!(g.awake(t));
+        g.progressed(t, false);
+        assert!(g.awake(t + us(w - 1)));
+        // The window passes without progress: it sleeps, and the next request after
+        // a short sleep does not turn polling back on alone.
+        t += us(w);
+        assert!(!g.awake(t));
+        t += us(w / 4);
+        g.progressed(t, true);
+        assert!(!g.awake(t), "one short wake-up after the exchange stopped");
     }
 }

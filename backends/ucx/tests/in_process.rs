@@ -578,6 +578,56 @@ fn progress_thread_polls_through_its_spin_window_after_progress() {
     );
 }
 
+#[test]
+fn progress_thread_with_auto_spin_polls_through_an_exchange_and_sleeps_once_it_stops() {
+    if !setup() {
+        return;
+    }
+    // `auto` polls on while requests keep coming back within its window. A window of
+    // 20 ms (the default is 100 us) so that a loaded machine's round trips still fall
+    // inside it: back-to-back WRITEs must open a spin window, and once they stop the
+    // thread must sleep again one window later, not poll on.
+    let mut p = pair(
+        "tcp",
+        1 << 12,
+        &[
+            ("progress_thread", "true"),
+            ("progress_thread_spin_us", "auto:20000"),
+        ],
+    );
+    let tid = p.b.progress_thread_tid().expect("the thread has started");
+    let ranges = [range(&p, 0, 0, 1 << 12)];
+    // Only the thread progresses the target (`run` would progress it from here too).
+    let mut done = Completions::with_capacity(1);
+    for tag in 40..240 {
+        done.clear();
+        p.a.post_t(
+            Endpoint::Peer(p.peer_b),
+            &[post(tag, Op::Write, &ranges, None)],
+            &mut done,
+        )
+        .unwrap();
+        if done.is_empty() {
+            wait_for(&mut [&mut p.a], &[tag], TIMEOUT);
+        } else {
+            assert_eq!(done.as_slice()[0].result, Ok(()));
+        }
+    }
+    let spins = p.b.progress_thread_spins();
+    eprintln!("200 back-to-back WRITEs opened {spins} spin windows");
+    assert!(spins >= 1, "an exchange of 200 round trips never made the thread poll on");
+    std::thread::sleep(Duration::from_millis(50));
+    let before = task_cpu_seconds(tid);
+    std::thread::sleep(Duration::from_millis(500));
+    let used_s = (task_cpu_seconds(tid) - before).max(0.0);
+    eprintln!("progress thread after the exchange used {used_s:.3} s of CPU in 500 ms");
+    assert!(
+        used_s <= 0.05,
+        "the thread polls on after the exchange stopped ({used_s:.3} s of CPU in 500 ms)"
+    );
+    assert_eq!(p.b.progress_thread_spins(), spins, "a window opened while idle");
+}
+
 /// Progress `a` and `b` until every tag in `pending` has completed, counting each
 /// completion in `seen` (tag → completions, failures).
 fn settle(
