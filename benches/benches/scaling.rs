@@ -23,6 +23,8 @@
 //!   `scaling/ucx_first_request_lazy/N` is the first with `connect_on_load=false`
 //!   (what the load then defers), `scaling/ucx_load/N` the load itself. Skipped,
 //!   with the reason, where UCX cannot load (`FERRY_UCX_LIBRARY` names the libucp).
+//!   `FERRY_BENCH_UCX_PARAMS` (`key=value;key=value`) adds backend parameters to both
+//!   agents.
 //!
 //! - `strided/prep_make/{plain,plain_built,strided}`: prep of both lists + make +
 //!   release of 64 layers × 1,024 blocks of 256 bytes (remote layers in shuffled order,
@@ -189,6 +191,12 @@ fn ucx_agent_with(name: &str, progress_thread: bool, connect_on_load: bool) -> A
     }
     if !connect_on_load {
         params.insert("connect_on_load".into(), "false".into());
+    }
+    // `key=value;key=value`, added to both agents (e.g. progress_thread_spin_us=0).
+    if let Ok(extra) = std::env::var("FERRY_BENCH_UCX_PARAMS") {
+        for (k, v) in extra.split(';').filter_map(|kv| kv.split_once('=')) {
+            params.insert(k.into(), v.into());
+        }
     }
     agent.create_backend("UCX", &params).expect("UCX backend");
     agent

@@ -585,7 +585,12 @@ impl Config {
                 Some("") => Spin::Auto(thread::AUTO_WINDOW),
                 Some(window) => match window.strip_prefix(':') {
                     Some(n) => Spin::Auto(us(n, 1..=1_000_000)?),
-                    None => return Err(bad(key, "expected 'auto', 'auto:1..=1000000' or 0..=1000000")),
+                    None => {
+                        return Err(bad(
+                            key,
+                            "expected 'auto', 'auto:1..=1000000' or 0..=1000000",
+                        ))
+                    }
                 },
                 None => Spin::Fixed(us(value, 0..=1_000_000)?),
             }

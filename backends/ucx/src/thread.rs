@@ -66,7 +66,11 @@ impl SpinGate {
             let soon = self
                 .last_progress
                 .is_some_and(|at| now.saturating_duration_since(at) < window);
-            self.streak = if soon { self.streak.saturating_add(1) } else { 0 };
+            self.streak = if soon {
+                self.streak.saturating_add(1)
+            } else {
+                0
+            };
         }
         self.last_progress = Some(now);
     }
@@ -269,7 +273,10 @@ mod tests {
         for _ in 0..10 {
             t += us(w + 1);
             g.progressed(t, true);
-            assert!(!g.awake(t), "a trickle sparser than the window made it spin");
+            assert!(
+                !g.awake(t),
+                "a trickle sparser than the window made it spin"
+            );
         }
         // Progress found without sleeping in between (one request's several events)
         // does not count towards the streak.

@@ -615,7 +615,10 @@ fn progress_thread_with_auto_spin_polls_through_an_exchange_and_sleeps_once_it_s
     }
     let spins = p.b.progress_thread_spins();
     eprintln!("200 back-to-back WRITEs opened {spins} spin windows");
-    assert!(spins >= 1, "an exchange of 200 round trips never made the thread poll on");
+    assert!(
+        spins >= 1,
+        "an exchange of 200 round trips never made the thread poll on"
+    );
     std::thread::sleep(Duration::from_millis(50));
     let before = task_cpu_seconds(tid);
     std::thread::sleep(Duration::from_millis(500));
@@ -625,7 +628,11 @@ fn progress_thread_with_auto_spin_polls_through_an_exchange_and_sleeps_once_it_s
         used_s <= 0.05,
         "the thread polls on after the exchange stopped ({used_s:.3} s of CPU in 500 ms)"
     );
-    assert_eq!(p.b.progress_thread_spins(), spins, "a window opened while idle");
+    assert_eq!(
+        p.b.progress_thread_spins(),
+        spins,
+        "a window opened while idle"
+    );
 }
 
 /// Progress `a` and `b` until every tag in `pending` has completed, counting each
