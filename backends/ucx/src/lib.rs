@@ -976,7 +976,14 @@ impl UcxBackend {
     /// How many times the progress thread has started polling on instead of sleeping
     /// (each a spin window opened after progress; 0 without a thread).
     pub fn progress_thread_spins(&self) -> u64 {
-        self.thread.as_ref().map_or(0, |t| t.spins())
+        self.thread.as_ref().map_or(0, |t| t.stats().0)
+    }
+
+    /// How many passes the progress thread's loop has made (each one progress of the
+    /// workers): a sleeping thread makes one per wake-up, a polling one many per
+    /// millisecond (0 without a thread).
+    pub fn progress_thread_passes(&self) -> u64 {
+        self.thread.as_ref().map_or(0, |t| t.stats().1)
     }
 
     /// Whether a progress thread runs.

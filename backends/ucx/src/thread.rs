@@ -92,11 +92,19 @@ impl SpinGate {
     }
 }
 
+#[derive(Default)]
+struct ThreadStats {
+    /// Spin windows opened (the thread polled on after progress instead of sleeping).
+    spins: AtomicU64,
+    /// Passes of the loop.
+    passes: AtomicU64,
+}
+
 pub(crate) struct ProgressThread {
     /// The thread's Linux thread id (0 until it has started).
     tid: Arc<AtomicI32>,
-    /// Spin windows opened (the thread polled on after progress instead of sleeping).
-    spins: Arc<AtomicU64>,
+    /// What the thread has done, for tests and diagnostics.
+    stats: Arc<ThreadStats>,
     stop: Arc<AtomicBool>,
     wake_fd: i32,
     handle: Option<JoinHandle<()>>,
@@ -120,14 +128,14 @@ impl ProgressThread {
         let thread_stop = stop.clone();
         let tid = Arc::new(AtomicI32::new(0));
         let thread_tid = tid.clone();
-        let spins = Arc::new(AtomicU64::new(0));
-        let thread_spins = spins.clone();
+        let stats = Arc::new(ThreadStats::default());
+        let thread_stats = stats.clone();
         let handle = std::thread::Builder::new()
             .name("ferry-ucx-progress".into())
             .spawn(move || {
                 // SAFETY: gettid has no preconditions.
                 thread_tid.store(unsafe { libc::gettid() }, Ordering::Release);
-                run(core, efds, wake_fd, thread_stop, spin, &thread_spins)
+                run(core, efds, wake_fd, thread_stop, spin, &thread_stats)
             })
             .map_err(|e| Error::Backend {
                 backend: BACKEND.into(),
@@ -145,7 +153,7 @@ impl ProgressThread {
         };
         Ok(ProgressThread {
             tid,
-            spins,
+            stats,
             stop,
             wake_fd,
             handle: Some(handle),
@@ -159,9 +167,13 @@ impl ProgressThread {
         Some(self.tid.load(Ordering::Acquire)).filter(|&t| t != 0)
     }
 
-    /// Spin windows opened so far.
-    pub(crate) fn spins(&self) -> u64 {
-        self.spins.load(Ordering::Relaxed)
+    /// Spin windows opened so far, and passes of its loop (each one progress of the
+    /// workers; a sleeping thread makes one per wake-up).
+    pub(crate) fn stats(&self) -> (u64, u64) {
+        (
+            self.stats.spins.load(Ordering::Relaxed),
+            self.stats.passes.load(Ordering::Relaxed),
+        )
     }
 }
 
@@ -171,7 +183,7 @@ fn run(
     wake_fd: i32,
     stop: Arc<AtomicBool>,
     spin: Spin,
-    spins: &AtomicU64,
+    stats: &ThreadStats,
 ) {
     let mut fds: Vec<libc::pollfd> = efds
         .iter()
@@ -191,6 +203,7 @@ fn run(
             let mut core = core.lock().unwrap_or_else(|e| e.into_inner());
             core.vram_bind();
             let progressed = core.pump();
+            stats.passes.fetch_add(1, Ordering::Relaxed);
             let now = Instant::now();
             if progressed {
                 gate.progressed(now, woke);
@@ -200,7 +213,7 @@ fn run(
             (awake, !awake && core.arm())
         };
         if awake && !was_awake {
-            spins.fetch_add(1, Ordering::Relaxed);
+            stats.spins.fetch_add(1, Ordering::Relaxed);
         }
         was_awake = awake;
         if awake {

@@ -103,6 +103,9 @@ const PROGRESS_CLOCK_ROUNDS: u32 = 8;
 const PROGRESS_BUDGET: Duration = Duration::from_micros(100);
 /// How long closing an endpoint may take before it is abandoned.
 const EP_CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Longest the backend's drop waits for its workers' flush (see [`Core::flush_workers`]).
+const DROP_FLUSH_WAIT: Duration = Duration::from_millis(100);
 /// Slot link terminator.
 const NONE: u32 = u32::MAX;
 
@@ -573,8 +576,47 @@ impl Core {
     }
 }
 
+impl Core {
+    /// Flush every worker, progressing it until the flush completes or [`DROP_FLUSH_WAIT`]
+    /// passed. A worker's flush covers the endpoints UCX made itself for peers that
+    /// connected to us, and completes once their wireup is done. With UCX 1.13's tcp
+    /// transport such an endpoint holds our wireup reply until its connection back to
+    /// the peer is made, and destroying the worker before then aborts this process on
+    /// an assertion (`ucp_request_send_state_ff`: "got REP message", in
+    /// `ucp_worker_destroy`). A peer that died before that connection was made aborts
+    /// it whatever we do (the connect is refused, the same purge runs); that
+    /// assertion is gone in later UCX.
+    fn flush_workers(&mut self) {
+        let api = self.ucp.api();
+        let deadline = Instant::now() + DROP_FLUSH_WAIT;
+        for worker in &self.workers {
+            let param = request_param();
+            // SAFETY: the worker is live; without a callback the request is only polled
+            // and freed by us, once.
+            let request = unsafe { api.ucp_worker_flush_nbx(worker.handle, &param) };
+            if !ucs_ptr_is_ptr(request) {
+                continue;
+            }
+            loop {
+                // SAFETY: worker live; request is our flush request, not freed yet.
+                let status = unsafe {
+                    api.ucp_worker_progress(worker.handle);
+                    api.ucp_request_check_status(request)
+                };
+                if status != ucs_status_t::UCS_INPROGRESS || Instant::now() >= deadline {
+                    break;
+                }
+            }
+            // SAFETY: our request, freed once; one still in progress is released by UCX
+            // when it completes or with the worker.
+            unsafe { api.ucp_request_free(request) };
+        }
+    }
+}
+
 impl Drop for Core {
     fn drop(&mut self) {
+        self.flush_workers();
         let peers: Vec<PeerId> = self.peers.keys().copied().collect();
         for peer in peers {
             self.teardown_peer(peer);

@@ -70,6 +70,12 @@ pub(super) struct PeerState {
     /// completed when the load returned: its completion means the wireup is done.
     /// Waited for (bounded) before the endpoint closes; null when none.
     pub(super) wireup: *mut c_void,
+    /// The load's ping (sent where the peer answers them: `am_msg_bytes > 0`) went
+    /// unanswered, or was not sent because the wireup was still running: nothing has
+    /// yet shown that the peer's way back to us is connected. Until a request uses the
+    /// endpoint, its close pings again and waits (bounded) for the answer; see
+    /// [`Core::settle_wireup`].
+    pub(super) unanswered: bool,
 }
 
 /// A peer region's rkey, unpacked on its endpoint.
@@ -97,8 +103,9 @@ const LOAD_PING_WAIT: Duration = Duration::from_millis(10);
 /// The ping's payload (its cookie); static, so it outlives the send.
 static PING: [u8; 8] = crate::wire::PING_COOKIE.to_le_bytes();
 
-/// Longest an endpoint's close waits for a wireup the load left running.
-const CLOSE_WIREUP_WAIT: Duration = Duration::from_millis(50);
+/// Longest an endpoint no request used waits, at its close, for a wireup the load left
+/// running and the answer to a ping ([`Core::settle_wireup`]).
+const CLOSE_WIREUP_WAIT: Duration = Duration::from_millis(100);
 
 impl Core {
     pub(crate) fn load_remote(
@@ -161,6 +168,7 @@ impl Core {
                 tcp_remotes: Vec::new(),
                 vram_logged: false,
                 wireup: ptr::null_mut(),
+                unanswered: false,
             },
         );
         self.prepare_on_load(peer);
@@ -275,12 +283,15 @@ impl Core {
                 // SAFETY: our request, completed; freed once.
                 unsafe { api.ucp_request_free(request) };
                 if status.is_ok() && self.peers[&peer].am_msg_bytes > 0 {
-                    self.ping_peer(ep, handle);
+                    let answered = self.ping_peer(ep, handle, Instant::now() + LOAD_PING_WAIT);
+                    self.peers.get_mut(&peer).expect("present").unanswered = !answered;
                 }
                 return status.is_ok();
             }
             if Instant::now() >= deadline {
-                self.peers.get_mut(&peer).expect("present").wireup = request;
+                let state = self.peers.get_mut(&peer).expect("present");
+                state.wireup = request;
+                state.unanswered = state.am_msg_bytes > 0;
                 return false;
             }
         }
@@ -294,7 +305,7 @@ impl Core {
     /// request. Nothing fails here: a peer that does not answer in time (busy, not
     /// progressing, or a build without the handler, which drops the message) leaves the
     /// rest to the first request, as before.
-    fn ping_peer(&mut self, ep: ucp_ep_h, worker: ucp_worker_h) {
+    fn ping_peer(&mut self, ep: ucp_ep_h, worker: ucp_worker_h, deadline: Instant) -> bool {
         let api = self.ucp.api();
         let pongs = &self.events.batch.pongs;
         let before = pongs.load(Ordering::Acquire);
@@ -318,41 +329,71 @@ impl Core {
             // SAFETY: our request; UCX releases it once complete.
             unsafe { api.ucp_request_free(request) };
         } else if ucs_ptr_is_err(request) {
-            return;
+            return false;
         }
-        let deadline = Instant::now() + LOAD_PING_WAIT;
-        while pongs.load(Ordering::Acquire) == before && Instant::now() < deadline {
+        loop {
+            if pongs.load(Ordering::Acquire) != before {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
             // SAFETY: the worker is live (the backend's).
             unsafe { api.ucp_worker_progress(worker) };
         }
     }
 
-    /// Before the endpoint to `peer` closes: wait (bounded by [`CLOSE_WIREUP_WAIT`]) for
-    /// a wireup flush the load left running, then free it. Only an endpoint no request
-    /// has used since the load still has one (`peer_ep` lets go of it otherwise).
+    /// Before the endpoint to `peer` closes, when no request has used it since its load:
+    /// wait (bounded by [`CLOSE_WIREUP_WAIT`] in all) for a wireup flush the load left
+    /// running, then free it; and if nothing has shown yet that the peer's way back to
+    /// us is connected ([`PeerState::unanswered`]), ping it and wait for the answer.
+    ///
+    /// Why: with UCX 1.13's tcp transport the peer answers our wireup on an endpoint of
+    /// its own, which connects back to us. An agent that went away before that
+    /// connection was made has the peer's connect refused, and UCX 1.13 then aborts the
+    /// *peer's* process on an assertion while purging the pending wireup reply
+    /// (`ucp_request_send_state_ff`: "got REP message", seen with Debian's 1.13.1; the
+    /// assertion was removed in later UCX). A pong comes back over that connection.
     fn settle_wireup(&mut self, peer: PeerId) {
         let Some(state) = self.peers.get_mut(&peer) else {
             return;
         };
         let request = std::mem::replace(&mut state.wireup, ptr::null_mut());
-        if request.is_null() {
+        let unanswered = std::mem::replace(&mut state.unanswered, false);
+        if request.is_null() && !unanswered {
             return;
         }
+        let (ep, worker) = (state.ep, state.worker);
         let api = self.ucp.api();
-        let handle = self.workers[state.worker].handle;
+        let handle = self.workers[worker].handle;
         let deadline = Instant::now() + CLOSE_WIREUP_WAIT;
-        loop {
-            // SAFETY: request is our flush request, not freed yet.
-            let status = unsafe { api.ucp_request_check_status(request) };
-            if status != ucs_status_t::UCS_INPROGRESS || Instant::now() >= deadline {
-                break;
+        let mut wired = true;
+        if !request.is_null() {
+            loop {
+                // SAFETY: request is our flush request, not freed yet.
+                let status = unsafe { api.ucp_request_check_status(request) };
+                if status != ucs_status_t::UCS_INPROGRESS {
+                    wired = status.is_ok();
+                    break;
+                }
+                if Instant::now() >= deadline {
+                    wired = false;
+                    break;
+                }
+                // SAFETY: the worker is live (the backend's).
+                unsafe { api.ucp_worker_progress(handle) };
             }
-            // SAFETY: the worker is live (the backend's).
-            unsafe { api.ucp_worker_progress(handle) };
+            // SAFETY: our request, freed once; UCX releases one still in progress when it
+            // completes or the endpoint's close cancels it.
+            unsafe { api.ucp_request_free(request) };
         }
-        // SAFETY: our request, freed once; UCX releases one still in progress when it
-        // completes or the endpoint's close cancels it.
-        unsafe { api.ucp_request_free(request) };
+        if wired && unanswered && !ep.is_null() && !self.ping_peer(ep, handle, deadline) {
+            log::debug!(
+                "UCX: peer '{}' did not answer a ping within {CLOSE_WIREUP_WAIT:?} of the \
+                 close of an endpoint no request used",
+                self.peers[&peer].name
+            );
+        }
     }
 
     /// Close the peer's endpoint (UCX cancels its in-flight requests, whose callbacks
@@ -556,16 +597,18 @@ impl Core {
         }
         if !state.ep.is_null() {
             let (ep, worker) = (state.ep, state.worker);
-            if !state.wireup.is_null() {
-                // A request now follows the load's wireup flush on this endpoint (and
-                // completes only after it): stop tracking that flush.
-                let request = std::mem::replace(
-                    &mut self.peers.get_mut(&peer).expect("present").wireup,
-                    ptr::null_mut(),
-                );
-                // SAFETY: our flush request, freed once; UCX releases it when it
-                // completes if it has not yet.
-                unsafe { self.ucp.api().ucp_request_free(request) };
+            if state.unanswered || !state.wireup.is_null() {
+                let state = self.peers.get_mut(&peer).expect("present");
+                // A request now goes to the peer; its answers come back the way a pong
+                // would, and it follows the load's wireup flush on this endpoint (and
+                // completes only after it): stop tracking either.
+                state.unanswered = false;
+                let request = std::mem::replace(&mut state.wireup, ptr::null_mut());
+                if !request.is_null() {
+                    // SAFETY: our flush request, freed once; UCX releases it when it
+                    // completes if it has not yet.
+                    unsafe { self.ucp.api().ucp_request_free(request) };
+                }
             }
             return Ok((ep, worker));
         }
