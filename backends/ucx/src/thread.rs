@@ -26,7 +26,7 @@ pub enum Spin {
     /// Poll on for this long after every progress (zero: sleep at once).
     Fixed(Duration),
     /// Poll on for up to this long after progress, but only while work keeps coming
-    /// back within it: after [`AUTO_STREAK`] wake-ups in a row that each found progress
+    /// back within it: after three wake-ups in a row that each found progress
     /// within the window of the previous one (so polling would have caught them). A
     /// window that passes without progress turns polling off until such a streak is
     /// seen again. Isolated requests, or a trickle sparser than the window, never make

@@ -584,8 +584,8 @@ impl Core {
     /// the peer is made, and destroying the worker before then aborts this process on
     /// an assertion (`ucp_request_send_state_ff`: "got REP message", in
     /// `ucp_worker_destroy`). A peer that died before that connection was made aborts
-    /// it whatever we do (the connect is refused, the same purge runs); that
-    /// assertion is gone in later UCX.
+    /// it whatever we do (the connect is refused, the same purge runs); upstream
+    /// removed that assertion (openucx/ucx#8175), Debian's 1.13.1 still has it.
     fn flush_workers(&mut self) {
         let api = self.ucp.api();
         let deadline = Instant::now() + DROP_FLUSH_WAIT;

@@ -353,7 +353,8 @@ impl Core {
     /// connection was made has the peer's connect refused, and UCX 1.13 then aborts the
     /// *peer's* process on an assertion while purging the pending wireup reply
     /// (`ucp_request_send_state_ff`: "got REP message", seen with Debian's 1.13.1; the
-    /// assertion was removed in later UCX). A pong comes back over that connection.
+    /// assertion was removed upstream in openucx/ucx#8175). A pong comes back over that
+    /// connection.
     fn settle_wireup(&mut self, peer: PeerId) {
         let Some(state) = self.peers.get_mut(&peer) else {
             return;
