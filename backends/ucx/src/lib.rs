@@ -344,6 +344,9 @@ pub struct BatchCounts {
     /// Answers received to the pings loads send (one per load of a peer whose ranges go
     /// in Ferry's messages, `connect_on_load`).
     pub pongs: u64,
+    /// Pings this target answered (one per load of it by a peer whose ranges go in
+    /// Ferry's messages).
+    pub pings: u64,
     /// WRITE pieces peers sent here by rendezvous (`am_tcp_rndv`) that landed in a
     /// region.
     pub rndv_received: u64,

@@ -75,6 +75,16 @@ impl SpinGate {
         self.last_progress = Some(now);
     }
 
+    /// A peer just loaded us (it pinged): its first request is likely to follow within
+    /// the window, so `auto` polls on from `now` as after a streak. What it can waste
+    /// is one window per load.
+    fn expect_requests(&mut self, now: Instant) {
+        if let Spin::Auto(_) = self.spin {
+            self.streak = self.streak.max(AUTO_STREAK);
+            self.last_progress = Some(now);
+        }
+    }
+
     /// Whether the thread polls on at `now` instead of arming and sleeping.
     fn awake(&mut self, now: Instant) -> bool {
         let (window, on) = match self.spin {
@@ -198,6 +208,7 @@ fn run(
     // Whether the thread slept in poll since its last pass.
     let mut woke = false;
     let mut was_awake = false;
+    let mut pings = 0u64;
     while !stop.load(Ordering::Acquire) {
         let (awake, armed) = {
             let mut core = core.lock().unwrap_or_else(|e| e.into_inner());
@@ -207,6 +218,11 @@ fn run(
             let now = Instant::now();
             if progressed {
                 gate.progressed(now, woke);
+                let answered = core.pings_answered();
+                if answered != pings {
+                    pings = answered;
+                    gate.expect_requests(now);
+                }
             }
             woke = false;
             let awake = gate.awake(now);
@@ -316,5 +332,23 @@ mod tests {
         t += us(w / 4);
         g.progressed(t, true);
         assert!(!g.awake(t), "one short wake-up after the exchange stopped");
+    }
+
+    #[test]
+    fn a_ping_opens_one_window_under_auto_only() {
+        let t0 = Instant::now();
+        let w = AUTO_WINDOW.as_micros() as u64;
+        let mut g = SpinGate::new(Spin::Auto(AUTO_WINDOW));
+        g.progressed(t0, true);
+        g.expect_requests(t0);
+        assert!(g.awake(t0 + us(w - 1)), "a ping opens a window at once");
+        assert!(!g.awake(t0 + us(w)), "and it closes like any other");
+        let t1 = t0 + us(10 * w);
+        g.progressed(t1, true);
+        assert!(!g.awake(t1), "one window per ping, no streak left behind");
+        let mut off = SpinGate::new(Spin::Fixed(Duration::ZERO));
+        off.progressed(t0, true);
+        off.expect_requests(t0);
+        assert!(!off.awake(t0), "0 sleeps at once, pinged or not");
     }
 }

@@ -605,6 +605,22 @@ fn progress_thread_with_auto_spin_polls_through_an_exchange_and_sleeps_once_it_s
         ],
     );
     let tid = p.b.progress_thread_tid().expect("the thread has started");
+    // The load pinged b; b's thread answered and, expecting a first request, opened a
+    // window.
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    while p.b.batch_counts().pings == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the load's ping was never answered"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let after_load = p.b.progress_thread_spins();
+    assert!(
+        after_load >= 1,
+        "answering the load's ping opened no window"
+    );
+    std::thread::sleep(Duration::from_millis(50));
     let ranges = [range(&p, 0, 0, 1 << 12)];
     // Only the thread progresses the target (`run` would progress it from here too).
     let mut done = Completions::with_capacity(1);

@@ -206,6 +206,9 @@ pub(crate) struct BatchEvents {
     pub(crate) allocated_acks: AtomicU64,
     /// Answers to this initiator's pings ([`wire::PING_COOKIE`]) so far.
     pub(super) pongs: AtomicU64,
+    /// Pings this target answered: each a peer that just loaded us (its requests are
+    /// likely to follow; the progress thread keeps awake for them).
+    pub(crate) pings: AtomicU64,
     /// READ replies whose buffer was allocated (none free in the pool).
     pub(crate) allocated_replies: AtomicU64,
     ack_pool: Box<[AckBuf]>,
@@ -268,6 +271,7 @@ impl BatchEvents {
             unsent_acks: AtomicU64::new(0),
             allocated_acks: AtomicU64::new(0),
             pongs: AtomicU64::new(0),
+            pings: AtomicU64::new(0),
             allocated_replies: AtomicU64::new(0),
             reads: Mutex::new((0..messages).map(|_| ReadWait::default()).collect()),
             replies: Mutex::new(Vec::new()),
@@ -665,6 +669,7 @@ pub(super) unsafe extern "C" fn on_ping(
     let batch = &got.events.batch;
     let cookie = got.payload.and_then(|p| p.first_chunk::<8>());
     batch.answer(&got, cookie, BatchStatus::Written);
+    batch.pings.fetch_add(1, Ordering::Relaxed);
     ucs_status_t::UCS_OK
 }
 

@@ -95,6 +95,7 @@ impl Core {
             allocated_acks: b.allocated_acks.load(Ordering::Relaxed),
             allocated_replies: b.allocated_replies.load(Ordering::Relaxed),
             pongs: b.pongs.load(Ordering::Relaxed),
+            pings: b.pings.load(Ordering::Relaxed),
             rndv_received: b.rndv_received.load(Ordering::Relaxed),
             rndv_failed: b.rndv_failed.load(Ordering::Relaxed),
             rndv_refused: b.rndv_refused.load(Ordering::Relaxed),

@@ -807,6 +807,11 @@ impl Core {
 
     /// Arm every worker for sleeping on its event fd. False if some worker has events
     /// pending (progress again instead of sleeping).
+    /// Pings answered so far (see `BatchEvents::pings`).
+    pub(crate) fn pings_answered(&self) -> u64 {
+        self.events.batch.pings.load(Ordering::Relaxed)
+    }
+
     pub(crate) fn arm(&mut self) -> bool {
         let api = self.ucp.api();
         for worker in &self.workers {
