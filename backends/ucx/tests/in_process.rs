@@ -607,12 +607,22 @@ fn progress_thread_with_auto_spin_polls_through_an_exchange_and_sleeps_once_it_s
     let tid = p.b.progress_thread_tid().expect("the thread has started");
     // The load pinged b; b's thread answered and, expecting a first request, opened a
     // window.
+    // On a loaded machine the load may return before its wireup is done; `a`'s progress
+    // then sends the ping once it is. The thread opens the window after the pass that
+    // answered the ping, so wait for the window too (a bounded wait: it fails when none
+    // opens).
     let deadline = std::time::Instant::now() + TIMEOUT;
+    let mut idle = Completions::with_capacity(1);
     while p.b.batch_counts().pings == 0 {
         assert!(
             std::time::Instant::now() < deadline,
             "the load's ping was never answered"
         );
+        p.a.progress(&mut idle);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let window_deadline = std::time::Instant::now() + Duration::from_secs(2);
+    while p.b.progress_thread_spins() == 0 && std::time::Instant::now() < window_deadline {
         std::thread::sleep(Duration::from_millis(1));
     }
     let after_load = p.b.progress_thread_spins();

@@ -160,6 +160,9 @@ pub(crate) struct Core {
     self_ep: ucp_ep_h,
     /// Endpoints whose close UCX has not confirmed yet, with what they still own.
     graves: Vec<Grave>,
+    /// Peers whose load left its wireup flush running ([`PeerState::wireup`]): each
+    /// progress checks them and pings the peer once the flush is done.
+    wiring: Vec<PeerId>,
     /// Progress rounds a close may take before it finishes in the graveyard.
     close_rounds: u32,
     /// Close endpoints with `UCP_EP_CLOSE_FLAG_FORCE` (else flush first).
@@ -383,6 +386,7 @@ impl Core {
             ),
             range_keys: Vec::new(),
             graves: Vec::new(),
+            wiring: Vec::new(),
             close_rounds: config.close_rounds,
             close_force: config.close_force,
             connect_on_load: config.connect_on_load,
@@ -571,6 +575,7 @@ impl Core {
                 request,
                 link: None,
                 rkeys: Vec::new(),
+                settle: None,
             });
         }
     }
@@ -617,6 +622,16 @@ impl Core {
 impl Drop for Core {
     fn drop(&mut self) {
         self.flush_workers();
+        // Our own endpoints, closed below by their owners: UCX matches a peer's
+        // connection to us with the endpoint we made to it, so a rendezvous receive's
+        // reply endpoint can be one of them, and must not be closed twice.
+        let mut owned: Vec<ucp_ep_h> = self.peers.values().map(|s| s.ep).collect();
+        owned.extend(
+            self.graves
+                .iter()
+                .filter_map(|g| g.settle.as_ref().map(|s| s.ep)),
+        );
+        owned.push(self.self_ep);
         let peers: Vec<PeerId> = self.peers.keys().copied().collect();
         for peer in peers {
             self.teardown_peer(peer);
@@ -631,6 +646,9 @@ impl Drop for Core {
         // worker is destroyed with a request left on an endpoint: close those endpoints
         // (forced: UCX cancels the receives) first.
         for (worker, ep) in self.events.batch.rndv_endpoints() {
+            if owned.contains(&ep) {
+                continue;
+            }
             self.close_into_grave(worker, ep, true);
         }
         // Give pending closes a bounded time to finish, so their state is released in
@@ -653,10 +671,20 @@ impl Drop for Core {
         }
         let api = self.ucp.api();
         for grave in &mut unconfirmed {
-            // SAFETY: our pending close request; UCX allows freeing a request before it
-            // completes (it is then released when done, or with the worker).
-            unsafe { api.ucp_request_free(grave.request) };
-            grave.request = ptr::null_mut();
+            // A settling endpoint resolves within CLOSE_WIREUP_WAIT, far inside the wait
+            // above; should one be left, the worker's destruction closes it.
+            if let Some(settle) = grave.settle.take() {
+                if !settle.flush.is_null() {
+                    // SAFETY: our flush request, freed once.
+                    unsafe { api.ucp_request_free(settle.flush) };
+                }
+            }
+            if !grave.request.is_null() {
+                // SAFETY: our pending close request; UCX allows freeing a request before
+                // it completes (it is then released when done, or with the worker).
+                unsafe { api.ucp_request_free(grave.request) };
+                grave.request = ptr::null_mut();
+            }
         }
         // Dropping the backend frees everything, including what was not deregistered.
         for entry in self.mems.iter_mut().filter_map(Option::take) {

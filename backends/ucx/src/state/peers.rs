@@ -26,6 +26,22 @@ pub(super) struct Grave {
     pub(super) link: Option<Box<PeerLink>>,
     /// Rkeys unpacked on the endpoint.
     pub(super) rkeys: Vec<ucp_rkey_h>,
+    /// An endpoint not closed yet: it waits for its wireup (and the answer to a ping)
+    /// first, see [`Core::settle_wireup`]. `request` is null while this is set.
+    pub(super) settle: Option<Settle>,
+}
+
+/// What an endpoint no request used waits for before its close is issued.
+pub(super) struct Settle {
+    pub(super) ep: ucp_ep_h,
+    /// The load's wireup flush, still running (null once it completed and was freed).
+    pub(super) flush: *mut c_void,
+    /// Ping the peer once the flush is done, and wait for its answer.
+    pub(super) ping: bool,
+    /// The pong count when the ping went (`None`: not sent yet).
+    pub(super) pongs_before: Option<u64>,
+    pub(super) deadline: Instant,
+    pub(super) force: bool,
 }
 
 pub(super) struct PeerState {
@@ -292,6 +308,7 @@ impl Core {
                 let state = self.peers.get_mut(&peer).expect("present");
                 state.wireup = request;
                 state.unanswered = state.am_msg_bytes > 0;
+                self.wiring.push(peer);
                 return false;
             }
         }
@@ -307,13 +324,84 @@ impl Core {
     /// rest to the first request, as before.
     fn ping_peer(&mut self, ep: ucp_ep_h, worker: ucp_worker_h, deadline: Instant) -> bool {
         let api = self.ucp.api();
+        let Some(before) = self.send_ping(ep) else {
+            return false;
+        };
         let pongs = &self.events.batch.pongs;
-        let before = pongs.load(Ordering::Acquire);
+        loop {
+            if pongs.load(Ordering::Acquire) != before {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            // SAFETY: the worker is live (the backend's).
+            unsafe { api.ucp_worker_progress(worker) };
+        }
+    }
+
+    /// Check the wireup flushes loads left running ([`Core::wiring`]): once one is done,
+    /// free it and ping its peer (where the peer answers pings), without waiting for the
+    /// answer, so the peer's way back to us is set up before the first request (and a
+    /// peer with `progress_thread_spin_us=auto` opens its window for it). The peer
+    /// stays [`PeerState::unanswered`]: a pong is not tied to its peer. Returns whether
+    /// a flush finished.
+    pub(super) fn advance_wireups(&mut self) -> bool {
+        let mut finished = false;
+        let mut i = 0;
+        while i < self.wiring.len() {
+            let peer = self.wiring[i];
+            let Some(state) = self.peers.get_mut(&peer) else {
+                self.wiring.swap_remove(i);
+                continue;
+            };
+            let request = state.wireup;
+            if request.is_null() {
+                // A request or the endpoint's close took the flush over.
+                self.wiring.swap_remove(i);
+                continue;
+            }
+            let api = self.ucp.api();
+            // SAFETY: our flush request, not freed yet (the peer's state still holds it).
+            let status = unsafe { api.ucp_request_check_status(request) };
+            if status == ucs_status_t::UCS_INPROGRESS {
+                i += 1;
+                continue;
+            }
+            // SAFETY: our request, completed; freed once (the state forgets it here).
+            unsafe { api.ucp_request_free(request) };
+            state.wireup = ptr::null_mut();
+            let failed = state
+                .link
+                .as_ref()
+                .is_some_and(|l| l.status.load(Ordering::Acquire) != 0);
+            let ping = state.am_msg_bytes > 0 && status.is_ok() && !failed;
+            // A wireup that failed leaves nothing to prove at the close either: an
+            // endpoint UCX reported failed is never pinged.
+            if !ping {
+                state.unanswered = false;
+            }
+            let ep = state.ep;
+            self.wiring.swap_remove(i);
+            finished = true;
+            if ping && !ep.is_null() {
+                // Refused sends only cost the head start; the close pings again.
+                let _ = self.send_ping(ep);
+            }
+        }
+        finished
+    }
+
+    /// Send a ping on `ep`; returns the pong count before it, or `None` if UCX refused
+    /// the send.
+    fn send_ping(&self, ep: ucp_ep_h) -> Option<u64> {
+        let api = self.ucp.api();
+        let before = self.events.batch.pongs.load(Ordering::Acquire);
         let mut param = request_param();
         param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
         param.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
-        // SAFETY: ep live (just flushed); the payload is static; without a callback the
-        // request is ours to free, which UCX defers until it completes.
+        // SAFETY: ep live (wired, not closed); the payload is static; without a callback
+        // the request is ours to free, which UCX defers until it completes.
         let request = unsafe {
             api.ucp_am_send_nbx(
                 ep,
@@ -329,18 +417,9 @@ impl Core {
             // SAFETY: our request; UCX releases it once complete.
             unsafe { api.ucp_request_free(request) };
         } else if ucs_ptr_is_err(request) {
-            return false;
+            return None;
         }
-        loop {
-            if pongs.load(Ordering::Acquire) != before {
-                return true;
-            }
-            if Instant::now() >= deadline {
-                return false;
-            }
-            // SAFETY: the worker is live (the backend's).
-            unsafe { api.ucp_worker_progress(worker) };
-        }
+        Some(before)
     }
 
     /// Before the endpoint to `peer` closes, when no request has used it since its load:
@@ -355,45 +434,63 @@ impl Core {
     /// (`ucp_request_send_state_ff`: "got REP message", seen with Debian's 1.13.1; the
     /// assertion was removed upstream in openucx/ucx#8175). A pong comes back over that
     /// connection.
-    fn settle_wireup(&mut self, peer: PeerId) {
-        let Some(state) = self.peers.get_mut(&peer) else {
-            return;
-        };
-        let request = std::mem::replace(&mut state.wireup, ptr::null_mut());
-        let unanswered = std::mem::replace(&mut state.unanswered, false);
-        if request.is_null() && !unanswered {
-            return;
-        }
-        let (ep, worker) = (state.ep, state.worker);
-        let api = self.ucp.api();
-        let handle = self.workers[worker].handle;
-        let deadline = Instant::now() + CLOSE_WIREUP_WAIT;
-        let mut wired = true;
-        if !request.is_null() {
-            loop {
-                // SAFETY: request is our flush request, not freed yet.
-                let status = unsafe { api.ucp_request_check_status(request) };
-                if status != ucs_status_t::UCS_INPROGRESS {
-                    wired = status.is_ok();
-                    break;
-                }
-                if Instant::now() >= deadline {
-                    wired = false;
-                    break;
-                }
-                // SAFETY: the worker is live (the backend's).
-                unsafe { api.ucp_worker_progress(handle) };
+    ///
+    /// Nothing here blocks: the endpoint waits in the graveyard, not yet closed, and
+    /// [`Core::reap_graves`] (every progress) issues its close once the wait is over.
+    /// Returns what it waits for, or `None` when there is nothing to wait for (or `wait`
+    /// is false: the flush, if any, is freed).
+    fn settle_wireup(&mut self, peer: PeerId, force: bool, wait: bool) -> Option<Settle> {
+        let state = self.peers.get_mut(&peer)?;
+        let flush = std::mem::replace(&mut state.wireup, ptr::null_mut());
+        let ping = std::mem::replace(&mut state.unanswered, false);
+        if !wait || (flush.is_null() && !ping) || state.ep.is_null() {
+            if !flush.is_null() {
+                // SAFETY: our flush request, freed once.
+                unsafe { self.ucp.api().ucp_request_free(flush) };
             }
-            // SAFETY: our request, freed once; UCX releases one still in progress when it
-            // completes or the endpoint's close cancels it.
-            unsafe { api.ucp_request_free(request) };
+            return None;
         }
-        if wired && unanswered && !ep.is_null() && !self.ping_peer(ep, handle, deadline) {
-            log::debug!(
-                "UCX: peer '{}' did not answer a ping within {CLOSE_WIREUP_WAIT:?} of the \
-                 close of an endpoint no request used",
-                self.peers[&peer].name
-            );
+        Some(Settle {
+            ep: state.ep,
+            flush,
+            ping,
+            pongs_before: None,
+            deadline: Instant::now() + CLOSE_WIREUP_WAIT,
+            force,
+        })
+    }
+
+    /// Advance a settling endpoint; true once its close may be issued. `failed`: UCX
+    /// reported an error on the endpoint (it is then closed at once, never pinged).
+    fn settled(&self, settle: &mut Settle, failed: bool) -> bool {
+        let api = self.ucp.api();
+        let expired = failed || Instant::now() >= settle.deadline;
+        if !settle.flush.is_null() {
+            // SAFETY: our flush request, not freed yet.
+            let status = unsafe { api.ucp_request_check_status(settle.flush) };
+            if status == ucs_status_t::UCS_INPROGRESS && !expired {
+                return false;
+            }
+            // SAFETY: our request, freed once; UCX releases one still in progress when
+            // it completes or the endpoint's close cancels it.
+            unsafe { api.ucp_request_free(settle.flush) };
+            settle.flush = ptr::null_mut();
+            if !status.is_ok() {
+                return true;
+            }
+        }
+        if expired || !settle.ping {
+            return true;
+        }
+        match settle.pongs_before {
+            None => match self.send_ping(settle.ep) {
+                Some(before) => {
+                    settle.pongs_before = Some(before);
+                    false
+                }
+                None => true,
+            },
+            Some(before) => self.events.batch.pongs.load(Ordering::Acquire) != before,
         }
     }
 
@@ -401,7 +498,6 @@ impl Core {
     /// then report them) and release its rkeys and error-handler argument once UCX
     /// confirmed the close (at once, or later from the graveyard).
     pub(super) fn teardown_peer(&mut self, peer: PeerId) {
-        self.settle_wireup(peer);
         let Some(state) = self.peers.get(&peer) else {
             return;
         };
@@ -425,6 +521,10 @@ impl Core {
             // Acks that will not come: fail their requests now, once each.
             self.am_fail_ep(ep);
         }
+        // An endpoint no request used may first wait for its wireup (not a failing one:
+        // what it has queued must go now).
+        let close_force = self.close_force;
+        let settle = self.settle_wireup(peer, close_force, !failing);
         let Some(state) = self.peers.get_mut(&peer) else {
             return;
         };
@@ -432,6 +532,18 @@ impl Core {
         let link = state.link.take();
         let worker = self.workers[state.worker].handle;
         let rkeys: Vec<ucp_rkey_h> = state.rkeys.drain().map(|(_, r)| r.rkey).collect();
+        if let Some(settle) = settle {
+            // Its close is issued by reap_graves once the wait is over.
+            log::debug!("UCX: endpoint close waits for its wireup in the graveyard");
+            self.graves.push(Grave {
+                worker,
+                request: ptr::null_mut(),
+                link,
+                rkeys,
+                settle: Some(settle),
+            });
+            return;
+        }
         let pending = if ep.is_null() {
             None
         } else {
@@ -442,6 +554,7 @@ impl Core {
             request: pending.unwrap_or(ptr::null_mut()),
             link,
             rkeys,
+            settle: None,
         };
         if pending.is_some() {
             log::debug!("UCX: endpoint close pending; its state waits in the graveyard");
@@ -474,6 +587,30 @@ impl Core {
         let mut reaped = 0;
         let mut i = 0;
         while i < self.graves.len() {
+            if let Some(mut settle) = self.graves[i].settle.take() {
+                let failed = self.graves[i]
+                    .link
+                    .as_ref()
+                    .is_some_and(|l| l.status.load(Ordering::Acquire) != 0);
+                if !self.settled(&mut settle, failed) {
+                    self.graves[i].settle = Some(settle);
+                    i += 1;
+                    continue;
+                }
+                let worker = self.graves[i].worker;
+                match self.close_ep(worker, settle.ep, settle.force) {
+                    Some(request) => {
+                        self.graves[i].request = request;
+                        i += 1;
+                    }
+                    None => {
+                        let grave = self.graves.swap_remove(i);
+                        self.bury(grave);
+                        reaped += 1;
+                    }
+                }
+                continue;
+            }
             // SAFETY: the close request is ours and not freed yet; its worker is live.
             let status = unsafe {
                 self.ucp

@@ -741,9 +741,10 @@ impl Core {
             }
         }
         let buried = !self.graves.is_empty() && self.reap_graves() > 0;
+        let wired = !self.wiring.is_empty() && self.advance_wireups();
         let issued = !self.deferred.is_empty() && self.issue_deferred();
         let handled = self.handle_events();
-        progressed | handled | buried | issued | self.watch_expire()
+        progressed | handled | buried | wired | issued | self.watch_expire()
     }
 
     pub(super) fn handle_events(&mut self) -> bool {
