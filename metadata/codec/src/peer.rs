@@ -89,6 +89,7 @@ impl PeerMd {
         })
     }
 
+    #[inline]
     fn md(&self) -> &ArchivedWireMd {
         self.archive.borrow_dependent()
     }
@@ -139,6 +140,7 @@ impl PeerMd {
     }
 
     /// Position of the section (`backend`, `kind`) in the archive.
+    #[inline]
     fn section_position(&self, backend: u8, kind: MemKind) -> Option<usize> {
         self.md()
             .sections
@@ -149,6 +151,7 @@ impl PeerMd {
     /// Like [`PeerMd::find`], with the region's own range, trying first the region
     /// after global index `last` (descriptors that walk a peer's regions in address
     /// order, as one KV layer's blocks do, then cost no search).
+    #[inline]
     pub fn find_bounds_after(
         &self,
         backend: u8,
@@ -261,12 +264,14 @@ fn partition_point(section: &ArchivedWireSection, before: impl Fn(u64, u64) -> b
 }
 
 /// The length of region `i` of a validated `section` (one per region, or one for all).
+#[inline]
 fn len_at(section: &ArchivedWireSection, i: usize) -> u64 {
     let lens = section.lens.as_slice();
     lens[if lens.len() == 1 { 0 } else { i }].to_native()
 }
 
 /// The device of region `i` of a validated `section` (one per region, or one for all).
+#[inline]
 fn dev_at(section: &ArchivedWireSection, i: usize) -> u64 {
     let devs = section.devs.as_slice();
     devs[if devs.len() == 1 { 0 } else { i }].to_native()
