@@ -142,7 +142,9 @@ pub const PARAMS: &[ParamSpec] = &[
               this time finds it awake: no wake-up); 0 = sleep at once; auto = up to 100 \
               us, only while requests keep coming back within it (3 wake-ups in a row \
               each within 100 us of the progress before), off again once 100 us pass \
-              with nothing; auto:N = the same with a window of N us",
+              with nothing, and for 1 ms after progress that was UCX's own work (a \
+              wireup: UCX 1.13's tcp does not wake a sleeping worker for every step); \
+              auto:N = the same with a window of N us",
     },
     ParamSpec {
         name: "connect_on_load",
@@ -987,6 +989,15 @@ impl UcxBackend {
     /// millisecond (0 without a thread).
     pub fn progress_thread_passes(&self) -> u64 {
         self.thread.as_ref().map_or(0, |t| t.stats().1)
+    }
+
+    /// How many times the progress thread has polled on after progress that was UCX's
+    /// own work rather than ours (a new peer's wireup, a connection accepted or
+    /// closed): `progress_thread_spin_us=auto` keeps the thread awake for
+    /// 1 ms (renewed while it lasts) then, because UCX 1.13's tcp transport does not wake
+    /// a sleeping worker for every step of a wireup (0 without a thread).
+    pub fn progress_thread_settles(&self) -> u64 {
+        self.thread.as_ref().map_or(0, |t| t.stats().2)
     }
 
     /// Whether a progress thread runs.

@@ -38,6 +38,13 @@ pub enum Spin {
 
 /// The window of `progress_thread_spin_us=auto`.
 pub const AUTO_WINDOW: Duration = Duration::from_micros(100);
+/// How long `auto` polls on after progress that was UCX's own work (no callback of
+/// ours ran: an endpoint's wireup, a connection accepted or closed). UCX 1.13's tcp
+/// transport does not wake a sleeping worker for every step of a wireup (measured on
+/// loopback: steps of a new peer's wireup waited 1–20 ms for the sleeping thread, the
+/// load gave up after 5 ms in 24–34 of 41 loads, and the first request waited out the
+/// rest); polled through, a wireup takes ~0.5 ms. Each such progress renews the window.
+pub const SETTLE_WINDOW: Duration = Duration::from_millis(1);
 /// Short wake-ups in a row before `auto` polls on.
 pub const AUTO_STREAK: u32 = 3;
 
@@ -48,6 +55,8 @@ struct SpinGate {
     spin: Spin,
     last_progress: Option<Instant>,
     streak: u32,
+    /// `auto`: poll on until then, after UCX's own progress ([`SETTLE_WINDOW`]).
+    settle_until: Option<Instant>,
 }
 
 impl SpinGate {
@@ -56,6 +65,7 @@ impl SpinGate {
             spin,
             last_progress: None,
             streak: 0,
+            settle_until: None,
         }
     }
 
@@ -85,8 +95,26 @@ impl SpinGate {
         }
     }
 
+    /// UCX progressed at `now` without calling any callback of ours: its own work (a
+    /// wireup, a connection), whose next step may not wake a sleeping thread; `auto`
+    /// polls on for [`SETTLE_WINDOW`] from `now`.
+    /// Returns whether this opened a window (rather than renewing one, or none under
+    /// a fixed spin).
+    fn settling(&mut self, now: Instant) -> bool {
+        let Spin::Auto(_) = self.spin else {
+            return false;
+        };
+        let opened = self.settle_until.is_none_or(|until| now >= until);
+        self.settle_until = Some(now + SETTLE_WINDOW);
+        opened
+    }
+
     /// Whether the thread polls on at `now` instead of arming and sleeping.
     fn awake(&mut self, now: Instant) -> bool {
+        if self.settle_until.is_some_and(|until| now < until) {
+            return true;
+        }
+        self.settle_until = None;
         let (window, on) = match self.spin {
             Spin::Fixed(window) => (window, true),
             Spin::Auto(window) => (window, self.streak >= AUTO_STREAK),
@@ -108,6 +136,8 @@ struct ThreadStats {
     spins: AtomicU64,
     /// Passes of the loop.
     passes: AtomicU64,
+    /// Settle windows opened: progress that was UCX's own work ([`SETTLE_WINDOW`]).
+    settles: AtomicU64,
 }
 
 pub(crate) struct ProgressThread {
@@ -177,12 +207,14 @@ impl ProgressThread {
         Some(self.tid.load(Ordering::Acquire)).filter(|&t| t != 0)
     }
 
-    /// Spin windows opened so far, and passes of its loop (each one progress of the
-    /// workers; a sleeping thread makes one per wake-up).
-    pub(crate) fn stats(&self) -> (u64, u64) {
+    /// Spin windows opened so far, passes of its loop (each one progress of the
+    /// workers; a sleeping thread makes one per wake-up), and settle windows opened
+    /// (included in the spin windows when the thread was asleep before).
+    pub(crate) fn stats(&self) -> (u64, u64, u64) {
         (
             self.stats.spins.load(Ordering::Relaxed),
             self.stats.passes.load(Ordering::Relaxed),
+            self.stats.settles.load(Ordering::Relaxed),
         )
     }
 }
@@ -213,6 +245,7 @@ fn run(
         let (awake, armed) = {
             let mut core = core.lock().unwrap_or_else(|e| e.into_inner());
             core.vram_bind();
+            let calls = core.callback_calls();
             let progressed = core.pump();
             stats.passes.fetch_add(1, Ordering::Relaxed);
             let now = Instant::now();
@@ -222,6 +255,9 @@ fn run(
                 if answered != pings {
                     pings = answered;
                     gate.expect_requests(now);
+                }
+                if core.ucx_progressed() && core.callback_calls() == calls && gate.settling(now) {
+                    stats.settles.fetch_add(1, Ordering::Relaxed);
                 }
             }
             woke = false;
@@ -350,5 +386,28 @@ mod tests {
         off.progressed(t0, true);
         off.expect_requests(t0);
         assert!(!off.awake(t0), "0 sleeps at once, pinged or not");
+    }
+
+    #[test]
+    fn ucx_own_progress_opens_a_settle_window_under_auto_only_and_renews_it() {
+        let t0 = Instant::now();
+        let s = SETTLE_WINDOW.as_micros() as u64;
+        let mut g = SpinGate::new(Spin::Auto(AUTO_WINDOW));
+        g.progressed(t0, true);
+        assert!(g.settling(t0), "the first opens a window");
+        assert!(g.awake(t0 + us(s - 1)));
+        let t1 = t0 + us(s / 2);
+        g.progressed(t1, false);
+        assert!(!g.settling(t1), "a second within the window renews it");
+        assert!(g.awake(t1 + us(s - 1)), "renewed from the second");
+        assert!(
+            !g.awake(t1 + us(s)),
+            "and it closes one window after the last"
+        );
+        assert!(!g.awake(t1 + us(s + 1)), "no streak is left behind");
+        let mut off = SpinGate::new(Spin::Fixed(Duration::ZERO));
+        off.progressed(t0, true);
+        assert!(!off.settling(t0), "0 never polls on");
+        assert!(!off.awake(t0));
     }
 }

@@ -679,6 +679,62 @@ fn progress_thread_with_auto_spin_polls_through_an_exchange_and_sleeps_once_it_s
     );
 }
 
+#[test]
+fn progress_thread_with_auto_spin_polls_through_a_wireup_and_sleeps_between_isolated_requests() {
+    if !setup() {
+        return;
+    }
+    // Under `auto` (the default) progress that ran none of our callbacks (UCX's own
+    // work: the load's wireup) keeps the thread polling for a short window, because
+    // UCX 1.13's tcp transport does not wake a sleeping worker for every step of a
+    // wireup. Requests are our callbacks: isolated ones must not open such a window.
+    let mut p = pair("tcp", 1 << 12, &[("progress_thread", "true")]);
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    let mut idle = Completions::with_capacity(1);
+    // The load's wireup ends with a ping the thread answers (after the load on a loaded
+    // machine: `a`'s progress then finishes it).
+    while p.b.batch_counts().pings == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the load's ping was never answered"
+        );
+        p.a.progress(&mut idle);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let after_load = p.b.progress_thread_settles();
+    eprintln!("the load's wireup opened {after_load} settle window(s) on the target");
+    assert!(
+        after_load >= 1,
+        "the target's thread slept through the load's wireup"
+    );
+    std::thread::sleep(Duration::from_millis(50));
+    let ranges = [range(&p, 0, 0, 1 << 12)];
+    let before = p.b.progress_thread_settles();
+    let mut done = Completions::with_capacity(1);
+    for tag in 300..320 {
+        // Far apart: each request is alone (the thread sleeps before the next).
+        std::thread::sleep(Duration::from_millis(20));
+        done.clear();
+        p.a.post_t(
+            Endpoint::Peer(p.peer_b),
+            &[post(tag, Op::Write, &ranges, None)],
+            &mut done,
+        )
+        .unwrap();
+        if done.is_empty() {
+            wait_for(&mut [&mut p.a], &[tag], TIMEOUT);
+        } else {
+            assert_eq!(done.as_slice()[0].result, Ok(()));
+        }
+    }
+    let settles = p.b.progress_thread_settles() - before;
+    eprintln!("20 isolated WRITEs opened {settles} settle window(s)");
+    assert!(
+        settles <= 5,
+        "isolated requests kept the thread polling: {settles} settle windows for 20"
+    );
+}
+
 /// Progress `a` and `b` until every tag in `pending` has completed, counting each
 /// completion in `seen` (tag → completions, failures).
 fn settle(

@@ -520,6 +520,7 @@ unsafe extern "C" fn on_rndv_received(
     let cell = user_data as *mut RndvRecv;
     // SAFETY: user_data is the cell given to this receive; `events` outlives workers.
     let events = unsafe { &*(*cell).events };
+    events.called();
     // SAFETY: the receive is complete; the cell is released once, here.
     unsafe { rndv_done(cell, status) };
     // SAFETY: the request this callback completes; freeing it here is allowed.
@@ -550,6 +551,7 @@ unsafe extern "C" fn on_ack_sent(
     let buf = user_data as *const AckBuf;
     // SAFETY: user_data is the ack buffer given to this send; `events` outlives workers.
     let events = unsafe { &*(*buf).events };
+    events.called();
     if status.is_err() {
         events.batch.unsent_acks.fetch_add(1, Ordering::Relaxed);
     }
@@ -706,6 +708,7 @@ unsafe extern "C" fn on_reply_sent(
     let buf = unsafe { Box::from_raw(user_data as *mut ReplyBuf) };
     // SAFETY: `events` outlives every worker.
     let events = unsafe { &*buf.events };
+    events.called();
     if status.is_err() {
         events.batch.unsent_acks.fetch_add(1, Ordering::Relaxed);
     }

@@ -79,6 +79,18 @@ pub(crate) struct Events {
     pub(super) request_free: unsafe extern "C" fn(*mut c_void),
     /// Batched transfers (`batch.rs`): what the AM handlers and ack sends touch.
     pub(super) batch: BatchEvents,
+    /// Calls UCX made into this backend's callbacks (message handlers, completions,
+    /// endpoint errors): progress that moved none of them was UCX's own work, such as
+    /// an endpoint's wireup (see `thread.rs`).
+    pub(super) calls: AtomicU64,
+}
+
+impl Events {
+    /// One call into a callback of ours (see [`Events::calls`]).
+    #[inline]
+    pub(super) fn called(&self) {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 /// `user_data` of a UCX request: where to report its completion.
@@ -192,6 +204,7 @@ pub(super) unsafe extern "C" fn on_op_done(
     let cell = unsafe { &*(user_data as *const OpCell) };
     // SAFETY: see above.
     let events = unsafe { &*cell.events };
+    events.called();
     cell.report(&events.completions, status);
     // SAFETY: `request` is the UCX request this callback completes; freeing it from its
     // own callback is allowed by the UCP API.
@@ -204,9 +217,9 @@ pub(super) unsafe extern "C" fn on_ep_error(arg: *mut c_void, _ep: ucp_ep_h, sta
     let link = unsafe { &*(arg as *const PeerLink) };
     link.status.store(status.0.min(-1), Ordering::Release);
     // SAFETY: `events` points into the core's Arc<Events>, alive while any ep exists.
-    unsafe { &*link.events }
-        .ep_error
-        .store(true, Ordering::Release);
+    let events = unsafe { &*link.events };
+    events.called();
+    events.ep_error.store(true, Ordering::Release);
 }
 
 /// What one of our active-message handlers got from UCX, read once.
@@ -245,6 +258,7 @@ pub(super) unsafe fn am_received<'a>(
     // SAFETY: the caller's promise: `arg` is the live events, `param` valid now.
     let (events, recv_attr, reply_ep) =
         unsafe { (&*events_ptr, (*param).recv_attr, (*param).reply_ep) };
+    events.called();
     let rendezvous = recv_attr & u64::from(UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
     let payload = if rendezvous {
         None

@@ -163,6 +163,9 @@ pub(crate) struct Core {
     /// Peers whose load left its wireup flush running ([`PeerState::wireup`]): each
     /// progress checks them and pings the peer once the flush is done.
     wiring: Vec<PeerId>,
+    /// Whether UCX reported progress in the last `pump` (the progress thread tells UCX's
+    /// own work from ours by it and `Events::calls`).
+    ucx_progressed: bool,
     /// Progress rounds a close may take before it finishes in the graveyard.
     close_rounds: u32,
     /// Close endpoints with `UCP_EP_CLOSE_FLAG_FORCE` (else flush first).
@@ -342,6 +345,7 @@ impl Core {
             inbox: Mutex::new(Inbox::new(config.notif_entries_max, config.notif_bytes_max)),
             refused_notifs: AtomicU64::new(0),
             dropped_notifs: AtomicU64::new(0),
+            calls: AtomicU64::new(0),
             request_free: api.ucp_request_free,
             batch: BatchEvents::new(
                 api,
@@ -387,6 +391,7 @@ impl Core {
             range_keys: Vec::new(),
             graves: Vec::new(),
             wiring: Vec::new(),
+            ucx_progressed: false,
             close_rounds: config.close_rounds,
             close_force: config.close_force,
             connect_on_load: config.connect_on_load,

@@ -740,6 +740,7 @@ impl Core {
                 }
             }
         }
+        self.ucx_progressed = progressed;
         let buried = !self.graves.is_empty() && self.reap_graves() > 0;
         let wired = !self.wiring.is_empty() && self.advance_wireups();
         let issued = !self.deferred.is_empty() && self.issue_deferred();
@@ -811,6 +812,16 @@ impl Core {
     /// Pings answered so far (see `BatchEvents::pings`).
     pub(crate) fn pings_answered(&self) -> u64 {
         self.events.batch.pings.load(Ordering::Relaxed)
+    }
+
+    /// Whether UCX reported progress on some worker in the last [`Core::pump`].
+    pub(crate) fn ucx_progressed(&self) -> bool {
+        self.ucx_progressed
+    }
+
+    /// Calls into our callbacks so far (see `Events::calls`).
+    pub(crate) fn callback_calls(&self) -> u64 {
+        self.events.calls.load(Ordering::Relaxed)
     }
 
     pub(crate) fn arm(&mut self) -> bool {
