@@ -110,11 +110,23 @@ impl SpinGate {
     }
 
     /// Whether the thread polls on at `now` instead of arming and sleeping.
+    #[cfg(test)]
     fn awake(&mut self, now: Instant) -> bool {
-        if self.settle_until.is_some_and(|until| now < until) {
-            return true;
+        self.spinning(now) || self.settling_at(now)
+    }
+
+    /// Whether a settle window ([`SETTLE_WINDOW`]) is open at `now`.
+    fn settling_at(&mut self, now: Instant) -> bool {
+        let open = self.settle_until.is_some_and(|until| now < until);
+        if !open {
+            self.settle_until = None;
         }
-        self.settle_until = None;
+        open
+    }
+
+    /// Whether a spin window (fixed, or `auto` after a streak or a ping) is open at
+    /// `now`.
+    fn spinning(&mut self, now: Instant) -> bool {
         let (window, on) = match self.spin {
             Spin::Fixed(window) => (window, true),
             Spin::Auto(window) => (window, self.streak >= AUTO_STREAK),
@@ -209,7 +221,8 @@ impl ProgressThread {
 
     /// Spin windows opened so far, passes of its loop (each one progress of the
     /// workers; a sleeping thread makes one per wake-up), and settle windows opened
-    /// (included in the spin windows when the thread was asleep before).
+    /// (counted apart: the spin windows are the streaks', the pings' and a fixed
+    /// spin's only).
     pub(crate) fn stats(&self) -> (u64, u64, u64) {
         (
             self.stats.spins.load(Ordering::Relaxed),
@@ -239,7 +252,7 @@ fn run(
     let mut gate = SpinGate::new(spin);
     // Whether the thread slept in poll since its last pass.
     let mut woke = false;
-    let mut was_awake = false;
+    let mut was_spinning = false;
     let mut pings = 0u64;
     while !stop.load(Ordering::Acquire) {
         let (awake, armed) = {
@@ -261,13 +274,14 @@ fn run(
                 }
             }
             woke = false;
-            let awake = gate.awake(now);
+            let spinning = gate.spinning(now);
+            let awake = spinning || gate.settling_at(now);
+            if spinning && !was_spinning {
+                stats.spins.fetch_add(1, Ordering::Relaxed);
+            }
+            was_spinning = spinning;
             (awake, !awake && core.arm())
         };
-        if awake && !was_awake {
-            stats.spins.fetch_add(1, Ordering::Relaxed);
-        }
-        was_awake = awake;
         if awake {
             // Let a caller waiting for the core take it between two polls.
             std::thread::yield_now();

@@ -729,8 +729,11 @@ fn progress_thread_with_auto_spin_polls_through_a_wireup_and_sleeps_between_isol
     }
     let settles = p.b.progress_thread_settles() - before;
     eprintln!("20 isolated WRITEs opened {settles} settle window(s)");
+    // Idle here: 1 of 20. Under load some passes that carry a request run none of our
+    // callbacks (not traced further): up to 6 of 20 with two copies of this binary at
+    // once. Every request opening one is what this catches.
     assert!(
-        settles <= 5,
+        settles <= 10,
         "isolated requests kept the thread polling: {settles} settle windows for 20"
     );
 }
