@@ -627,16 +627,7 @@ fn progress_thread_with_auto_spin_polls_through_an_exchange_and_sleeps_once_it_s
     // then sends the ping once it is. The thread opens the window after the pass that
     // answered the ping, so wait for the window too (a bounded wait: it fails when none
     // opens).
-    let deadline = std::time::Instant::now() + TIMEOUT;
-    let mut idle = Completions::with_capacity(1);
-    while p.b.batch_counts().pings == 0 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the load's ping was never answered"
-        );
-        p.a.progress(&mut idle);
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    wait_for_load_ping(&mut p);
     let window_deadline = std::time::Instant::now() + Duration::from_secs(2);
     while p.b.progress_thread_spins() == 0 && std::time::Instant::now() < window_deadline {
         std::thread::sleep(Duration::from_millis(1));
@@ -649,20 +640,8 @@ fn progress_thread_with_auto_spin_polls_through_an_exchange_and_sleeps_once_it_s
     std::thread::sleep(Duration::from_millis(50));
     let ranges = [range(&p, 0, 0, 1 << 12)];
     // Only the thread progresses the target (`run` would progress it from here too).
-    let mut done = Completions::with_capacity(1);
     for tag in 40..240 {
-        done.clear();
-        p.a.post_t(
-            Endpoint::Peer(p.peer_b),
-            &[post(tag, Op::Write, &ranges, None)],
-            &mut done,
-        )
-        .unwrap();
-        if done.is_empty() {
-            wait_for(&mut [&mut p.a], &[tag], TIMEOUT);
-        } else {
-            assert_eq!(done.as_slice()[0].result, Ok(()));
-        }
+        write_and_wait(&mut p, tag, &ranges);
     }
     let spins = p.b.progress_thread_spins();
     eprintln!("200 back-to-back WRITEs opened {spins} spin windows");
@@ -704,18 +683,9 @@ fn progress_thread_with_auto_spin_polls_through_a_wireup_and_sleeps_between_isol
     // UCX 1.13's tcp transport does not wake a sleeping worker for every step of a
     // wireup. Requests are our callbacks: isolated ones must not open such a window.
     let mut p = pair("tcp", 1 << 12, &[("progress_thread", "true")]);
-    let deadline = std::time::Instant::now() + TIMEOUT;
-    let mut idle = Completions::with_capacity(1);
     // The load's wireup ends with a ping the thread answers (after the load on a loaded
     // machine: `a`'s progress then finishes it).
-    while p.b.batch_counts().pings == 0 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the load's ping was never answered"
-        );
-        p.a.progress(&mut idle);
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    wait_for_load_ping(&mut p);
     let after_load = p.b.progress_thread_settles();
     eprintln!("the load's wireup opened {after_load} settle window(s) on the target");
     assert!(
@@ -725,22 +695,10 @@ fn progress_thread_with_auto_spin_polls_through_a_wireup_and_sleeps_between_isol
     std::thread::sleep(Duration::from_millis(50));
     let ranges = [range(&p, 0, 0, 1 << 12)];
     let before = p.b.progress_thread_settles();
-    let mut done = Completions::with_capacity(1);
     for tag in 300..320 {
         // Far apart: each request is alone (the thread sleeps before the next).
         std::thread::sleep(Duration::from_millis(20));
-        done.clear();
-        p.a.post_t(
-            Endpoint::Peer(p.peer_b),
-            &[post(tag, Op::Write, &ranges, None)],
-            &mut done,
-        )
-        .unwrap();
-        if done.is_empty() {
-            wait_for(&mut [&mut p.a], &[tag], TIMEOUT);
-        } else {
-            assert_eq!(done.as_slice()[0].result, Ok(()));
-        }
+        write_and_wait(&mut p, tag, &ranges);
     }
     let settles = p.b.progress_thread_settles() - before;
     eprintln!("20 isolated WRITEs opened {settles} settle window(s)");
@@ -751,6 +709,39 @@ fn progress_thread_with_auto_spin_polls_through_a_wireup_and_sleeps_between_isol
         settles <= 10,
         "isolated requests kept the thread polling: {settles} settle windows for 20"
     );
+}
+
+/// Wait (bounded) until `b` has answered the ping of `a`'s load of it. On a loaded
+/// machine the load may return before its wireup is done; `a`'s progress then sends
+/// the ping once it is.
+fn wait_for_load_ping(p: &mut Pair) {
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    let mut idle = Completions::with_capacity(1);
+    while p.b.batch_counts().pings == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the load's ping was never answered"
+        );
+        p.a.progress(&mut idle);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// One WRITE of `ranges` from `a` to `b` with `tag`, waited for with only `a`
+/// progressed here (`b` by its thread).
+fn write_and_wait(p: &mut Pair, tag: u64, ranges: &[Range]) {
+    let mut done = Completions::with_capacity(1);
+    p.a.post_t(
+        Endpoint::Peer(p.peer_b),
+        &[post(tag, Op::Write, ranges, None)],
+        &mut done,
+    )
+    .unwrap();
+    if done.is_empty() {
+        wait_for(&mut [&mut p.a], &[tag], TIMEOUT);
+    } else {
+        assert_eq!(done.as_slice()[0].result, Ok(()));
+    }
 }
 
 /// Progress `a` and `b` until every tag in `pending` has completed, counting each

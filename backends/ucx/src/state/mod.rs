@@ -163,9 +163,9 @@ pub(crate) struct Core {
     /// Peers whose load left its wireup flush running ([`PeerState::wireup`]): each
     /// progress checks them and pings the peer once the flush is done.
     wiring: Vec<PeerId>,
-    /// Whether UCX reported progress in the last `pump` (the progress thread tells UCX's
-    /// own work from ours by it and `Events::calls`).
-    ucx_progressed: bool,
+    /// Whether the last `pump` saw UCX progress that ran none of our callbacks (UCX's
+    /// own work; the progress thread polls on after it).
+    ucx_own_work: bool,
     /// Progress rounds a close may take before it finishes in the graveyard.
     close_rounds: u32,
     /// Close endpoints with `UCP_EP_CLOSE_FLAG_FORCE` (else flush first).
@@ -391,7 +391,7 @@ impl Core {
             range_keys: Vec::new(),
             graves: Vec::new(),
             wiring: Vec::new(),
-            ucx_progressed: false,
+            ucx_own_work: false,
             close_rounds: config.close_rounds,
             close_force: config.close_force,
             connect_on_load: config.connect_on_load,

@@ -728,6 +728,7 @@ impl Core {
         let api = self.ucp.api();
         let mut progressed = false;
         let started = Instant::now();
+        let calls = self.events.calls.load(Ordering::Relaxed);
         for worker in &self.workers {
             for round in 1..=PROGRESS_ROUNDS_MAX {
                 // SAFETY: worker live; callbacks only push into `events`.
@@ -740,7 +741,7 @@ impl Core {
                 }
             }
         }
-        self.ucx_progressed = progressed;
+        self.ucx_own_work = progressed && self.events.calls.load(Ordering::Relaxed) == calls;
         let buried = !self.graves.is_empty() && self.reap_graves() > 0;
         let wired = !self.wiring.is_empty() && self.advance_wireups();
         let issued = !self.deferred.is_empty() && self.issue_deferred();
@@ -814,14 +815,10 @@ impl Core {
         self.events.batch.pings.load(Ordering::Relaxed)
     }
 
-    /// Whether UCX reported progress on some worker in the last [`Core::pump`].
-    pub(crate) fn ucx_progressed(&self) -> bool {
-        self.ucx_progressed
-    }
-
-    /// Calls into our callbacks so far (see `Events::calls`).
-    pub(crate) fn callback_calls(&self) -> u64 {
-        self.events.calls.load(Ordering::Relaxed)
+    /// Whether the last [`Core::pump`] saw UCX make progress that ran none of our
+    /// callbacks (`Events::calls`): UCX's own work, such as an endpoint's wireup.
+    pub(crate) fn ucx_own_work(&self) -> bool {
+        self.ucx_own_work
     }
 
     pub(crate) fn arm(&mut self) -> bool {
