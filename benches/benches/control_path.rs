@@ -126,16 +126,7 @@ fn create_turn(
 /// `ucx/create/{layout}/N`: `create` + release between two agents of this process over
 /// UCX (`UCX_NET_DEVICES=lo` unless set), each with one registered buffer.
 fn ucx_create(c: &mut Criterion) {
-    std::env::set_var(
-        "UCX_NET_DEVICES",
-        std::env::var("UCX_NET_DEVICES").unwrap_or("lo".into()),
-    );
-    std::env::set_var("UCX_WARN_UNUSED_ENV_VARS", "n");
-    if let Some(reason) = Agent::available_backends()
-        .iter()
-        .find(|f| f.name == "UCX")
-        .and_then(|f| f.available.clone().err())
-    {
+    if let Err(reason) = ferry_benches::ucx_loopback() {
         eprintln!("skipping control_path/ucx: UCX unavailable ({reason})");
         return;
     }

@@ -184,22 +184,14 @@ fn ucx_agent(name: &str, progress_thread: bool) -> Agent {
 }
 
 fn ucx_agent_with(name: &str, progress_thread: bool, connect_on_load: bool) -> Agent {
-    let agent = Agent::new(AgentConfig::named(unique(name))).expect("agent");
-    let mut params = Params::new();
+    let mut params = Vec::new();
     if progress_thread {
-        params.insert("progress_thread".into(), "true".into());
+        params.push(("progress_thread", "true"));
     }
     if !connect_on_load {
-        params.insert("connect_on_load".into(), "false".into());
+        params.push(("connect_on_load", "false"));
     }
-    // `key=value;key=value`, added to both agents (e.g. progress_thread_spin_us=0).
-    if let Ok(extra) = std::env::var("FERRY_BENCH_UCX_PARAMS") {
-        for (k, v) in extra.split(';').filter_map(|kv| kv.split_once('=')) {
-            params.insert(k.into(), v.into());
-        }
-    }
-    agent.create_backend("UCX", &params).expect("UCX backend");
-    agent
+    ferry_benches::ucx_bench_agent(name, &params)
 }
 
 /// One WRITE of `local[i]` → `remote[i]` from `a` to `peer`: create, post, wait, release.
@@ -223,16 +215,7 @@ fn ucx_request(a: &Agent, peer: ferry::PeerId, local: &[Desc], remote: &[Desc]) 
 }
 
 fn ucx_first_request(c: &mut Criterion) {
-    std::env::set_var(
-        "UCX_NET_DEVICES",
-        std::env::var("UCX_NET_DEVICES").unwrap_or("lo".into()),
-    );
-    std::env::set_var("UCX_WARN_UNUSED_ENV_VARS", "n");
-    if let Some(reason) = Agent::available_backends()
-        .iter()
-        .find(|f| f.name == "UCX")
-        .and_then(|f| f.available.clone().err())
-    {
+    if let Err(reason) = ferry_benches::ucx_loopback() {
         eprintln!("skipping scaling/ucx_*_request: UCX unavailable ({reason})");
         return;
     }

@@ -21,8 +21,8 @@
 
 use std::time::{Duration, Instant};
 
-use ferry::{Agent, AgentConfig, Desc, MemKind, Op, Params, XferStatus};
-use ferry_tests::{register, try_register, unique, Buffer, Rng};
+use ferry::{Desc, MemKind, Op, XferStatus};
+use ferry_tests::{register, try_register, Buffer, Rng};
 
 /// Bytes per target region (one descriptor of 64 bytes goes into each).
 const REGION: usize = 256;
@@ -37,21 +37,6 @@ fn minor_faults() -> u64 {
             rest.split(' ').nth(7)?.parse().ok()
         })
         .unwrap_or(0)
-}
-
-fn ucx_agent(name: &str, progress_thread: bool) -> Agent {
-    let agent = Agent::new(AgentConfig::named(unique(name))).expect("agent");
-    let mut params = Params::new();
-    if progress_thread {
-        params.insert("progress_thread".into(), "true".into());
-    }
-    if let Ok(extra) = std::env::var("FERRY_BENCH_UCX_PARAMS") {
-        for (k, v) in extra.split(';').filter_map(|kv| kv.split_once('=')) {
-            params.insert(k.into(), v.into());
-        }
-    }
-    agent.create_backend("UCX", &params).expect("UCX backend");
-    agent
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -76,21 +61,14 @@ fn main() {
     let gap = Duration::from_micros(arg(&args, "--gap-us", 0) as u64);
     let rest = Duration::from_micros(arg(&args, "--rest-us", 0) as u64);
     let mut evict = vec![1u8; arg(&args, "--evict-kib", 0) * 1024];
-    if std::env::var_os("UCX_NET_DEVICES").is_none() {
-        std::env::set_var("UCX_NET_DEVICES", "lo");
-    }
-    std::env::set_var("UCX_WARN_UNUSED_ENV_VARS", "n");
-    if let Some(reason) = Agent::available_backends()
-        .iter()
-        .find(|f| f.name == "UCX")
-        .and_then(|f| f.available.clone().err())
-    {
+    if let Err(reason) = ferry_benches::ucx_loopback() {
         eprintln!("first_request: UCX unavailable ({reason})");
         std::process::exit(2);
     }
     let dst = Buffer::zeroed(n * REGION);
     let src = Buffer::random(n * DESC, &mut Rng::new(3));
-    let target = ucx_agent("first-request-target", true);
+    let target =
+        ferry_benches::ucx_bench_agent("first-request-target", &[("progress_thread", "true")]);
     for i in 0..n {
         try_register(&target, MemKind::Dram, dst.desc(i * REGION, REGION)).expect("register");
     }
@@ -101,7 +79,7 @@ fn main() {
     let mut parts = [[(); 4].map(|_| Vec::new()), [(); 4].map(|_| Vec::new())];
     let mut loads = Vec::with_capacity(turns);
     for _ in 0..turns {
-        let a = ucx_agent("first-request-initiator", false);
+        let a = ferry_benches::ucx_bench_agent("first-request-initiator", &[]);
         register(&a, &src);
         let loaded = Instant::now();
         let peer = a.load_remote_md(&blob).expect("load");

@@ -484,7 +484,7 @@ fn encode_params(pairs: &[(String, String)]) -> String {
         .join(";")
 }
 
-fn decode_params(text: &str) -> Vec<(String, String)> {
+pub(crate) fn decode_params(text: &str) -> Vec<(String, String)> {
     text.split(';')
         .filter(|s| !s.is_empty())
         .filter_map(|kv| kv.split_once('='))
