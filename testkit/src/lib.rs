@@ -1,8 +1,9 @@
 //! What Ferry's tests and benches share, written once: a deterministic random number
 //! generator ([`Rng`]), a counting global allocator ([`alloc`]), per-thread CPU time
 //! from `/proc` in real clock ticks ([`cpu`]), the "are we in CI" probe and the
-//! skip-or-fail rule for tests that need a component ([`ci`]), and mutation of valid
-//! encodings for parser property tests ([`mutate`]).
+//! skip-or-fail rule for tests that need a component ([`ci`]), a moto S3 server for the
+//! OBJ tests ([`moto`]), and mutation of valid encodings for parser property tests
+//! ([`mutate`]).
 //!
 //! Dev-only: crates list it under `[dev-dependencies]` (the `ferry-tests` and
 //! `ferry-benches` crates, which exist only for tests and benches, use it as a normal
@@ -16,6 +17,7 @@ pub mod alloc;
 pub mod backend;
 pub mod ci;
 pub mod cpu;
+pub mod moto;
 pub mod mutate;
 mod rng;
 

@@ -3,10 +3,9 @@
 //! 127.0.0.1 for the test. Needs the `obj` feature and `FERRY_TEST_MOTO_SERVER`
 //! (tools/test.sh provides both); under CI=true either missing fails.
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+
+use ferry_testkit::moto::Moto;
 
 fn ferry(args: &[&str]) -> (bool, String, String) {
     let o = Command::new(env!("CARGO_BIN_EXE_ferry"))
@@ -47,58 +46,16 @@ fn ferry_backends_lists_obj_with_its_parameters() {
     }
 }
 
-/// A moto server, killed by pid on drop.
-struct Moto(Child, u16);
-
-impl Drop for Moto {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn moto() -> Option<Moto> {
-    let Ok(bin) = std::env::var("FERRY_TEST_MOTO_SERVER") else {
-        ferry_testkit::ci::skip("moto S3 server", "FERRY_TEST_MOTO_SERVER is not set");
-        return None;
-    };
-    let port = TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port();
-    let child = Command::new(&bin)
-        .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot start {bin}: {e}"));
-    let m = Moto(child, port);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "moto did not start");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Some(m)
-}
-
 #[test]
 fn bench_xfer_obj_writes_and_reads_objects() {
     if !built_with_obj() {
         return;
     }
-    let Some(m) = moto() else { return };
-    let mut s = TcpStream::connect(("127.0.0.1", m.1)).unwrap();
-    write!(
-        s,
-        "PUT /bench HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut reply = String::new();
-    let _ = s.read_to_string(&mut reply);
-    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    let Some(m) = Moto::start() else { return };
+    m.create_bucket("bench");
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("obj.json");
-    let endpoint = format!("http://127.0.0.1:{}", m.1);
+    let endpoint = m.endpoint();
     let (ok, out, err) = ferry(&[
         "bench",
         "xfer",

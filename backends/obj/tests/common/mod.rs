@@ -5,7 +5,6 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -17,86 +16,9 @@ use ferry_backend_api::{
 use ferry_obj::{ObjBackend, PARAMS};
 
 /// A moto S3 server on a free 127.0.0.1 port, killed (by pid) on drop.
-pub struct Moto {
-    child: Child,
-    pub port: u16,
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
-}
-
-impl Moto {
-    /// Start one from `FERRY_TEST_MOTO_SERVER` (the `moto_server` executable that
-    /// tools/test.sh installs); `None` (after `ci::skip`) when it is not set.
-    pub fn start() -> Option<Moto> {
-        let Ok(bin) = std::env::var("FERRY_TEST_MOTO_SERVER") else {
-            ferry_testkit::ci::skip(
-                "moto S3 server",
-                "FERRY_TEST_MOTO_SERVER is not set (tools/test.sh installs moto[server] and sets it)",
-            );
-            return None;
-        };
-        let port = free_port();
-        let child = Command::new(&bin)
-            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {bin}: {e}"));
-        let moto = Moto { child, port };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "moto did not listen on 127.0.0.1:{port} within 60 s"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Some(moto)
-    }
-
-    pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
-    }
-
-    /// Create `bucket` (moto takes unsigned requests).
-    pub fn create_bucket(&self, bucket: &str) {
-        let status = raw_request(self.port, "PUT", &format!("/{bucket}"));
-        assert!(
-            status.starts_with("HTTP/1.1 200") || status.starts_with("HTTP/1.0 200"),
-            "{status}"
-        );
-    }
-
-    /// Kill the server now.
-    pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Moto {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-/// One request without a body; the status line of the reply.
-fn raw_request(port: u16, method: &str, path: &str) -> String {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect to moto");
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-    )
-    .expect("send");
-    let mut reply = String::new();
-    let _ = s.read_to_string(&mut reply);
-    reply.lines().next().unwrap_or("").to_string()
-}
+// Reason: not every test binary that includes this module starts one.
+#[allow(unused_imports)]
+pub use ferry_testkit::moto::Moto;
 
 /// Effective OBJ parameters for `endpoint` and `bucket`, with `extra` over them.
 pub fn params(endpoint: &str, bucket: &str, extra: &[(&str, &str)]) -> Params {
