@@ -89,9 +89,16 @@ mod tests {
             open_form.push(cur);
             prop_assert_eq!(&open_form, &merged);
 
-            let src: Vec<u8> = (0..2048u32).map(|i| (i * 31 % 251) as u8).collect();
-            let mut want = vec![0u8; 2048];
-            let mut got = vec![0u8; 2048];
+            // Arrays as long as the furthest end either side reaches (64 pieces can
+            // walk the local side past 4 KiB).
+            let span = ranges
+                .iter()
+                .map(|r| (r.local_addr + r.len).max(r.remote_addr + r.len))
+                .max()
+                .unwrap_or(0) as usize;
+            let src: Vec<u8> = (0..span as u32).map(|i| (i * 31 % 251) as u8).collect();
+            let mut want = vec![0u8; span];
+            let mut got = vec![0u8; span];
             apply(&ranges, &src, &mut want);
             apply(&merged, &src, &mut got);
             prop_assert_eq!(want, got);
