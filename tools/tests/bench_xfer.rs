@@ -847,7 +847,10 @@ fn gds_sweeps_memory_to_files_through_a_stand_in_cufile() {
         check_row(r);
         assert_eq!(r["via"], "GDS", "{r}");
     }
-    // No cuFile by that name: refused with the backend's reason, nothing measured.
+    // No cuFile by that name: refused with the backend's reason, nothing measured, and
+    // the target file made before the agent was refused is removed again.
+    let files = dir.path().join("refused");
+    std::fs::create_dir(&files).unwrap();
     let o = Command::new(env!("CARGO_BIN_EXE_ferry"))
         .args([
             "bench",
@@ -856,6 +859,8 @@ fn gds_sweeps_memory_to_files_through_a_stand_in_cufile() {
             "gds",
             "--target-mem",
             "file",
+            "--file-dir",
+            files.to_str().unwrap(),
             "--param",
             "cufile_library=/nonexistent/libcufile.so.0",
         ])
@@ -867,4 +872,9 @@ fn gds_sweeps_memory_to_files_through_a_stand_in_cufile() {
         err.contains("GDS") && err.contains("/nonexistent/libcufile.so.0"),
         "{err}"
     );
+    let left: Vec<_> = std::fs::read_dir(&files)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "a refused set-up left {left:?}");
 }

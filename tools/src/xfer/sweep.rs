@@ -267,14 +267,18 @@ fn setup(plan: &Plan) -> Result<Setup, String> {
                 .file_dir
                 .clone()
                 .unwrap_or_else(std::env::temp_dir);
-            let mut files = Vec::with_capacity(n);
+            // Each file is in the guard from the moment it exists, so a set-up that
+            // fails after it (an agent or a registration refused) removes it too.
+            let mut files = Targets::Files(Vec::with_capacity(n));
             for i in 0..n {
                 let path = dir.join(format!("ferry-bench-xfer-{}-{i}.bin", std::process::id()));
                 let len = plan.buffer_bytes(i);
-                std::fs::File::create(&path)
-                    .and_then(|f| f.set_len(len))
+                let made = std::fs::File::create(&path);
+                if let (Ok(_), Targets::Files(paths)) = (&made, &mut files) {
+                    paths.push(path.clone());
+                }
+                made.and_then(|f| f.set_len(len))
                     .map_err(|e| format!("{}: {e}", path.display()))?;
-                files.push(path.clone());
                 let a = agent(plan, &initiator_name(plan, i))?;
                 let local = registered(&a, plan.initiator_placement(), len)?;
                 let mode = FileMode {
@@ -295,7 +299,7 @@ fn setup(plan: &Plan) -> Result<Setup, String> {
                     }],
                 });
             }
-            Targets::Files(files)
+            files
         }
         Shape::OwnObjects => {
             for i in 0..n {
