@@ -347,6 +347,14 @@ def main():
                     print(f"{variant} {block} B x {count} {op}: per-round Ferry ÷ NIXL "
                           + " ".join(f"{x:.2f}" for x in ratios)
                           + f"; median {statistics.median(ratios):.2f}×")
+                # Against the limit measured in the same round: a slow phase of the VM
+                # that spans a round weighs on both figures of its ratio.
+                pairs = list(zip(ferry.get(key, []), limit.get(key, [])))
+                if pairs:
+                    shares = [lim / f * 100 for f, lim in pairs]
+                    print(f"{variant} {block} B x {count} {op}: per-round Ferry ÷ limit "
+                          + " ".join(f"{x:.0f} %" for x in shares)
+                          + f"; median {statistics.median(shares):.0f} %")
         return
     print_md_rows(md)
 
