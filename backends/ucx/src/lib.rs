@@ -790,6 +790,16 @@ fn load_library(library: Option<&Path>) -> std::result::Result<Arc<Ucp>, String>
     Ok(ucp)
 }
 
+/// How many backend drops in this process ran out the time they give their workers'
+/// flush (100 ms) before destroying them. A flush waits for peers to answer what is
+/// still being wired up; a drop progresses its peers among the process's other UCX
+/// backends meanwhile (a peer agent in the same process answers then), so this counts
+/// peers elsewhere that did not answer. With UCX 1.13 a wireup reply still pending then aborts the
+/// process in `ucp_worker_destroy` (an upstream assertion, see the README).
+pub fn drop_flush_timeouts() -> u64 {
+    state::DROP_FLUSH_TIMEOUTS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Creates UCX backends. Registered under the name `UCX`.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct UcxFactory;
@@ -864,6 +874,7 @@ impl UcxBackend {
         let version = ucp.version();
         let core = Core::new(ucp, init.agent_name, &config)?;
         let core = Arc::new(Mutex::new(core));
+        state::enlist(&core);
         let thread = if config.progress_thread {
             Some(ProgressThread::start(core.clone(), config.progress_spin)?)
         } else {

@@ -43,6 +43,7 @@ mod cost;
 mod deadline;
 mod diagnostics;
 mod memory;
+mod neighbours;
 mod notifications;
 mod peers;
 mod requests;
@@ -82,6 +83,7 @@ pub(crate) use diagnostics::summarize_lanes;
 use diagnostics::ucx_error;
 pub(crate) use memory::ALLOC_LEN_MAX;
 use memory::{AllocEntry, MemEntry};
+pub(crate) use neighbours::enlist;
 use notifications::Inbox;
 use peers::{Grave, PeerState, RemoteKey};
 use requests::{Deferred, Slot, SlotState};
@@ -106,6 +108,9 @@ const EP_CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Longest the backend's drop waits for its workers' flush (see [`Core::flush_workers`]).
 const DROP_FLUSH_WAIT: Duration = Duration::from_millis(100);
+/// Drops in this process whose flush ran out [`DROP_FLUSH_WAIT`]
+/// ([`crate::drop_flush_timeouts`]).
+pub(crate) static DROP_FLUSH_TIMEOUTS: AtomicU64 = AtomicU64::new(0);
 /// Slot link terminator.
 const NONE: u32 = u32::MAX;
 
@@ -596,7 +601,7 @@ impl Core {
     /// `ucp_worker_destroy`). A peer that died before that connection was made aborts
     /// it whatever we do (the connect is refused, the same purge runs); upstream
     /// removed that assertion (openucx/ucx#8175), Debian's 1.13.1 still has it.
-    fn flush_workers(&mut self) {
+    fn flush_workers(&mut self, kin: &neighbours::Kin) {
         let api = self.ucp.api();
         let deadline = Instant::now() + DROP_FLUSH_WAIT;
         for worker in &self.workers {
@@ -613,7 +618,17 @@ impl Core {
                     api.ucp_worker_progress(worker.handle);
                     api.ucp_request_check_status(request)
                 };
-                if status != ucs_status_t::UCS_INPROGRESS || Instant::now() >= deadline {
+                if status != ucs_status_t::UCS_INPROGRESS {
+                    break;
+                }
+                // A peer in this process answers only if someone progresses it.
+                neighbours::pump_peers(kin);
+                if Instant::now() >= deadline {
+                    DROP_FLUSH_TIMEOUTS.fetch_add(1, Ordering::Relaxed);
+                    log::warn!(
+                        "UCX: a worker's flush did not finish within {DROP_FLUSH_WAIT:?} of the \
+                         backend's drop; a wireup still pending is purged with the worker"
+                    );
                     break;
                 }
             }
@@ -626,7 +641,8 @@ impl Core {
 
 impl Drop for Core {
     fn drop(&mut self) {
-        self.flush_workers();
+        let kin = self.kin();
+        self.flush_workers(&kin);
         // Our own endpoints, closed below by their owners: UCX matches a peer's
         // connection to us with the endpoint we made to it, so a rendezvous receive's
         // reply endpoint can be one of them, and must not be closed twice.
@@ -665,6 +681,7 @@ impl Drop for Core {
                 unsafe { self.ucp.api().ucp_worker_progress(grave.worker) };
             }
             self.reap_graves();
+            neighbours::pump_peers(&kin);
         }
         let mut unconfirmed = std::mem::take(&mut self.graves);
         if !unconfirmed.is_empty() {
