@@ -36,6 +36,8 @@ pub fn setup() -> bool {
 /// Transport variants every data test runs under.
 pub const TRANSPORTS: &[&str] = &["", "tcp"];
 
+// Not every test binary uses it (`drop.rs` does not).
+#[allow(unused_imports)]
 pub use ferry_testkit::Rng;
 
 mod pair;
