@@ -878,3 +878,62 @@ fn gds_sweeps_memory_to_files_through_a_stand_in_cufile() {
         .collect();
     assert!(left.is_empty(), "a refused set-up left {left:?}");
 }
+
+/// A second interrupt exits at once (130), skipping the destructors that remove a file
+/// sweep's target files: they are removed before that exit too. SIGINT and SIGTERM
+/// right after it (two different signals, so they cannot merge while pending; the
+/// first ends the sweep within milliseconds, so the second must follow at once). Up to
+/// five tries, should the sweep still end first: every try must leave the directory
+/// empty, and one must exit with 130.
+#[test]
+fn a_second_interrupt_still_removes_the_target_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut exited_at_once = false;
+    for attempt in 0..5 {
+        let files = dir.path().join(format!("try-{attempt}"));
+        std::fs::create_dir(&files).unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_ferry"))
+            .args([
+                "bench",
+                "xfer",
+                "--backend",
+                "posix",
+                "--target-mem",
+                "file",
+                "--file-dir",
+                files.to_str().unwrap(),
+                "--max-block",
+                "1M",
+                "--iters",
+                "10000000",
+            ])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        // Wait for the target file: the sweep is under way.
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while std::fs::read_dir(&files).unwrap().next().is_none() {
+            assert!(std::time::Instant::now() < until, "no target file appeared");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let pid = child.id().to_string();
+        let twice = Command::new("sh")
+            .args(["-c", &format!("kill -INT {pid}; kill -TERM {pid}")])
+            .status()
+            .unwrap();
+        let status = child.wait().unwrap();
+        let left: Vec<_> = std::fs::read_dir(&files)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert!(left.is_empty(), "try {attempt} ({status}) left {left:?}");
+        // `kill` fails if the process had exited before the second signal.
+        if twice.success() && status.code() == Some(130) {
+            exited_at_once = true;
+            break;
+        }
+    }
+    assert!(exited_at_once, "no try exited at the second interrupt");
+}

@@ -598,11 +598,15 @@ pub fn run(args: &XferArgs) -> Result<(), String> {
 }
 
 /// SIGINT or SIGTERM to the initiator ends the sweep after the rows measured so far
-/// (the case in progress is abandoned); a second one exits at once.
+/// (the case in progress is abandoned); a second one exits at once, removing the run's
+/// target files first.
 fn interrupt_stops_the_sweep() {
     use std::sync::atomic::Ordering;
+    // `ctrlc` runs this on a thread of its own, not in the signal handler: it may lock
+    // and remove files.
     let installed = ctrlc::set_handler(|| {
         if sweep::STOP.swap(true, Ordering::Relaxed) {
+            sweep::remove_target_files();
             std::process::exit(130);
         }
     });

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Barrier;
+use std::sync::{Barrier, Mutex};
 use std::time::{Duration, Instant};
 
 use ferry::{
@@ -23,6 +23,18 @@ pub const DONE_NOTIFICATION: &[u8] = b"ferry-bench: done";
 /// at its next iteration (or while it waits for a completion), the finished rows are
 /// kept, the targets are told, and the outputs are completed.
 pub static STOP: AtomicBool = AtomicBool::new(false);
+
+/// The target files of the run (POSIX, GDS), for a second interrupt, whose immediate
+/// exit skips the destructors that remove them otherwise.
+static TARGET_FILES: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+/// Remove the run's target files now (the second interrupt, right before it exits).
+pub fn remove_target_files() {
+    let mut files = TARGET_FILES.lock().unwrap_or_else(|e| e.into_inner());
+    for p in files.drain(..) {
+        let _ = std::fs::remove_file(p);
+    }
+}
 
 /// What a worker returns for a case cut short by [`STOP`].
 const INTERRUPTED: &str = "interrupted";
@@ -141,9 +153,11 @@ pub enum Targets {
 impl Drop for Targets {
     fn drop(&mut self) {
         if let Targets::Files(paths) = self {
-            for p in paths {
+            let mut listed = TARGET_FILES.lock().unwrap_or_else(|e| e.into_inner());
+            for p in paths.iter() {
                 let _ = std::fs::remove_file(p);
             }
+            listed.retain(|p| !paths.contains(p));
         }
     }
 }
@@ -276,6 +290,10 @@ fn setup(plan: &Plan) -> Result<Setup, String> {
                 let made = std::fs::File::create(&path);
                 if let (Ok(_), Targets::Files(paths)) = (&made, &mut files) {
                     paths.push(path.clone());
+                    TARGET_FILES
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(path.clone());
                 }
                 made.and_then(|f| f.set_len(len))
                     .map_err(|e| format!("{}: {e}", path.display()))?;

@@ -1,8 +1,8 @@
 //! The other UCX backends of this process, progressed by a backend's drop while it
 //! waits for its own workers.
 //!
-//! Two agents of one process (tests, `ferry demo`, a prefill and a decode agent in one
-//! server) are often dropped one after the other from one thread. The first one's drop
+//! Two agents of one process (tests, the `scaling` bench's UCX cases, a prefill and a
+//! decode agent in one server) are often dropped one after the other from one thread. The first one's drop
 //! flushes its workers (`Core::flush_workers`), and that flush waits for the other
 //! agent's answers to its wireup — which nobody produces while the other agent's owner
 //! is blocked in this drop and it has no progress thread. The flush then ran out its
