@@ -292,8 +292,25 @@ impl Manager {
     }
 }
 
+/// Longest a manager's drop waits for the P2P commands still queued (sends,
+/// invalidations) to be written; `io_timeout` when that is shorter.
+const DROP_DRAIN_MAX: std::time::Duration = std::time::Duration::from_secs(2);
+
 impl Drop for Manager {
     fn drop(&mut self) {
+        // What was queued last still goes out: an agent that invalidates its metadata at
+        // a peer and is dropped right after must not lose the invalidation.
+        if let Some(client) = lock(&self.p2p_client).as_ref() {
+            let wait = self.shared.config.io_timeout.min(DROP_DRAIN_MAX);
+            let left = client.drain(std::time::Instant::now() + wait);
+            if left > 0 {
+                log::warn!(
+                    "exchange of '{}': {left} P2P command(s) not written within {wait:?} of \
+                     the agent's drop; dropped",
+                    self.shared.agent
+                );
+            }
+        }
         self.shared.stop.store(true, Ordering::Release);
         if let Some(mut listener) = self.listener.take() {
             listener.stop();

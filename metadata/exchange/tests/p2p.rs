@@ -556,3 +556,23 @@ fn a_black_holed_peer_does_not_delay_fetches_from_others() {
     }
     drop(held);
 }
+
+/// An invalidation queued right before the agent goes away still reaches the peer: the
+/// manager's drop lets the queued P2P commands go out first (what NIXL's Python flow
+/// does: `invalidate_local_metadata`, then the agent is released).
+#[test]
+fn an_invalidation_right_before_the_drop_still_arrives() {
+    let mut b = FakeAgent::new("decode-0", listening(None));
+    for round in 0..5 {
+        let name = format!("prefill-{round}");
+        let a = FakeAgent::new(&name, listening(None));
+        let md_a = blob(&name, 1000);
+        a.manager.set_local_md(md_a.clone());
+        a.manager.send_local_md(Via::Peer(addr(&b))).unwrap();
+        b.wait_md(&name, FULL_LABEL, &md_a, LONG);
+        a.manager.invalidate_local_md(Via::Peer(addr(&b))).unwrap();
+        drop(a);
+        b.wait_invalidated(&name, LONG);
+        assert!(b.md(&name, FULL_LABEL).is_none(), "round {round}");
+    }
+}

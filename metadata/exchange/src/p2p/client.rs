@@ -345,6 +345,23 @@ impl Client {
         })
     }
 
+    /// Wait until every queued command has been written (or failed), or `until`
+    /// passes; returns how many were left. The manager's drop calls it before the
+    /// stop flag goes up, so that what a caller queued last (typically an invalidation
+    /// right before the agent goes away) still reaches its peer.
+    pub(crate) fn drain(&self, until: Instant) -> usize {
+        loop {
+            {
+                let lanes = lock(&self.inner.lanes);
+                let left = lanes.queued_len + lanes.busy.len();
+                if left == 0 || Instant::now() >= until {
+                    return left;
+                }
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+
     /// Tell the listener at `to` to drop our metadata (through its lane).
     pub(crate) fn invalidate(&self, to: SocketAddr) -> Result<(), Error> {
         self.inner.queue(Cmd {
