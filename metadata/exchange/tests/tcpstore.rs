@@ -637,3 +637,21 @@ fn interop_torch_client_with_ferry_server() {
     assert!(!c.check(&[user_key("torch-client").as_bytes()]).unwrap());
     assert_eq!(c.get(user_key("counter").as_bytes()).unwrap(), b"3");
 }
+
+/// A WAIT that times out never returns before its timeout (the kernel's receive timeout
+/// counts in scheduler ticks and can fire one early; the client reads on for what is
+/// left). Whole numbers of ticks (10 ms at the usual 100, 250 and 1000 Hz), where the
+/// kernel rounds nothing up, many times over.
+#[test]
+fn a_wait_never_returns_before_its_timeout() {
+    let server = serve("127.0.0.1:0".parse().unwrap(), ServerConfig::default()).unwrap();
+    let mut c = client(server.local_addr());
+    for i in 0..20u64 {
+        let timeout = Duration::from_millis(10);
+        let t = Instant::now();
+        assert!(!c.wait(&[b"/never"], timeout).unwrap());
+        let took = t.elapsed();
+        assert!(took >= timeout, "wait {i}: {took:?} < {timeout:?}");
+    }
+    assert!(c.set(b"/after", b"x").is_ok(), "usable after the waits");
+}

@@ -189,16 +189,32 @@ impl TcpStoreClient {
     /// else the cancel sequence; returns whether it came.
     fn await_parked(&mut self, what: &'static str, timeout: Duration) -> Result<bool, Error> {
         let deadline = crate::util::deadline_after(Instant::now(), timeout);
-        let waited = self.stream.set_read_timeout(Some(nonzero(timeout)));
-        if let Err(e) = waited {
-            self.broken = true;
-            return Err(io_error(
-                BACKEND,
-                format_args!("{what}: setting the deadline"),
-                &e,
-            ));
-        }
-        let reply = proto::read_u8(&mut self.stream);
+        // The kernel's receive timeout counts in scheduler ticks and can fire a tick
+        // before the deadline: read again for what is left, so a wait never returns
+        // before its timeout.
+        let mut left = timeout;
+        let reply = loop {
+            let waited = self.stream.set_read_timeout(Some(nonzero(left)));
+            if let Err(e) = waited {
+                self.broken = true;
+                return Err(io_error(
+                    BACKEND,
+                    format_args!("{what}: setting the deadline"),
+                    &e,
+                ));
+            }
+            let reply = proto::read_u8(&mut self.stream);
+            match &reply {
+                Err(e) if crate::util::is_timeout(e) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        break reply;
+                    }
+                    left = deadline - now;
+                }
+                _ => break reply,
+            }
+        };
         let restored = self
             .stream
             .set_read_timeout(Some(nonzero(self.options.io_timeout)));
@@ -213,10 +229,7 @@ impl TcpStoreClient {
         match reply {
             Ok(proto::STOP_WAITING) => Ok(true),
             Ok(other) => Err(self.protocol(what, format!("reply byte {other}"))),
-            Err(e) if crate::util::is_timeout(&e) => {
-                debug_assert!(Instant::now() + Duration::from_millis(50) >= deadline);
-                self.cancel_wait()
-            }
+            Err(e) if crate::util::is_timeout(&e) => self.cancel_wait(),
             Err(e) => {
                 self.broken = true;
                 Err(io_error(
