@@ -144,20 +144,16 @@ pub enum Targets {
     },
     /// UCX: the targets' process (when spawned here) and the store.
     Remote(target::Peers),
-    /// POSIX: files to delete at the end.
-    Files(Vec<PathBuf>),
+    /// POSIX: the run's files, listed in [`TARGET_FILES`] and deleted at the end.
+    Files,
     /// OBJ: objects of the workers' own (left in the bucket).
     Objects,
 }
 
 impl Drop for Targets {
     fn drop(&mut self) {
-        if let Targets::Files(paths) = self {
-            let mut listed = TARGET_FILES.lock().unwrap_or_else(|e| e.into_inner());
-            for p in paths.iter() {
-                let _ = std::fs::remove_file(p);
-            }
-            listed.retain(|p| !paths.contains(p));
+        if let Targets::Files = self {
+            remove_target_files();
         }
     }
 }
@@ -283,13 +279,12 @@ fn setup(plan: &Plan) -> Result<Setup, String> {
                 .unwrap_or_else(std::env::temp_dir);
             // Each file is in the guard from the moment it exists, so a set-up that
             // fails after it (an agent or a registration refused) removes it too.
-            let mut files = Targets::Files(Vec::with_capacity(n));
+            let files = Targets::Files;
             for i in 0..n {
                 let path = dir.join(format!("ferry-bench-xfer-{}-{i}.bin", std::process::id()));
                 let len = plan.buffer_bytes(i);
                 let made = std::fs::File::create(&path);
-                if let (Ok(_), Targets::Files(paths)) = (&made, &mut files) {
-                    paths.push(path.clone());
+                if made.is_ok() {
                     TARGET_FILES
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())

@@ -192,40 +192,17 @@ impl TcpStoreClient {
         // The kernel's receive timeout counts in scheduler ticks and can fire a tick
         // before the deadline: read again for what is left, so a wait never returns
         // before its timeout.
-        let mut left = timeout;
         let reply = loop {
-            let waited = self.stream.set_read_timeout(Some(nonzero(left)));
-            if let Err(e) = waited {
-                self.broken = true;
-                return Err(io_error(
-                    BACKEND,
-                    format_args!("{what}: setting the deadline"),
-                    &e,
-                ));
-            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            self.read_timeout(what, left, "setting the deadline")?;
             let reply = proto::read_u8(&mut self.stream);
-            match &reply {
-                Err(e) if crate::util::is_timeout(e) => {
-                    let now = Instant::now();
-                    if now >= deadline {
-                        break reply;
-                    }
-                    left = deadline - now;
-                }
-                _ => break reply,
+            let early =
+                matches!(&reply, Err(e) if crate::util::is_timeout(e)) && Instant::now() < deadline;
+            if !early {
+                break reply;
             }
         };
-        let restored = self
-            .stream
-            .set_read_timeout(Some(nonzero(self.options.io_timeout)));
-        if let Err(e) = restored {
-            self.broken = true;
-            return Err(io_error(
-                BACKEND,
-                format_args!("{what}: restoring the timeout"),
-                &e,
-            ));
-        }
+        self.read_timeout(what, self.options.io_timeout, "restoring the timeout")?;
         match reply {
             Ok(proto::STOP_WAITING) => Ok(true),
             Ok(other) => Err(self.protocol(what, format!("reply byte {other}"))),
@@ -239,6 +216,21 @@ impl TcpStoreClient {
                 ))
             }
         }
+    }
+
+    /// Set the socket's receive timeout; a failure breaks the connection.
+    fn read_timeout(
+        &mut self,
+        what: &'static str,
+        timeout: Duration,
+        doing: &str,
+    ) -> Result<(), Error> {
+        self.stream
+            .set_read_timeout(Some(nonzero(timeout)))
+            .map_err(|e| {
+                self.broken = true;
+                io_error(BACKEND, format_args!("{what}: {doing}"), &e)
+            })
     }
 
     /// MULTI_GET without waiting: the values of `keys`, in order (a missing key gives an
