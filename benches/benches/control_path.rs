@@ -19,6 +19,11 @@
 //!   `backends/ucx/bench/strided-compare.sh`), and prep of 64 strided runs per side +
 //!   make; both + release, nothing posted.
 //! - `round_trip/1`: one-descriptor post + check of an existing request.
+//! - `idle_progress/{shm,default,default_with_peer}`: one `Agent::progress` of an agent
+//!   with nothing to do: SHM alone, the default backends, and the default backends with
+//!   a same-host peer loaded (another agent of this process, each turn progressing
+//!   both; UCX connects to it at load, and over tcp an idle worker's progress is an
+//!   `epoll_wait` unless the backend rests, see `ferry_ucx`'s docs, "Progress").
 //!
 //! Throughput is in descriptors, so criterion reports descriptors per second; divide
 //! the time by N for nanoseconds per descriptor.
@@ -285,6 +290,7 @@ fn control_path(c: &mut Criterion) {
     }
     group.finish();
     ucx_create(c);
+    idle_progress(c);
 
     // One-descriptor post + check round trip of an existing request.
     let s = setup(1, false);
@@ -313,6 +319,42 @@ fn control_path(c: &mut Criterion) {
         })
     });
     assert_shuffled_copy(&s.src, &s.dst, &s.order, BLOCK, "round_trip");
+}
+
+/// `idle_progress/*`: `Agent::progress` with nothing in flight.
+fn idle_progress(c: &mut Criterion) {
+    let default_agent = |name: &str| {
+        let agent = Agent::new(AgentConfig::named(unique(name))).expect("agent");
+        agent
+            .create_default_backends(|_| Params::new())
+            .expect("default backends");
+        agent
+    };
+    let shm = Agent::new(AgentConfig::named(unique("idle-shm"))).expect("agent");
+    shm.create_backend("SHM", &Params::new())
+        .expect("SHM backend");
+    let mut group = c.benchmark_group("control_path/idle_progress");
+    group.bench_function("shm", |b| b.iter(|| shm.progress()));
+    let alone = default_agent("idle-default");
+    group.bench_function("default", |b| b.iter(|| alone.progress()));
+    if let Err(reason) = ferry_benches::ucx_loopback() {
+        eprintln!(
+            "skipping control_path/idle_progress/default_with_peer: UCX unavailable ({reason})"
+        );
+    } else {
+        let (a, b) = (default_agent("idle-a"), default_agent("idle-b"));
+        a.load_remote_md(&b.local_md().expect("md b"))
+            .expect("load b");
+        b.load_remote_md(&a.local_md().expect("md a"))
+            .expect("load a");
+        group.bench_function("default_with_peer", |bench| {
+            bench.iter(|| {
+                b.progress();
+                a.progress()
+            })
+        });
+    }
+    group.finish();
 }
 
 criterion_group!(benches, control_path);

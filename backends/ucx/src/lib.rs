@@ -34,10 +34,19 @@
 //! - **Local** transfers (both sides registered here) go through an endpoint to our own
 //!   worker 0; local notifications go straight to the inbox.
 //! - **Progress**: by default the executor's progress phase calls
-//!   `ucp_worker_progress` (no thread). With `progress_thread=true` a thread progresses
-//!   the workers (and polls on for `progress_thread_spin_us` after its last progress,
-//!   0 by default) and, when there is nothing to do, **sleeps on the workers' event
-//!   fds** (`ucp_worker_arm` + `poll`), so it costs ~0% CPU when idle.
+//!   `ucp_worker_progress` (no thread). When nothing of ours is pending (no request in
+//!   flight, no wireup, close or deferred post) and the workers have found no work for
+//!   1 ms, that call **rests**: it progresses the workers at most every 50 µs
+//!   ([`UcxBackend::progress_rests`] counts the calls that skipped them). Over tcp an
+//!   idle worker's progress is an `epoll_wait` system call, paid on every progress of
+//!   an agent whose same-host peer goes through SHM (UCX connects to it at load all
+//!   the same); work that arrives unasked (a peer's request into our memory, a
+//!   notification) is seen at most 50 µs later, and every call progresses again from
+//!   then until the workers are quiet for 1 ms. A post of our own ends the rest at
+//!   once. With `progress_thread=true` a thread progresses
+//!   the workers (and polls on for `progress_thread_spin_us` after its last progress)
+//!   and, when there is nothing to do, **sleeps on the workers' event
+//!   fds** (`ucp_worker_arm` + `poll`), so it costs ~0% CPU when idle; it never rests.
 //! - **Failure**: when UCX reports a peer's endpoint dead, or the peer's requests made
 //!   no progress for `peer_timeout_ms` (default 10 s; a link that silently went down —
 //!   see `state/deadline.rs`), its requests complete with
@@ -73,6 +82,7 @@ pub mod wire;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::Instant;
 
 use ferry_backend_api::{
     Allocation, Backend, BackendFactory, BackendInit, Capabilities, Completions, Endpoint, Error,
@@ -1011,6 +1021,13 @@ impl UcxBackend {
         self.thread.as_ref().map_or(0, |t| t.stats().2)
     }
 
+    /// How many calls of [`Backend::progress`] rested instead of progressing the
+    /// workers: nothing of ours pending, the workers quiet for 1 ms, and the last pump
+    /// less than 50 µs before (see the crate docs, "Progress").
+    pub fn progress_rests(&self) -> u64 {
+        self.core().rested
+    }
+
     /// Whether a progress thread runs.
     pub fn has_progress_thread(&self) -> bool {
         self.thread.is_some()
@@ -1181,6 +1198,9 @@ impl Backend for UcxBackend {
     fn progress(&mut self, done: &mut Completions) {
         let _span = ferry_backend_api::trace_span!("ferry-ucx::progress");
         let mut core = self.core();
+        if core.resting(Instant::now()) {
+            return;
+        }
         core.vram_bind();
         core.pump();
         core.drain_ready(done);

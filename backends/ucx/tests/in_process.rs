@@ -139,6 +139,68 @@ fn notification_arrives_after_its_data() {
 }
 
 #[test]
+fn an_idle_backend_rests_and_still_takes_what_arrives_and_its_own_posts() {
+    if !setup() {
+        return;
+    }
+    for &transports in TRANSPORTS {
+        let mut p = pair(transports, 1 << 12, &[]);
+        let name = if transports.is_empty() {
+            "default"
+        } else {
+            transports
+        };
+        // Both sides idle (the loads' wireups done): the caller's progress rests.
+        let deadline = Instant::now() + TIMEOUT;
+        let mut done = Completions::with_capacity(4);
+        let before = p.b.progress_rests();
+        while p.b.progress_rests() == before {
+            p.a.progress(&mut done);
+            p.b.progress(&mut done);
+            assert!(
+                Instant::now() < deadline,
+                "[{name}] an idle backend's progress never rested"
+            );
+        }
+        assert!(
+            done.is_empty(),
+            "[{name}] idle progress completed something"
+        );
+        // What arrives unasked while `b` rests is still delivered by progress alone.
+        p.a.notify(Endpoint::Peer(p.peer_b), b"while resting")
+            .unwrap();
+        let mut inbox = Inbox::default();
+        wait_notifs(&mut [&mut p.b, &mut p.a], 0, &mut inbox, 1, TIMEOUT);
+        assert_eq!(
+            inbox.0,
+            vec![("agent-a".to_string(), b"while resting".to_vec())],
+            "[{name}]"
+        );
+        // Quiet again; then a request of `a`'s own (whose target rests too) completes
+        // and moves its bytes, both ways.
+        for (round, op) in [Op::Write, Op::Read].into_iter().enumerate() {
+            let before = (p.a.progress_rests(), p.b.progress_rests());
+            while p.a.progress_rests() == before.0 || p.b.progress_rests() == before.1 {
+                p.a.progress(&mut done);
+                p.b.progress(&mut done);
+                assert!(
+                    Instant::now() < deadline + TIMEOUT,
+                    "[{name}] the pair did not rest again"
+                );
+            }
+            let mut rng = Rng::new(40 + round as u64);
+            match op {
+                Op::Write => rng.fill(&mut p.a_buf.0),
+                Op::Read => rng.fill(&mut p.b_buf.0),
+            }
+            let ranges = [range(&p, 0, 0, 1 << 12)];
+            run_ok(&mut p, &[post(70 + round as u64, op, &ranges, None)]);
+            assert!(p.a_buf.0 == p.b_buf.0, "[{name}] {op} after a rest differs");
+        }
+    }
+}
+
+#[test]
 fn standalone_self_and_empty_notifications() {
     if !setup() {
         return;

@@ -103,6 +103,17 @@ const PROGRESS_CLOCK_ROUNDS: u32 = 8;
 /// it the `post` whose flush ends in the progress phase) could carry a whole 64 MiB
 /// transfer; the rest is left to the next progress phase or the progress thread.
 const PROGRESS_BUDGET: Duration = Duration::from_micros(100);
+/// How long the workers must have had nothing to do (no request of ours in flight, no
+/// progress that found work) before the caller's progress starts resting: see
+/// [`Core::resting`].
+const QUIET_AFTER: Duration = Duration::from_millis(1);
+/// While resting, the caller's progress progresses the workers at most this long after
+/// the last time: unsolicited work (a peer's request into our memory, a notification,
+/// a peer's wireup) waits at most this much longer to be seen. Over tcp an idle
+/// worker's progress is an `epoll_wait` system call (UCX's tcp transport polls its
+/// sockets), which a scheduler loop calling progress for its other backends (SHM, the
+/// default for a same-host peer) would otherwise pay on every call.
+const REST_POLL: Duration = Duration::from_micros(50);
 /// How long closing an endpoint may take before it is abandoned.
 const EP_CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -171,6 +182,12 @@ pub(crate) struct Core {
     /// Whether the last `pump` saw UCX progress that ran none of our callbacks (UCX's
     /// own work; the progress thread polls on after it).
     ucx_own_work: bool,
+    /// When the last `pump` started, and the last one that found work (see
+    /// [`Core::resting`]).
+    last_pump: Instant,
+    last_work: Instant,
+    /// Caller progress calls that rested instead of progressing the workers.
+    pub(crate) rested: u64,
     /// Progress rounds a close may take before it finishes in the graveyard.
     close_rounds: u32,
     /// Close endpoints with `UCP_EP_CLOSE_FLAG_FORCE` (else flush first).
@@ -397,6 +414,9 @@ impl Core {
             graves: Vec::new(),
             wiring: Vec::new(),
             ucx_own_work: false,
+            last_pump: Instant::now(),
+            last_work: Instant::now(),
+            rested: 0,
             close_rounds: config.close_rounds,
             close_force: config.close_force,
             connect_on_load: config.connect_on_load,

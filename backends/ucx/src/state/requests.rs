@@ -746,7 +746,33 @@ impl Core {
         let wired = !self.wiring.is_empty() && self.advance_wireups();
         let issued = !self.deferred.is_empty() && self.issue_deferred();
         let handled = self.handle_events();
-        progressed | handled | buried | wired | issued | self.watch_expire()
+        let any = progressed | handled | buried | wired | issued | self.watch_expire();
+        self.last_pump = started;
+        if any {
+            self.last_work = started;
+        }
+        any
+    }
+
+    /// Whether the caller's progress may skip this pump: nothing of ours is pending (no
+    /// request in flight, no completion to hand over, no wireup, close or deferred post
+    /// to advance), no pump has found work for [`QUIET_AFTER`], and the workers were
+    /// progressed less than [`REST_POLL`] ago. Work that arrives unasked (a peer's
+    /// request served by our messages, a notification, a connection) is then seen by
+    /// the next pump at most `REST_POLL` later, and from there on every call pumps
+    /// again until the workers have been quiet for `QUIET_AFTER`. Our own requests never
+    /// wait for it: one in flight ends the rest. The progress thread, a drop's flush and
+    /// the neighbours' pumps always pump.
+    pub(crate) fn resting(&mut self, now: Instant) -> bool {
+        let rest = self.in_flight() == 0
+            && self.ready.is_empty()
+            && self.graves.is_empty()
+            && self.wiring.is_empty()
+            && self.deferred.is_empty()
+            && now.saturating_duration_since(self.last_work) >= QUIET_AFTER
+            && now.saturating_duration_since(self.last_pump) < REST_POLL;
+        self.rested += u64::from(rest);
+        rest
     }
 
     pub(super) fn handle_events(&mut self) -> bool {
