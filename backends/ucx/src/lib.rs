@@ -353,6 +353,10 @@ pub struct BatchCounts {
     pub allocated_acks: u64,
     /// READ replies whose buffer had to be allocated (none free for reuse).
     pub allocated_replies: u64,
+    /// Batch messages of this initiator whose buffer a request had to allocate (or
+    /// grow): each message keeps its buffer, and the first ones a new endpoint's first
+    /// request fills are made when the endpoint is (at the load by default).
+    pub grown_messages: u64,
     /// Answers received to the pings loads send (one per load of a peer whose ranges go
     /// in Ferry's messages, `connect_on_load`).
     pub pongs: u64,

@@ -201,6 +201,50 @@ fn an_idle_backend_rests_and_still_takes_what_arrives_and_its_own_posts() {
 }
 
 #[test]
+fn a_new_endpoints_first_request_finds_its_batch_messages_made() {
+    if !setup() {
+        return;
+    }
+    // Over tcp every range travels in Ferry's messages; the load (which makes the
+    // endpoint) makes the buffers the first request fills, so neither its WRITE nor its
+    // READ of 1,024 small ranges allocates one.
+    for first in [Op::Write, Op::Read] {
+        const BLOCK: usize = 64;
+        const COUNT: usize = 1024;
+        let mut p = pair("tcp", BLOCK * COUNT, &[]);
+        assert_eq!(p.a.batches_to(p.peer_b), Some(true), "tcp batches");
+        let mut rng = Rng::new(5);
+        let mut order: Vec<usize> = (0..COUNT).collect();
+        rng.shuffle(&mut order);
+        let ranges: Vec<Range> = (0..COUNT)
+            .map(|i| range(&p, i * BLOCK, order[i] * BLOCK, BLOCK))
+            .collect();
+        let second = match first {
+            Op::Write => Op::Read,
+            Op::Read => Op::Write,
+        };
+        for (tag, op) in [(1, first), (2, second)] {
+            match op {
+                Op::Write => rng.fill(&mut p.a_buf.0),
+                Op::Read => rng.fill(&mut p.b_buf.0),
+            }
+            run_ok(&mut p, &[post(tag, op, &ranges, None)]);
+            for (i, &j) in order.iter().enumerate() {
+                assert!(
+                    p.a_buf.0[i * BLOCK..(i + 1) * BLOCK] == p.b_buf.0[j * BLOCK..(j + 1) * BLOCK],
+                    "{op} block {i} -> {j} differs"
+                );
+            }
+            assert_eq!(
+                p.a.batch_counts().grown_messages,
+                0,
+                "{op} (request {tag}, {first} first) allocated a batch message buffer"
+            );
+        }
+    }
+}
+
+#[test]
 fn standalone_self_and_empty_notifications() {
     if !setup() {
         return;

@@ -984,6 +984,8 @@ pub(super) struct AmBatch {
     pub(super) stale_acks: u64,
     /// Messages handed to UCX.
     pub(super) sent: u64,
+    /// Message buffers a request allocated or grew.
+    pub(super) grown: u64,
 }
 
 impl AmBatch {
@@ -1024,6 +1026,7 @@ impl AmBatch {
             cell_base,
             stale_acks: 0,
             sent: 0,
+            grown: 0,
         }
     }
 
@@ -1051,6 +1054,26 @@ impl AmBatch {
             AmBatchMode::Off => false,
             AmBatchMode::On => true,
             AmBatchMode::Auto => puts_over_tcp(summary),
+        }
+    }
+
+    /// Give the next `count` messages a request will fill a buffer of `msg_bytes` with
+    /// its pages touched, so the first request to a peer whose ranges go in messages
+    /// writes into memory that is there (a buffer is otherwise made on first use and
+    /// kept: the first request paid its allocation and page faults, the second did
+    /// not). Called when such an endpoint is made, at the peer's load by default; a
+    /// buffer already that large is left as it is.
+    pub(super) fn prepare(&mut self, msg_bytes: usize, count: usize) {
+        for &m in self.free.iter().rev().take(count) {
+            let buf = &mut self.msgs[m as usize].buf;
+            if buf.capacity() < msg_bytes {
+                // Written, not just allocated (zeroed allocations may be fresh pages the
+                // kernel has not mapped yet).
+                let mut fresh = Vec::with_capacity(msg_bytes);
+                fresh.resize(msg_bytes, 0u8);
+                fresh.clear();
+                *buf = fresh;
+            }
         }
     }
 
@@ -1115,6 +1138,7 @@ impl Core {
             };
             if msg.buf.capacity() < want {
                 msg.buf = Vec::with_capacity(want);
+                self.am.grown += 1;
             }
             msg.buf.clear();
             msg.buf

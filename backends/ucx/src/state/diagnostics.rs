@@ -94,6 +94,7 @@ impl Core {
             unsent_acks: b.unsent_acks.load(Ordering::Relaxed),
             allocated_acks: b.allocated_acks.load(Ordering::Relaxed),
             allocated_replies: b.allocated_replies.load(Ordering::Relaxed),
+            grown_messages: self.am.grown,
             pongs: b.pongs.load(Ordering::Relaxed),
             pings: b.pings.load(Ordering::Relaxed),
             rndv_received: b.rndv_received.load(Ordering::Relaxed),

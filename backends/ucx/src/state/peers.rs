@@ -779,7 +779,8 @@ impl Core {
         state.tcp_remotes = tcp_remotes;
         state.am_msg_bytes = am_msg_bytes;
         state.paced = super::requests::rma_over_tcp(&transports);
-        state.am_all = am_msg_bytes > 0 && self.am.all_ranges(&transports);
+        let am_all = am_msg_bytes > 0 && self.am.all_ranges(&transports);
+        state.am_all = am_all;
         state.rndv_pieces = state.am_all && state.accepts_rndv && self.am.rndv;
         log::info!(
             "UCX {}: endpoint to '{}' on worker {worker} uses {transports}; small ranges {}",
@@ -802,6 +803,17 @@ impl Core {
         );
         state.ep = ep;
         state.transports = transports;
+        if am_msg_bytes > 0 {
+            // The first request's messages: with every range in messages (`am_tcp`) one
+            // piece message holds 1,024 ranges of 64 bytes; batches of small ranges
+            // alone take two of `am_msg_bytes`.
+            let (bytes, count) = if am_all {
+                (super::requests::PIECE_MSG_BYTES as usize, 1)
+            } else {
+                (am_msg_bytes, 2)
+            };
+            self.am.prepare(bytes, count);
+        }
         self.watch_new_endpoint(peer);
         Ok((ep, worker))
     }

@@ -40,7 +40,7 @@ pub(super) struct Slot {
 /// Message size an `am_tcp` piece is cut for: 256 KiB of data (a WRITE's in the message,
 /// a READ's in its reply; measured on UCX 1.13 over tcp/lo against 64 KiB, see the
 /// README).
-const PIECE_MSG_BYTES: u32 = (252 << 10) + AM_RANGE_OVERHEAD_BYTES as u32;
+pub(super) const PIECE_MSG_BYTES: u32 = (252 << 10) + AM_RANGE_OVERHEAD_BYTES as u32;
 /// Batch messages in flight before an `am_tcp` piece waits for acks: bounds the buffers
 /// large pieces take (32 × 256 KiB) whatever `am_batch_messages` allows.
 const PIECES_IN_FLIGHT_MAX: usize = 32;
