@@ -1067,8 +1067,9 @@ impl AmBatch {
         for &m in self.free.iter().rev().take(count) {
             let buf = &mut self.msgs[m as usize].buf;
             if buf.capacity() < msg_bytes {
-                // Written, not just allocated (zeroed allocations may be fresh pages the
-                // kernel has not mapped yet).
+                // Reason: written, not just allocated: `vec![0; n]` is a zeroed
+                // allocation, which may be fresh pages the kernel has not mapped yet.
+                #[allow(clippy::slow_vector_initialization)]
                 let mut fresh = Vec::with_capacity(msg_bytes);
                 fresh.resize(msg_bytes, 0u8);
                 fresh.clear();
