@@ -772,6 +772,104 @@ fn shm_first_serves_local_peers_and_ucx_the_others() {
     }
 }
 
+/// Established TCP connections of this process: its sockets (`/proc/self/fd`) that
+/// `/proc/net/tcp` and `tcp6` list in state 01.
+fn established_tcp() -> usize {
+    let ours: std::collections::HashSet<String> = std::fs::read_dir("/proc/self/fd")
+        .expect("/proc/self/fd")
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter_map(|l| {
+            let l = l.to_string_lossy().into_owned();
+            Some(l.strip_prefix("socket:[")?.strip_suffix(']')?.to_string())
+        })
+        .collect();
+    ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .filter_map(|f| std::fs::read_to_string(f).ok())
+        .flat_map(|t| t.lines().skip(1).map(str::to_string).collect::<Vec<_>>())
+        .filter(|line| {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            cols.len() > 9 && cols[3] == "01" && ours.contains(cols[9])
+        })
+        .count()
+}
+
+/// SHM first, UCX second: a peer of this host that SHM serves gets no UCX connection at
+/// load (UCX is on standby for it), a peer of "another host" does (the control: the
+/// count sees UCX's connections); a request that names UCX to the local peer connects
+/// then and moves its bytes.
+#[test]
+fn ucx_connects_to_a_peer_shm_serves_only_when_a_request_goes_through_it() {
+    if !ucx_ready() {
+        return;
+    }
+    let mut rng = Rng::new(0x57b7);
+    let a = Agent::new(AgentConfig::named(unique("standby"))).unwrap();
+    a.create_backend("SHM", &Params::new()).unwrap();
+    a.create_backend("UCX", &Params::new()).unwrap();
+    let ucx_slot = a.backends().iter().position(|b| b.name == "UCX").unwrap();
+    let src = Buffer::random(LEN, &mut rng);
+    register(&a, &src);
+    let foreign = PeerProc::spawn(29, LEN, &["host_identity=far-away", "--ucx"]);
+    let before = established_tcp();
+    let far = a
+        .load_remote_md(&foreign.md)
+        .expect("load the foreign peer");
+    let after_far = established_tcp();
+    assert!(
+        after_far > before,
+        "UCX made no connection at the load of a peer only it serves ({before} -> {after_far})"
+    );
+    let mut local = PeerProc::spawn(31, LEN, &["--ucx"]);
+    let before = established_tcp();
+    let at = a.load_remote_md(&local.md).expect("load the local peer");
+    for kind in [Kind::Shared, Kind::Ordinary] {
+        write_random(&a, &mut local, at, kind, &src, 40, &mut rng, None);
+    }
+    let after_shm = established_tcp();
+    assert_eq!(
+        after_shm, before,
+        "a peer SHM serves got TCP connections (UCX connected at load or SHM's requests)"
+    );
+    // A WRITE that names UCX: its endpoint is made now.
+    let base = local.base(Kind::Ordinary);
+    let (lo, ro, n) = (
+        rng.index(LEN / 2),
+        rng.index(LEN / 2),
+        1 + rng.index(LEN / 2),
+    );
+    let mut cmds = ferry::CommandBuffer::with_capacity(4);
+    let l = a
+        .prep(Side::Local, MemKind::Dram, &[src.desc(lo, n)])
+        .unwrap();
+    let r = a
+        .prep(
+            at,
+            MemKind::Dram,
+            &[Desc::new(base + ro as u64, n as u64, 0)],
+        )
+        .unwrap();
+    let made = cmds
+        .make(Op::Write, l, &[], r, &[])
+        .prefer(ferry::BackendMask::single(ucx_slot))
+        .ticket();
+    a.flush(&mut cmds);
+    let x = match cmds.outcome(made) {
+        ferry::Outcome::Created(ferry::Created::Xfer(x)) => *x,
+        other => panic!("make: {other:?}"),
+    };
+    assert_eq!(a.xfer_backend(x).unwrap(), "UCX");
+    complete(&a, x);
+    a.release(x).unwrap();
+    local.model(Kind::Ordinary)[ro..ro + n].copy_from_slice(&src.bytes()[lo..lo + n]);
+    local.assert_matches_model("local peer, SHM then UCX");
+    assert!(
+        established_tcp() > after_shm,
+        "the request through UCX made no connection"
+    );
+    a.invalidate_remote_md(far).unwrap();
+}
+
 /// The default set (`Agent::create_default_backends`): LOOPBACK first, then SHM, UCX
 /// (where libucp is here) and POSIX; a second call creates nothing; a peer in this
 /// process goes through LOOPBACK, a peer that says it is on another host skips SHM.

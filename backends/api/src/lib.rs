@@ -269,6 +269,14 @@ pub struct RemoteAgent<'a> {
     pub conn_info: &'a [u8],
     /// The peer's regions for this backend.
     pub regions: Arc<dyn PeerRegions>,
+    /// A backend before this one in the agent's order took the peer and reaches every
+    /// region the peer published (for it, and at least as many as for this backend),
+    /// and this backend holds no local region of a kind the earlier one lacks (device
+    /// memory): requests to the peer go there unless one names this backend, or a list
+    /// registered later only this one covers. A backend may leave its connection work
+    /// for such a peer to the first request that needs it (UCX does, instead of
+    /// `connect_on_load`); it must still serve that request.
+    pub standby: bool,
 }
 
 /// One resolved, merged range of a transfer.

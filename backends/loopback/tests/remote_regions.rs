@@ -77,6 +77,7 @@ fn load(initiator: &mut Loopback, target: &Loopback, name: &str, regions: &[Vec<
                     name: name.into(),
                     md,
                 }),
+                standby: false,
             },
         )
         .unwrap();

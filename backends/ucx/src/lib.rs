@@ -1032,6 +1032,12 @@ impl UcxBackend {
         self.core().rested
     }
 
+    /// How many loads made no endpoint because an earlier backend of the agent serves
+    /// the peer ([`RemoteAgent::standby`](ferry_backend_api::RemoteAgent)).
+    pub fn standby_loads(&self) -> u64 {
+        self.core().standby_loads
+    }
+
     /// Whether a progress thread runs.
     pub fn has_progress_thread(&self) -> bool {
         self.thread.is_some()
@@ -1169,7 +1175,7 @@ impl Backend for UcxBackend {
             Some(wire::decode(remote.conn_info)?)
         };
         self.core()
-            .load_remote(peer, remote.name, addresses, remote.regions)
+            .load_remote(peer, remote.name, addresses, remote.regions, remote.standby)
     }
 
     fn unload_remote(&mut self, peer: PeerId) {

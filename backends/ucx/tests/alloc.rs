@@ -246,6 +246,7 @@ fn a_load_keeps_no_peer_segment_mapped_unless_told_to() {
                 name: "segment-b",
                 conn_info: &conn,
                 regions: std::sync::Arc::new(regions.clone()),
+                standby: false,
             },
         )
         .expect("load");

@@ -444,6 +444,7 @@ fn bad_input_gets_typed_errors() {
             name: "evil",
             conn_info: b"garbage",
             regions: std::sync::Arc::new(HandRegions::default()),
+            standby: false,
         },
     );
     assert!(matches!(e, Err(Error::InvalidMetadata { .. })), "{e:?}");
@@ -1290,6 +1291,7 @@ fn loading_a_peer_connects_and_unpacks_its_rkeys_unless_told_not_to() {
                 name: "agent-b",
                 conn_info: &conn,
                 regions: std::sync::Arc::new(regions.clone()),
+                standby: false,
             };
             a.load_remote(peer, remote(&regions))
                 .expect("a bad rkey does not fail the load");

@@ -11,7 +11,9 @@
 use std::sync::Arc;
 
 use ferry_backend_api::{PeerRegions, RemoteAgent};
-use ferry_storage::{handle_to_tag, BackendMask, Endpoint, Error, PeerId, Subject, MAX_BACKENDS};
+use ferry_storage::{
+    handle_to_tag, BackendMask, Endpoint, Error, MemKind, PeerId, Subject, MAX_BACKENDS,
+};
 
 use super::{PeerView, World, XferState};
 use crate::logging::BackendNames;
@@ -127,12 +129,16 @@ impl World {
         let mut refused = BackendMask::EMPTY;
         let mut any_conn = false;
         for (slot, entry) in slot_map.iter_mut().enumerate() {
-            let Some(backend) = self.backends.backends[slot].as_mut() else {
+            let Some(name_here) = self.backends.backends[slot].as_ref().map(|b| b.name()) else {
                 continue;
             };
-            let Some(index) = view.backend_index(backend.name()) else {
+            let Some(index) = view.backend_index(name_here) else {
                 continue;
             };
+            let standby = self.standby(peer, slot, loaded, &*view);
+            let backend = self.backends.backends[slot]
+                .as_mut()
+                .expect("checked just above");
             *entry = Some(index);
             let conn_info = view.conn_info(index).unwrap_or(&[]);
             any_conn |= !conn_info.is_empty();
@@ -141,6 +147,7 @@ impl World {
                 name,
                 conn_info,
                 regions,
+                standby,
             };
             match backend.load_remote(peer, remote) {
                 Ok(()) => loaded.insert(slot),
@@ -180,6 +187,37 @@ impl World {
         self.peers.slot_maps[row] = slot_map;
         self.peers.loaded[row] = loaded;
         Ok(peer)
+    }
+
+    /// Whether backend `slot` is on standby for `peer` ([`RemoteAgent::standby`]): a
+    /// slot before it in `loaded` reaches every region the peer published for that
+    /// slot, published at least as many regions there as for `slot`, and `slot` holds
+    /// no local device-memory region (the earlier one could not cover a list of it).
+    /// One pass over the peer's regions per earlier slot, at load time only.
+    fn standby(&self, peer: PeerId, slot: usize, loaded: BackendMask, view: &dyn PeerView) -> bool {
+        let Some(here) = self.backends.backends[slot].as_ref() else {
+            return false;
+        };
+        if !self.sections[slot][MemKind::Vram as usize].is_empty() {
+            return false;
+        }
+        let count = |name: &str| {
+            let mut n = 0usize;
+            view.for_each_region(name, &mut |_, _, _| n += 1);
+            n
+        };
+        let wanted = count(here.name());
+        loaded.iter().filter(|&e| e < slot).any(|e| {
+            let Some(earlier) = self.backends.backends[e].as_ref() else {
+                return false;
+            };
+            let (mut published, mut reached) = (0usize, true);
+            view.for_each_region(earlier.name(), &mut |token, _, _| {
+                published += 1;
+                reached &= earlier.reaches(peer, token);
+            });
+            reached && published >= wanted
+        })
     }
 
     /// Forget a peer: backends drop its keys and endpoints, requests in flight to it

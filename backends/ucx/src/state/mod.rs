@@ -188,6 +188,8 @@ pub(crate) struct Core {
     last_work: Instant,
     /// Caller progress calls that rested instead of progressing the workers.
     pub(crate) rested: u64,
+    /// Loads that made no endpoint because another backend serves the peer.
+    pub(crate) standby_loads: u64,
     /// Progress rounds a close may take before it finishes in the graveyard.
     close_rounds: u32,
     /// Close endpoints with `UCP_EP_CLOSE_FLAG_FORCE` (else flush first).
@@ -417,6 +419,7 @@ impl Core {
             last_pump: Instant::now(),
             last_work: Instant::now(),
             rested: 0,
+            standby_loads: 0,
             close_rounds: config.close_rounds,
             close_force: config.close_force,
             connect_on_load: config.connect_on_load,

@@ -130,6 +130,7 @@ impl Core {
         name: &str,
         info: Option<ConnInfo>,
         regions: Arc<dyn PeerRegions>,
+        standby: bool,
     ) -> Result<()> {
         if let Some(state) = self.peers.get_mut(&peer) {
             state.regions = regions;
@@ -151,7 +152,7 @@ impl Core {
                     state.down = None;
                 }
             }
-            self.prepare_on_load(peer);
+            self.prepare_on_load(peer, standby);
             return Ok(());
         }
         let info = info.ok_or_else(|| Error::InvalidMetadata {
@@ -187,7 +188,7 @@ impl Core {
                 unanswered: false,
             },
         );
-        self.prepare_on_load(peer);
+        self.prepare_on_load(peer, standby);
         Ok(())
     }
 
@@ -197,8 +198,21 @@ impl Core {
     /// here fails the load: an endpoint that cannot be made, or an rkey UCX refuses, is
     /// tried again by the first request that needs it, which reports the error then (as
     /// without `connect_on_load`).
-    fn prepare_on_load(&mut self, peer: PeerId) {
+    ///
+    /// Not for a peer another backend of the agent serves (`standby`: SHM for a peer of
+    /// this host, by default): its endpoint waits for the first request that goes through UCX, as
+    /// without `connect_on_load`, and no connection is made to it until then.
+    fn prepare_on_load(&mut self, peer: PeerId, standby: bool) {
         if !self.connect_on_load {
+            return;
+        }
+        if standby {
+            self.standby_loads += 1;
+            log::debug!(
+                "UCX: peer '{}' is served by an earlier backend of this agent; its \
+                 endpoint waits for the first request that goes through UCX",
+                self.peers[&peer].name
+            );
             return;
         }
         let ep = match self.peer_ep(peer) {

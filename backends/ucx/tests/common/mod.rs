@@ -154,6 +154,7 @@ pub fn load(
                 name,
                 conn_info,
                 regions: Arc::new(regions),
+                standby: false,
             },
         )
         .expect("load_remote");
