@@ -160,8 +160,10 @@ pub const PARAMS: &[ParamSpec] = &[
         name: "connect_on_load",
         default: "true",
         doc: "when a peer's metadata is loaded, create its endpoint and wait up to 5 ms for \
-              its wireup (NIXL also connects at load), so the first request pays none; \
-              false = on first use (a peer that is loaded but never used costs no connection)",
+              its wireup (NIXL also connects at load), so the first request pays none; not \
+              for a peer an earlier backend of the agent serves (standby: the first request \
+              through UCX connects); false = on first use (a peer that is loaded but never \
+              used costs no connection)",
     },
     ParamSpec {
         name: "unpack_on_load",
