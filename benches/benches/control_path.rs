@@ -21,9 +21,10 @@
 //! - `round_trip/1`: one-descriptor post + check of an existing request.
 //! - `idle_progress/{shm,default,default_with_peer}`: one `Agent::progress` of an agent
 //!   with nothing to do: SHM alone, the default backends, and the default backends with
-//!   a same-host peer loaded (another agent of this process, each turn progressing
-//!   both; UCX connects to it at load, and over tcp an idle worker's progress is an
-//!   `epoll_wait` unless the backend rests, see `ferry_ucx`'s docs, "Progress").
+//!   a peer loaded and connected (another agent of this process, each turn progressing
+//!   both; LOOPBACK serves it, so UCX is on standby and `make_connection` makes its
+//!   endpoint: over tcp an idle worker's progress is an `epoll_wait` unless the backend
+//!   rests, see `ferry_ucx`'s docs, "Progress").
 //!
 //! Throughput is in descriptors, so criterion reports descriptors per second; divide
 //! the time by N for nanoseconds per descriptor.
@@ -343,10 +344,15 @@ fn idle_progress(c: &mut Criterion) {
         );
     } else {
         let (a, b) = (default_agent("idle-a"), default_agent("idle-b"));
-        a.load_remote_md(&b.local_md().expect("md b"))
+        let b_at_a = a
+            .load_remote_md(&b.local_md().expect("md b"))
             .expect("load b");
-        b.load_remote_md(&a.local_md().expect("md a"))
+        let a_at_b = b
+            .load_remote_md(&a.local_md().expect("md a"))
             .expect("load a");
+        // Every backend that loaded the peer connects, UCX on standby too.
+        a.make_connection(b_at_a).expect("connect a to b");
+        b.make_connection(a_at_b).expect("connect b to a");
         group.bench_function("default_with_peer", |bench| {
             bench.iter(|| {
                 b.progress();

@@ -39,8 +39,8 @@
 //!   1 ms, that call **rests**: it progresses the workers at most every 50 µs
 //!   ([`UcxBackend::progress_rests`] counts the calls that skipped them). Over tcp an
 //!   idle worker's progress is an `epoll_wait` system call, paid on every progress of
-//!   an agent whose same-host peer goes through SHM (UCX connects to it at load all
-//!   the same); work that arrives unasked (a peer's request into our memory, a
+//!   an agent with an idle tcp endpoint (a peer loaded but rarely used); work that
+//!   arrives unasked (a peer's request into our memory, a
 //!   notification) is seen at most 50 µs later, and every call progresses again from
 //!   then until the workers are quiet for 1 ms. A post of our own ends the rest at
 //!   once. With `progress_thread=true` a thread progresses
