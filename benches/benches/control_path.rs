@@ -344,12 +344,7 @@ fn idle_progress(c: &mut Criterion) {
         );
     } else {
         let (a, b) = (default_agent("idle-a"), default_agent("idle-b"));
-        let b_at_a = a
-            .load_remote_md(&b.local_md().expect("md b"))
-            .expect("load b");
-        let a_at_b = b
-            .load_remote_md(&a.local_md().expect("md a"))
-            .expect("load a");
+        let (b_at_a, a_at_b) = ferry_tests::exchange_md(&a, &b);
         // Every backend that loaded the peer connects, UCX on standby too.
         a.make_connection(b_at_a).expect("connect a to b");
         b.make_connection(a_at_b).expect("connect b to a");

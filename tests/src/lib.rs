@@ -88,6 +88,18 @@ pub struct Pair {
     pub a_at_b: PeerId,
 }
 
+/// Each agent loads the other's metadata (by side channel: the blobs are just bytes
+/// handed over). Returns (`b` as seen by `a`, `a` as seen by `b`).
+pub fn exchange_md(a: &Agent, b: &Agent) -> (PeerId, PeerId) {
+    let b_at_a = a
+        .load_remote_md(&b.local_md().expect("md b"))
+        .expect("load b");
+    let a_at_b = b
+        .load_remote_md(&a.local_md().expect("md a"))
+        .expect("load a");
+    (b_at_a, a_at_b)
+}
+
 /// Register `a_buf` at a new agent A and `b_buf` at B, then exchange metadata by side
 /// channel (the blobs are just bytes handed over).
 pub fn pair(a_buf: &Buffer, b_buf: &Buffer) -> Pair {
@@ -95,12 +107,7 @@ pub fn pair(a_buf: &Buffer, b_buf: &Buffer) -> Pair {
     let b = loopback_agent("b");
     register(&a, a_buf);
     register(&b, b_buf);
-    let b_at_a = a
-        .load_remote_md(&b.local_md().expect("md b"))
-        .expect("load b");
-    let a_at_b = b
-        .load_remote_md(&a.local_md().expect("md a"))
-        .expect("load a");
+    let (b_at_a, a_at_b) = exchange_md(&a, &b);
     Pair {
         a,
         b,

@@ -731,6 +731,14 @@ fn ucx_ready() -> bool {
     }
 }
 
+/// An agent with SHM first, then UCX (default parameters).
+fn shm_then_ucx_agent(prefix: &str) -> Agent {
+    let a = Agent::new(AgentConfig::named(unique(prefix))).unwrap();
+    a.create_backend("SHM", &Params::new()).unwrap();
+    a.create_backend("UCX", &Params::new()).unwrap();
+    a
+}
+
 /// The set-up: SHM created first, then UCX. A peer of this host is served by
 /// SHM (its segments get mapped here), a peer of "another host" by UCX (nothing of it
 /// is mapped), and both get their bytes.
@@ -740,9 +748,7 @@ fn shm_first_serves_local_peers_and_ucx_the_others() {
         return;
     }
     let mut rng = Rng::new(0x0ca1);
-    let a = Agent::new(AgentConfig::named(unique("shm-then-ucx"))).unwrap();
-    a.create_backend("SHM", &Params::new()).unwrap();
-    a.create_backend("UCX", &Params::new()).unwrap();
+    let a = shm_then_ucx_agent("shm-then-ucx");
     let src = Buffer::random(LEN, &mut rng);
     register(&a, &src);
     let mut local = PeerProc::spawn(19, LEN, &["--ucx"]);
@@ -804,9 +810,7 @@ fn ucx_connects_to_a_peer_shm_serves_only_when_a_request_goes_through_it() {
         return;
     }
     let mut rng = Rng::new(0x57b7);
-    let a = Agent::new(AgentConfig::named(unique("standby"))).unwrap();
-    a.create_backend("SHM", &Params::new()).unwrap();
-    a.create_backend("UCX", &Params::new()).unwrap();
+    let a = shm_then_ucx_agent("standby");
     let ucx_slot = a.backends().iter().position(|b| b.name == "UCX").unwrap();
     let src = Buffer::random(LEN, &mut rng);
     register(&a, &src);

@@ -82,7 +82,6 @@ pub mod wire;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
-use std::time::Instant;
 
 use ferry_backend_api::{
     Allocation, Backend, BackendFactory, BackendInit, Capabilities, Completions, Endpoint, Error,
@@ -1210,7 +1209,7 @@ impl Backend for UcxBackend {
     fn progress(&mut self, done: &mut Completions) {
         let _span = ferry_backend_api::trace_span!("ferry-ucx::progress");
         let mut core = self.core();
-        if core.resting(Instant::now()) {
+        if core.resting() {
             return;
         }
         core.vram_bind();

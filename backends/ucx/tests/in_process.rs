@@ -1239,6 +1239,70 @@ fn a_small_post_window_hands_batches_over_in_pieces_byte_for_byte() {
     }
 }
 
+/// `standby` (another backend of the agent serves the peer): the load makes no
+/// endpoint and unpacks nothing; the first request makes them and lands its bytes; a
+/// reload on standby once the endpoint exists prepares as usual (unpacks the added
+/// region's rkey).
+#[test]
+fn a_peer_on_standby_is_connected_by_its_first_request_and_prepared_on_reloads_after() {
+    if !setup() {
+        return;
+    }
+    const LEN: usize = 1 << 16;
+    for &transports in TRANSPORTS {
+        let mut a = backend("agent-a", transports, &[]);
+        let mut b = backend("agent-b", transports, &[]);
+        let (a_buf, b_buf, extra) = (Buffer::new(LEN), Buffer::new(LEN), Buffer::new(LEN));
+        let (a_token, _) = register(&mut a, &a_buf);
+        let (b_token, b_md) = register(&mut b, &b_buf);
+        let (extra_token, extra_md) = register(&mut b, &extra);
+        let desc = |buf: &Buffer| ferry_backend_api::Desc::new(buf.addr(), LEN as u64, 0);
+        let peer = peer_id(1);
+        let mut regions = HandRegions {
+            name: "agent-b".into(),
+            ..HandRegions::default()
+        };
+        regions.md.insert(b_token, b_md.clone());
+        regions.descs.insert(b_token, desc(&b_buf));
+        let conn = b.conn_info().expect("conn info");
+        let remote = |regions: &HandRegions| RemoteAgent {
+            name: "agent-b",
+            conn_info: &conn,
+            regions: std::sync::Arc::new(regions.clone()),
+            standby: true,
+        };
+        a.load_remote(peer, remote(&regions)).expect("load");
+        assert_eq!(a.peer_connection(peer), Some((false, 0)), "[{transports}]");
+        assert_eq!(a.standby_loads(), 1, "[{transports}]");
+        let mut p = Pair {
+            a,
+            b,
+            a_buf,
+            b_buf,
+            a_token,
+            b_token,
+            b_md,
+            peer_b: peer,
+        };
+        Rng::new(43).fill(&mut p.a_buf.0);
+        let ranges = [range(&p, 0, 512, 4096)];
+        run_ok(&mut p, &[post(1, Op::Write, &ranges, None)]);
+        assert!(
+            p.a_buf.0[..4096] == p.b_buf.0[512..512 + 4096],
+            "[{transports}]"
+        );
+        assert_eq!(p.a.peer_connection(peer), Some((true, 1)), "[{transports}]");
+        regions.md.insert(extra_token, extra_md);
+        regions.descs.insert(extra_token, desc(&extra));
+        p.a.load_remote(peer, remote(&regions)).expect("reload");
+        assert_eq!(
+            p.a.peer_connection(peer),
+            Some((true, 2)),
+            "[{transports}] a reload with an endpoint did not unpack the added region"
+        );
+    }
+}
+
 /// `connect_on_load` (the default): loading a peer makes its endpoint; with
 /// `unpack_on_load` (`auto`, the default, or `true`) it also unpacks the rkeys of the
 /// regions it lists (ordinary memory here, which UCX does not map, so `auto` keeps

@@ -198,7 +198,9 @@ impl World {
         let Some(here) = self.backends.backends[slot].as_ref() else {
             return false;
         };
-        if !self.sections[slot][MemKind::Vram as usize].is_empty() {
+        if !loaded.iter().any(|e| e < slot)
+            || !self.sections[slot][MemKind::Vram as usize].is_empty()
+        {
             return false;
         }
         let count = |name: &str| {
@@ -214,7 +216,7 @@ impl World {
             let (mut published, mut reached) = (0usize, true);
             view.for_each_region(earlier.name(), &mut |token, _, _| {
                 published += 1;
-                reached &= earlier.reaches(peer, token);
+                reached = reached && earlier.reaches(peer, token);
             });
             reached && published >= wanted
         })

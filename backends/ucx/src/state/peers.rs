@@ -200,13 +200,15 @@ impl Core {
     /// without `connect_on_load`).
     ///
     /// Not for a peer another backend of the agent serves (`standby`: SHM for a peer of
-    /// this host, by default): its endpoint waits for the first request that goes through UCX, as
-    /// without `connect_on_load`, and no connection is made to it until then.
+    /// this host, by default) while it has no endpoint: the endpoint waits for the first
+    /// request that goes through UCX, as without `connect_on_load`, and no connection is
+    /// made to it until then. Once one exists, a reload prepares as usual (the rkeys of
+    /// regions the peer added).
     fn prepare_on_load(&mut self, peer: PeerId, standby: bool) {
         if !self.connect_on_load {
             return;
         }
-        if standby {
+        if standby && self.peers[&peer].ep.is_null() {
             self.standby_loads += 1;
             log::debug!(
                 "UCX: peer '{}' is served by an earlier backend of this agent; its \
@@ -795,7 +797,7 @@ impl Core {
         state.paced = super::requests::rma_over_tcp(&transports);
         let am_all = am_msg_bytes > 0 && self.am.all_ranges(&transports);
         state.am_all = am_all;
-        state.rndv_pieces = state.am_all && state.accepts_rndv && self.am.rndv;
+        state.rndv_pieces = am_all && state.accepts_rndv && self.am.rndv;
         log::info!(
             "UCX {}: endpoint to '{}' on worker {worker} uses {transports}; small ranges {}",
             self.ucp.version(),

@@ -763,13 +763,19 @@ impl Core {
     /// again until the workers have been quiet for `QUIET_AFTER`. Our own requests never
     /// wait for it: one in flight ends the rest. The progress thread, a drop's flush and
     /// the neighbours' pumps always pump.
-    pub(crate) fn resting(&mut self, now: Instant) -> bool {
-        let rest = self.in_flight() == 0
+    /// The clock is read only when nothing is pending, so a busy backend pays nothing
+    /// for the check.
+    pub(crate) fn resting(&mut self) -> bool {
+        let idle = self.in_flight() == 0
             && self.ready.is_empty()
             && self.graves.is_empty()
             && self.wiring.is_empty()
-            && self.deferred.is_empty()
-            && now.saturating_duration_since(self.last_work) >= QUIET_AFTER
+            && self.deferred.is_empty();
+        if !idle {
+            return false;
+        }
+        let now = Instant::now();
+        let rest = now.saturating_duration_since(self.last_work) >= QUIET_AFTER
             && now.saturating_duration_since(self.last_pump) < REST_POLL;
         self.rested += u64::from(rest);
         rest
