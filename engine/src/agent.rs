@@ -694,10 +694,17 @@ impl Agent {
     /// generation replaces the old and invalidates requests built on it; metadata
     /// carrying this agent's own name is refused).
     pub fn load_remote_md(&self, blob: &[u8]) -> Result<PeerId> {
-        self.one(
+        let peer = self.one(
             |c| c.load_md(blob).index(),
             |c, i| c.created(ferry_schedules::Ticket::<PeerId>::at(i)),
-        )
+        )?;
+        // The one-shot `create` records both lists of a request into the scratch: room
+        // for the two lists the load readied the request path for.
+        if let Ok(mut state) = self.state.lock() {
+            let descs = state.world.ready_descs();
+            state.scratch.ready_descs(2 * descs);
+        }
+        Ok(peer)
     }
 
     /// Forget a peer's metadata: the peer's handle goes stale, requests built on it fail

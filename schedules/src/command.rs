@@ -406,6 +406,19 @@ impl CommandBuffer {
         }
     }
 
+    /// Make room for `descs` descriptors (in all, across the buffer's lists) and touch
+    /// it, so recording up to that many allocates nothing and faults in no page. A
+    /// buffer that already has the room is left as it is. Whatever was recorded stays.
+    pub fn ready_descs(&mut self, descs: usize) {
+        let len = self.descs.len();
+        if self.descs.capacity() >= descs {
+            return;
+        }
+        self.descs.reserve(descs - len);
+        self.descs.resize(self.descs.capacity(), Desc::default());
+        self.descs.truncate(len);
+    }
+
     /// Forget every command and result, keeping the allocations.
     pub fn clear(&mut self) {
         self.commands.clear();

@@ -19,6 +19,11 @@
 //! still allocates nothing. The loopback part runs a third time with `log`'s max level
 //! raised to Trace by hand, so every disabled log statement reaches the subscriber and
 //! is refused there — still nothing allocated.
+//!
+//! Also (`first_request_after_a_load`): an agent's very first request after it loaded a
+//! peer — a one-shot `create` of 1,024 descriptors, post, checks, release, on LOOPBACK
+//! and on UCX — allocates nothing either: the load readied the request path for it
+//! (issue 25: the first request no slower than the second).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -130,6 +135,7 @@ struct Counts {
 #[test]
 fn steady_state_flushes_do_not_allocate() {
     assert_eq!(log::max_level(), log::LevelFilter::Off, "no logger yet");
+    first_request_after_a_load();
     loopback();
     posix();
     ucx();
@@ -238,6 +244,101 @@ fn loopback() {
     assert!(after.flushes - before.flushes >= turns);
 }
 
+/// A fresh agent with `backend` loads a target with `n` regions, then makes its very
+/// first request (a one-shot WRITE of one 64-byte descriptor into each region, remote
+/// order shuffled), posts it, checks it to the end and releases it: counted, nothing
+/// allocated on the flush's threads.
+fn first_request_after_a_load() {
+    let n = 1024;
+    let block = 64;
+    let region = 256;
+    let mut backends = vec!["LOOPBACK"];
+    match ucx_available() {
+        Ok(()) => backends.push("UCX"),
+        Err(reason) => eprintln!("first request after a load: no UCX part ({reason})"),
+    }
+    for backend in backends {
+        let mut params = Params::new();
+        if backend == "UCX" {
+            // The target is progressed by its own thread; nothing else drives it.
+            params.insert("progress_thread".into(), "true".into());
+        }
+        let agent = |name: &str, params: &Params| {
+            let agent = Agent::new(AgentConfig::named(unique(name))).unwrap();
+            agent.create_backend(backend, params).expect("backend");
+            agent
+        };
+        let target = agent("noalloc-first-target", &params);
+        let mut rng = Rng::new(53);
+        let src = Buffer::random(n * block, &mut rng);
+        let dst = Buffer::zeroed(n * region);
+        for i in 0..n {
+            ferry_tests::try_register(&target, MemKind::Dram, dst.desc(i * region, region))
+                .expect("register");
+        }
+        let blob = target.local_md().expect("metadata");
+        let local: Vec<Desc> = (0..n).map(|i| src.desc(i * block, block)).collect();
+        let mut order: Vec<usize> = (0..n).collect();
+        rng.shuffle(&mut order);
+        let remote: Vec<Desc> = order.iter().map(|&j| dst.desc(j * region, block)).collect();
+        let a = agent("noalloc-first-initiator", &Params::new());
+        register(&a, &src);
+        let peer = a.load_remote_md(&blob).expect("load");
+        let (done, counts) = counted(|| {
+            let x = a
+                .create(
+                    Op::Write,
+                    MemKind::Dram,
+                    &local,
+                    peer,
+                    MemKind::Dram,
+                    &remote,
+                    None,
+                )
+                .expect("create");
+            let deadline = Instant::now() + Duration::from_secs(30);
+            let mut status = a.post(x).expect("post");
+            while status != XferStatus::Done && Instant::now() < deadline {
+                status = a.check(x).expect("check");
+            }
+            a.release(x).expect("release");
+            status == XferStatus::Done
+        });
+        assert!(
+            done,
+            "{backend}: the first request did not complete in 30 s"
+        );
+        for (i, &j) in order.iter().enumerate() {
+            assert_eq!(
+                &dst.bytes()[j * region..j * region + block],
+                &src.bytes()[i * block..(i + 1) * block],
+                "{backend}: descriptor {i}"
+            );
+        }
+        assert_eq!(
+            counts.flush, 0,
+            "{backend}: the first request after a load allocated ({counts:?})"
+        );
+    }
+}
+
+/// Whether UCX can be used here (required under `CI=true`).
+fn ucx_available() -> Result<(), String> {
+    std::env::set_var("UCX_NET_DEVICES", "lo");
+    std::env::set_var("UCX_WARN_UNUSED_ENV_VARS", "n");
+    let info = Agent::available_backends();
+    let available = info
+        .iter()
+        .find(|f| f.name == "UCX")
+        .expect("UCX is compiled in")
+        .available
+        .clone();
+    if let Err(reason) = &available {
+        assert!(!ci(), "UCX is required under CI=true: {reason}");
+    }
+    available
+}
+
 /// Removes the scratch file when dropped.
 struct Scratch(PathBuf);
 
@@ -317,16 +418,7 @@ fn posix() {
 }
 
 fn ucx() {
-    std::env::set_var("UCX_NET_DEVICES", "lo");
-    std::env::set_var("UCX_WARN_UNUSED_ENV_VARS", "n");
-    let info = Agent::available_backends();
-    let available = &info
-        .iter()
-        .find(|f| f.name == "UCX")
-        .expect("UCX is compiled in")
-        .available;
-    if let Err(reason) = available {
-        assert!(!ci(), "UCX is required under CI=true: {reason}");
+    if let Err(reason) = ucx_available() {
         eprintln!("skipping the UCX part: UCX unavailable ({reason})");
         return;
     }

@@ -277,6 +277,11 @@ pub struct RemoteAgent<'a> {
     /// for such a peer to the first request that needs it (UCX does, instead of
     /// `connect_on_load`); it must still serve that request.
     pub standby: bool,
+    /// Ranges the agent readied its own request path for at this load (one per region
+    /// the peer published, within fixed bounds): a backend with per-post scratch that
+    /// grows with a request's ranges can size it now, so the first request after the
+    /// load finds it made instead of growing it. 0: ready nothing.
+    pub ready_ranges: usize,
 }
 
 /// One resolved, merged range of a transfer.
@@ -427,6 +432,10 @@ impl Completions {
     /// Forget all outcomes (keeps the capacity).
     pub fn clear(&mut self) {
         self.items.clear();
+    }
+    /// Make room for `additional` more outcomes than are pushed now.
+    pub fn reserve(&mut self, additional: usize) {
+        self.items.reserve(additional);
     }
     /// Number of outcomes pushed.
     pub fn len(&self) -> usize {

@@ -928,6 +928,10 @@ impl Backend for Loopback {
         .ok_or_else(|| Error::RemoteDisconnect {
             subject: Subject::PeerName(remote.name.to_string()),
         })?;
+        // Room to pin one peer region per range of a request as large as the agent
+        // readied its request path for, so the first post's pin list does not grow.
+        self.pinned
+            .reserve(remote.ready_ranges.saturating_sub(self.pinned.len()));
         self.peers.insert(
             peer,
             RemotePeer {

@@ -78,6 +78,7 @@ fn load(initiator: &mut Loopback, target: &Loopback, name: &str, regions: &[Vec<
                     md,
                 }),
                 standby: false,
+                ready_ranges: 0,
             },
         )
         .unwrap();

@@ -1162,7 +1162,12 @@ impl Backend for UcxBackend {
     fn conn_info(&self) -> Result<Vec<u8>> {
         // Every build that writes format 2 handles batch messages (the handlers are
         // registered on every worker, whatever `am_batch` says about sending them).
-        let addresses = self.core().worker_addresses()?;
+        let mut core = self.core();
+        // Peers that load this metadata send batches checked against the index of
+        // registered memory: built now, not by the first of them.
+        core.settle_region_index();
+        let addresses = core.worker_addresses()?;
+        drop(core);
         Ok(wire::encode(
             &addresses,
             wire::FEATURE_BATCH_AM | wire::FEATURE_RNDV_PIECES,
@@ -1175,8 +1180,14 @@ impl Backend for UcxBackend {
         } else {
             Some(wire::decode(remote.conn_info)?)
         };
-        self.core()
-            .load_remote(peer, remote.name, addresses, remote.regions, remote.standby)
+        self.core().load_remote(
+            peer,
+            remote.name,
+            addresses,
+            remote.regions,
+            remote.standby,
+            remote.ready_ranges,
+        )
     }
 
     fn unload_remote(&mut self, peer: PeerId) {

@@ -247,6 +247,7 @@ fn a_load_keeps_no_peer_segment_mapped_unless_told_to() {
                 conn_info: &conn,
                 regions: std::sync::Arc::new(regions.clone()),
                 standby: false,
+                ready_ranges: 0,
             },
         )
         .expect("load");

@@ -445,6 +445,7 @@ fn bad_input_gets_typed_errors() {
             conn_info: b"garbage",
             regions: std::sync::Arc::new(HandRegions::default()),
             standby: false,
+            ready_ranges: 0,
         },
     );
     assert!(matches!(e, Err(Error::InvalidMetadata { .. })), "{e:?}");
@@ -1270,6 +1271,7 @@ fn a_peer_on_standby_is_connected_by_its_first_request_and_prepared_on_reloads_a
             conn_info: &conn,
             regions: std::sync::Arc::new(regions.clone()),
             standby: true,
+            ready_ranges: 0,
         };
         a.load_remote(peer, remote(&regions)).expect("load");
         assert_eq!(a.peer_connection(peer), Some((false, 0)), "[{transports}]");
@@ -1356,6 +1358,7 @@ fn loading_a_peer_connects_and_unpacks_its_rkeys_unless_told_not_to() {
                 conn_info: &conn,
                 regions: std::sync::Arc::new(regions.clone()),
                 standby: false,
+                ready_ranges: 0,
             };
             a.load_remote(peer, remote(&regions))
                 .expect("a bad rkey does not fail the load");

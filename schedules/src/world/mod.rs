@@ -187,6 +187,9 @@ pub struct World {
     pub(crate) dispatched_at: Option<std::time::Instant>,
     /// Per-flush scratch.
     pub(crate) arena: bumpalo::Bump,
+    /// Descriptors a request can have before its range list grows (see
+    /// [`World::ready_requests`]); 0 until the first load.
+    pub(crate) ready_descs: usize,
     /// Regions deregistered so far (part of the published metadata generation).
     pub(crate) deregistrations: u64,
     /// Regions whose memory a backend allocated (`alloc_region`): region, the
@@ -284,6 +287,7 @@ impl World {
             completions: Completions::with_capacity(xfers),
             dispatched_at: None,
             arena: bumpalo::Bump::with_capacity(64 * 1024),
+            ready_descs: 0,
             deregistrations: 0,
             allocations: Vec::new(),
             metrics: Default::default(),

@@ -10,13 +10,19 @@
 
 use std::sync::Arc;
 
-use ferry_backend_api::{PeerRegions, RemoteAgent};
+use ferry_backend_api::{PeerRegions, Range, RemoteAgent};
 use ferry_storage::{
-    handle_to_tag, BackendMask, Endpoint, Error, MemKind, PeerId, Subject, MAX_BACKENDS,
+    handle_to_tag, BackendMask, Desc, Endpoint, Error, MemKind, PeerId, RegionId, Subject,
+    MAX_BACKENDS,
 };
 
-use super::{PeerView, World, XferState};
+use super::{preps::PrepEntry, PeerView, World, XferState};
 use crate::logging::BackendNames;
+
+/// Fewest descriptors a load readies the request path for ([`World::ready_requests`]).
+const READY_DESCS_MIN: usize = 1024;
+/// Most descriptors a load readies the request path for.
+const READY_DESCS_MAX: usize = 16 * 1024;
 
 /// `; refused by UCX: <error>` when some backend refused a peer that others took.
 struct Refused<'a>(&'a World, BackendMask, Option<&'a Error>);
@@ -128,6 +134,7 @@ impl World {
         let mut first_error = None;
         let mut refused = BackendMask::EMPTY;
         let mut any_conn = false;
+        let ready_ranges = self.ready_size(view.region_count());
         for (slot, entry) in slot_map.iter_mut().enumerate() {
             let Some(name_here) = self.backends.backends[slot].as_ref().map(|b| b.name()) else {
                 continue;
@@ -148,6 +155,7 @@ impl World {
                 conn_info,
                 regions,
                 standby,
+                ready_ranges,
             };
             match backend.load_remote(peer, remote) {
                 Ok(()) => loaded.insert(slot),
@@ -186,7 +194,65 @@ impl World {
         self.peers.views[row] = Some(view);
         self.peers.slot_maps[row] = slot_map;
         self.peers.loaded[row] = loaded;
+        self.ready_requests(ready_ranges);
         Ok(peer)
+    }
+
+    /// Descriptors a load readies the request path for, given the peer's `regions`:
+    /// one per region, at least [`READY_DESCS_MIN`] and at most [`READY_DESCS_MAX`]
+    /// (nor more than a list may hold). The backends get it as
+    /// [`RemoteAgent::ready_ranges`].
+    fn ready_size(&self, regions: usize) -> usize {
+        regions
+            .clamp(READY_DESCS_MIN, READY_DESCS_MAX)
+            .min(self.bounds.descs_per_list_max)
+    }
+
+    /// Ready the request path, at a load, for a request of `n` descriptors
+    /// ([`World::ready_size`]): a pooled range list, two prepared-list entry lists and
+    /// a pin list of that many, allocated and touched, and a notification buffer in its
+    /// pool (so the pools themselves have room for what a release returns). The first
+    /// request after the load then takes memory a second would find, instead of growing
+    /// and faulting in its own (issue 25: the first request no slower than the second).
+    /// Grows only: a later load of a smaller peer does nothing. Costs an agent that
+    /// loaded a peer about 100 KB at the minimum, 1.7 MB at the most; an agent that
+    /// loaded nothing pays nothing.
+    fn ready_requests(&mut self, n: usize) {
+        if n <= self.ready_descs {
+            return;
+        }
+        self.ready_descs = n;
+        let mut ranges = self.pools.ranges.pop().unwrap_or_default();
+        ranges.clear();
+        ranges.resize(n, Range::default());
+        ranges.clear();
+        self.pools.ranges.push(ranges);
+        let entry = PrepEntry {
+            desc: Desc::default(),
+            target: 0,
+        };
+        for _ in 0..2 {
+            let mut entries = self.pools.entries.pop().unwrap_or_default();
+            entries.clear();
+            entries.resize(n, entry);
+            entries.clear();
+            self.pools.entries.push(entries);
+        }
+        let mut pins = self.pools.pins.pop().unwrap_or_default();
+        pins.clear();
+        pins.resize(n, RegionId::default());
+        pins.clear();
+        self.pools.pins.push(pins);
+        if self.pools.notifs.is_empty() {
+            self.pools.notifs.push(Vec::new());
+        }
+    }
+
+    /// Descriptors the request path was readied for by the loads so far
+    /// ([`World::ready_requests`]): the caller's command buffer can be readied for as
+    /// many ([`crate::CommandBuffer::ready_descs`]).
+    pub fn ready_descs(&self) -> usize {
+        self.ready_descs
     }
 
     /// Whether backend `slot` is on standby for `peer` ([`RemoteAgent::standby`]): a

@@ -106,26 +106,42 @@ impl RegionIndex {
         }
     }
 
+    /// Rebuild the sorted union now if a registration changed since it was built, so
+    /// the first batch after the change finds it built. Called when the agent hands out
+    /// its metadata (`conn_info`): a peer sends batches only after loading it, and
+    /// a rebuild then (sorting every registration: about 15 µs for 1,000) would delay
+    /// the first request's completion.
+    #[inline]
+    pub(crate) fn settle(&mut self) {
+        if self.dirty {
+            self.rebuild();
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn rebuild(&mut self) {
+        self.union.clear();
+        self.union.extend_from_slice(&self.regions);
+        self.union.sort_unstable();
+        let mut merged = 0usize;
+        for i in 0..self.union.len() {
+            let (start, end) = self.union[i];
+            if merged > 0 && start <= self.union[merged - 1].1 {
+                let last = &mut self.union[merged - 1];
+                last.1 = last.1.max(end);
+            } else {
+                self.union[merged] = (start, end);
+                merged += 1;
+            }
+        }
+        self.union.truncate(merged);
+        self.dirty = false;
+    }
+
     /// Whether `[addr, addr + len)` lies inside registered memory.
     pub(super) fn covers(&mut self, addr: u64, len: u64) -> bool {
-        if self.dirty {
-            self.union.clear();
-            self.union.extend_from_slice(&self.regions);
-            self.union.sort_unstable();
-            let mut merged = 0usize;
-            for i in 0..self.union.len() {
-                let (start, end) = self.union[i];
-                if merged > 0 && start <= self.union[merged - 1].1 {
-                    let last = &mut self.union[merged - 1];
-                    last.1 = last.1.max(end);
-                } else {
-                    self.union[merged] = (start, end);
-                    merged += 1;
-                }
-            }
-            self.union.truncate(merged);
-            self.dirty = false;
-        }
+        self.settle();
         let Some(end) = addr.checked_add(len) else {
             return false;
         };

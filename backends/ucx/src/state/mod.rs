@@ -74,7 +74,9 @@ use batch::{
     AmBatch, BatchEvents,
 };
 pub(crate) use callbacks::Events;
-use callbacks::{on_ep_error, on_notif, on_op_done, Cells, CompletionQueue, OpCell, PeerLink};
+use callbacks::{
+    on_ep_error, on_notif, on_op_done, Cells, CompletionQueue, OpCell, PeerLink, SLOT_CHUNK,
+};
 use config::{may_use_shared_memory, may_use_tcp, rndv_thresh_override, zcopy_thresh_override};
 use deadline::{Deadline, Watch};
 pub(crate) use diagnostics::errno_of;
@@ -574,6 +576,22 @@ impl Core {
             flushed: None,
         });
         Some(index as u32)
+    }
+
+    /// Make, at a load, what the first request after it would otherwise grow: room in
+    /// the per-post rkey list for `ranges` ranges (as many as the agent readied its own
+    /// request path for), and the first chunk of request slots ([`SLOT_CHUNK`]: the
+    /// slot table, its free list, the completions handed over, and the slots' callback
+    /// cells, 8 KiB). Grows only; a backend that has made requests has all of it.
+    pub(super) fn ready_requests(&mut self, ranges: usize) {
+        self.range_keys
+            .reserve(ranges.saturating_sub(self.range_keys.len()));
+        let slots = SLOT_CHUNK.min(self.slot_max);
+        self.slots.reserve(slots.saturating_sub(self.slots.len()));
+        self.free_slots
+            .reserve(slots.saturating_sub(self.free_slots.len()));
+        self.ready.reserve(slots.saturating_sub(self.ready.len()));
+        self.cells.cover(0);
     }
 
     /// The loaded library.

@@ -131,6 +131,7 @@ impl Core {
         info: Option<ConnInfo>,
         regions: Arc<dyn PeerRegions>,
         standby: bool,
+        ready_ranges: usize,
     ) -> Result<()> {
         if let Some(state) = self.peers.get_mut(&peer) {
             state.regions = regions;
@@ -152,7 +153,7 @@ impl Core {
                     state.down = None;
                 }
             }
-            self.prepare_on_load(peer, standby);
+            self.prepare_on_load(peer, standby, ready_ranges);
             return Ok(());
         }
         let info = info.ok_or_else(|| Error::InvalidMetadata {
@@ -188,7 +189,7 @@ impl Core {
                 unanswered: false,
             },
         );
-        self.prepare_on_load(peer, standby);
+        self.prepare_on_load(peer, standby, ready_ranges);
         Ok(())
     }
 
@@ -204,7 +205,10 @@ impl Core {
     /// request that goes through UCX, as without `connect_on_load`, and no connection is
     /// made to it until then. Once one exists, a reload prepares as usual (the rkeys of
     /// regions the peer added).
-    fn prepare_on_load(&mut self, peer: PeerId, standby: bool) {
+    ///
+    /// `ready_ranges` ([`ferry_backend_api::RemoteAgent::ready_ranges`]): the per-post
+    /// rkey list gets room for a request of that many ranges.
+    fn prepare_on_load(&mut self, peer: PeerId, standby: bool, ready_ranges: usize) {
         if !self.connect_on_load {
             return;
         }
@@ -261,6 +265,7 @@ impl Core {
                 });
         }
         let kept = unpacked.len();
+        self.ready_requests(ready_ranges);
         let state = self.peers.get_mut(&peer).expect("present");
         state.rkeys.reserve(kept);
         for (token, key) in unpacked {

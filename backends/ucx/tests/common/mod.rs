@@ -155,6 +155,7 @@ pub fn load(
                 conn_info,
                 regions: Arc::new(regions),
                 standby: false,
+                ready_ranges: 0,
             },
         )
         .expect("load_remote");
