@@ -7,7 +7,7 @@
 //!
 //! ```text
 //! cargo run --release -p ferry-benches --example first_request -- \
-//!     [--regions 1000] [--turns 41] [--gap-us 0] [--evict-kib 0]
+//!     [--regions 1000] [--turns 41] [--gap-us 0] [--evict-kib 0] [--touch-target]
 //! ```
 //!
 //! Each turn makes a fresh initiator, loads the target's metadata (N regions, one
@@ -15,7 +15,11 @@
 //! the second. `--evict-kib K` touches K KiB of other memory between the two, so the
 //! second finds the caches about as cold as the load leaves them for the first: what
 //! is left of the first's excess is then work the first does and the second does not.
-//! Prints the median of each part over the turns, for both requests.
+//! `--touch-target` writes every page of the target's memory before the first turn (as
+//! a KV pool in use has been): without it, the first WRITE of a fresh process also
+//! pays the target's first touch of its pages (64 page faults at 1,000 regions), which
+//! is this program's memory, not Ferry's work. Within a process only the first turn
+//! differs. Prints the median of each part over the turns, for both requests.
 //! `FERRY_BENCH_UCX_PARAMS` (`key=value;key=value`) adds backend parameters to both
 //! agents.
 
@@ -65,7 +69,12 @@ fn main() {
         eprintln!("first_request: UCX unavailable ({reason})");
         std::process::exit(2);
     }
-    let dst = Buffer::zeroed(n * REGION);
+    let mut dst = Buffer::zeroed(n * REGION);
+    if args.iter().any(|a| a == "--touch-target") {
+        for byte in dst.bytes_mut().iter_mut().step_by(4096) {
+            *byte = std::hint::black_box(0);
+        }
+    }
     let src = Buffer::random(n * DESC, &mut Rng::new(3));
     let target =
         ferry_benches::ucx_bench_agent("first-request-target", &[("progress_thread", "true")]);
