@@ -248,8 +248,9 @@ impl World {
         }
     }
 
-    /// Descriptors the request path was readied for by the loads so far
-    /// ([`World::ready_requests`]): the caller's command buffer can be readied for as
+    /// Descriptors the request path was readied for by the loads so far (each load
+    /// readies it for one descriptor per region the peer published, within fixed
+    /// bounds; 0 before the first): the caller's command buffer can be readied for as
     /// many ([`crate::CommandBuffer::ready_descs`]).
     pub fn ready_descs(&self) -> usize {
         self.ready_descs
