@@ -70,6 +70,11 @@ fn read_frame(stream: &mut TcpStream) -> (u8, Vec<u8>) {
 }
 
 impl PeerProc {
+    /// The peer's process id.
+    fn pid(&self) -> u32 {
+        self.child.as_ref().expect("the peer process runs").id()
+    }
+
     fn spawn(seed: u64, len: usize, kv: &[&str]) -> PeerProc {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1");
         let addr = listener.local_addr().unwrap().to_string();
@@ -778,11 +783,13 @@ fn shm_first_serves_local_peers_and_ucx_the_others() {
     }
 }
 
-/// Established TCP connections of this process: its sockets (`/proc/self/fd`) that
-/// `/proc/net/tcp` and `tcp6` list in state 01.
-fn established_tcp() -> usize {
-    let ours: std::collections::HashSet<String> = std::fs::read_dir("/proc/self/fd")
-        .expect("/proc/self/fd")
+/// Established TCP connections of process `pid`: its sockets (`/proc/PID/fd`) that
+/// `/proc/net/tcp` and `tcp6` list in state 01. Counted in the peer's process, which
+/// serves only its own test: this process's count also moves with the connections the
+/// tests running beside it open and close.
+fn established_tcp(pid: u32) -> usize {
+    let ours: std::collections::HashSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("/proc/PID/fd")
         .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
         .filter_map(|l| {
             let l = l.to_string_lossy().into_owned();
@@ -815,22 +822,22 @@ fn ucx_connects_to_a_peer_shm_serves_only_when_a_request_goes_through_it() {
     let src = Buffer::random(LEN, &mut rng);
     register(&a, &src);
     let foreign = PeerProc::spawn(29, LEN, &["host_identity=far-away", "--ucx"]);
-    let before = established_tcp();
+    let before = established_tcp(foreign.pid());
     let far = a
         .load_remote_md(&foreign.md)
         .expect("load the foreign peer");
-    let after_far = established_tcp();
+    let after_far = established_tcp(foreign.pid());
     assert!(
         after_far > before,
         "UCX made no connection at the load of a peer only it serves ({before} -> {after_far})"
     );
     let mut local = PeerProc::spawn(31, LEN, &["--ucx"]);
-    let before = established_tcp();
+    let before = established_tcp(local.pid());
     let at = a.load_remote_md(&local.md).expect("load the local peer");
     for kind in [Kind::Shared, Kind::Ordinary] {
         write_random(&a, &mut local, at, kind, &src, 40, &mut rng, None);
     }
-    let after_shm = established_tcp();
+    let after_shm = established_tcp(local.pid());
     assert_eq!(
         after_shm, before,
         "a peer SHM serves got TCP connections (UCX connected at load or SHM's requests)"
@@ -868,7 +875,7 @@ fn ucx_connects_to_a_peer_shm_serves_only_when_a_request_goes_through_it() {
     local.model(Kind::Ordinary)[ro..ro + n].copy_from_slice(&src.bytes()[lo..lo + n]);
     local.assert_matches_model("local peer, SHM then UCX");
     assert!(
-        established_tcp() > after_shm,
+        established_tcp(local.pid()) > after_shm,
         "the request through UCX made no connection"
     );
     a.invalidate_remote_md(far).unwrap();
