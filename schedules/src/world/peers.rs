@@ -214,9 +214,11 @@ impl World {
     /// pool (so the pools themselves have room for what a release returns). The first
     /// request after the load then takes memory a second would find, instead of growing
     /// and faulting in its own (issue 25: the first request no slower than the second).
-    /// Grows only: a later load of a smaller peer does nothing. Costs an agent that
-    /// loaded a peer about 100 KB at the minimum, 1.7 MB at the most; an agent that
-    /// loaded nothing pays nothing.
+    /// Grows only: a later load of a smaller peer does nothing. Costs 128 bytes per
+    /// descriptor (range 56, two entries 64, pin 8): 128 KiB at the minimum, 2 MiB at
+    /// the most; the agent's scratch command buffer adds 48 bytes per descriptor and
+    /// the backends their own (UCX's rkey list and LOOPBACK's pin list 16 each). An
+    /// agent that loaded nothing pays nothing.
     fn ready_requests(&mut self, n: usize) {
         if n <= self.ready_descs {
             return;
