@@ -700,7 +700,7 @@ impl Agent {
         )?;
         // The one-shot `create` records both lists of a request into the scratch: room
         // for the two lists the load readied the request path for.
-        if let Ok(mut state) = self.state.lock() {
+        if let Ok(mut state) = self.lock() {
             let descs = state.world.ready_descs();
             state.scratch.ready_descs(2 * descs);
         }
