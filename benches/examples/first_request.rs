@@ -8,6 +8,7 @@
 //! ```text
 //! cargo run --release -p ferry-benches --example first_request -- \
 //!     [--regions 1000] [--turns 41] [--gap-us 0] [--evict-kib 0] [--touch-target]
+//!     [--warm-target]
 //! ```
 //!
 //! Each turn makes a fresh initiator, loads the target's metadata (N regions, one
@@ -19,7 +20,10 @@
 //! a KV pool in use has been): without it, the first WRITE of a fresh process also
 //! pays the target's first touch of its pages (64 page faults at 1,000 regions), which
 //! is this program's memory, not Ferry's work. Within a process only the first turn
-//! differs. Prints the median of each part over the turns, for both requests.
+//! differs. `--warm-target`: a second initiator, made once, makes the same request to
+//! the target right before each turn's first request (untimed), so the first finds the
+//! target's side as warm as the second does, except for what belongs to the new
+//! connection. Prints the median of each part over the turns, for both requests.
 //! `FERRY_BENCH_UCX_PARAMS` (`key=value;key=value`) adds backend parameters to both
 //! agents.
 
@@ -84,6 +88,13 @@ fn main() {
     let blob = target.local_md().expect("metadata");
     let local: Vec<Desc> = (0..n).map(|i| src.desc(i * DESC, DESC)).collect();
     let remote: Vec<Desc> = (0..n).map(|i| dst.desc(i * REGION, DESC)).collect();
+    // `--warm-target`: an initiator that warms the target before each first request.
+    let warmer = args.iter().any(|a| a == "--warm-target").then(|| {
+        let w = ferry_benches::ucx_bench_agent("first-request-warmer", &[]);
+        register(&w, &src);
+        let peer = w.load_remote_md(&blob).expect("load");
+        (w, peer)
+    });
     // [request][create, post, wait, faults]
     let mut parts = [[(); 4].map(|_| Vec::new()), [(); 4].map(|_| Vec::new())];
     let mut loads = Vec::with_capacity(turns);
@@ -95,6 +106,24 @@ fn main() {
         loads.push(loaded.elapsed().as_secs_f64() * 1e6);
         if !gap.is_zero() {
             std::thread::sleep(gap);
+        }
+        if let Some((w, wpeer)) = &warmer {
+            let x = w
+                .create(
+                    Op::Write,
+                    MemKind::Dram,
+                    &local,
+                    *wpeer,
+                    MemKind::Dram,
+                    &remote,
+                    None,
+                )
+                .expect("create");
+            let mut status = w.post(x).expect("post");
+            while status != XferStatus::Done {
+                status = w.check(x).expect("check");
+            }
+            w.release(x).expect("release");
         }
         for (k, request) in parts.iter_mut().enumerate() {
             if k == 1 && !evict.is_empty() {
