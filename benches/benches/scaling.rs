@@ -194,26 +194,6 @@ fn ucx_agent_with(name: &str, progress_thread: bool, connect_on_load: bool) -> A
     ferry_benches::ucx_bench_agent(name, &params)
 }
 
-/// One WRITE of `local[i]` → `remote[i]` from `a` to `peer`: create, post, wait, release.
-fn ucx_request(a: &Agent, peer: ferry::PeerId, local: &[Desc], remote: &[Desc]) {
-    let x = a
-        .create(
-            Op::Write,
-            MemKind::Dram,
-            local,
-            peer,
-            MemKind::Dram,
-            remote,
-            None,
-        )
-        .expect("create");
-    let mut status = a.post(x).expect("post");
-    while status != XferStatus::Done {
-        status = a.check(x).expect("check");
-    }
-    a.release(x).expect("release");
-}
-
 fn ucx_first_request(c: &mut Criterion) {
     if let Err(reason) = ferry_benches::ucx_loopback() {
         eprintln!("skipping scaling/ucx_*_request: UCX unavailable ({reason})");
@@ -283,7 +263,7 @@ fn ucx_first_request(c: &mut Criterion) {
                         register(&a, &src);
                         if used {
                             let warm = a.load_remote_md(&other_blob).expect("load");
-                            ucx_request(&a, warm, &local, &other_remote);
+                            ferry_benches::write_and_wait(&a, warm, &local, &other_remote);
                         }
                         let t0 = Instant::now();
                         let peer = a.load_remote_md(&blob).expect("load");
@@ -292,10 +272,10 @@ fn ucx_first_request(c: &mut Criterion) {
                             continue;
                         }
                         for _ in 0..warm_turns {
-                            ucx_request(&a, peer, &local, &remote);
+                            ferry_benches::write_and_wait(&a, peer, &local, &remote);
                         }
                         let t0 = Instant::now();
-                        ucx_request(&a, peer, &local, &remote);
+                        ferry_benches::write_and_wait(&a, peer, &local, &remote);
                         times.push(t0.elapsed());
                     }
                     times.sort_unstable();

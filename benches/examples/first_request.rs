@@ -108,22 +108,7 @@ fn main() {
             std::thread::sleep(gap);
         }
         if let Some((w, wpeer)) = &warmer {
-            let x = w
-                .create(
-                    Op::Write,
-                    MemKind::Dram,
-                    &local,
-                    *wpeer,
-                    MemKind::Dram,
-                    &remote,
-                    None,
-                )
-                .expect("create");
-            let mut status = w.post(x).expect("post");
-            while status != XferStatus::Done {
-                status = w.check(x).expect("check");
-            }
-            w.release(x).expect("release");
+            ferry_benches::write_and_wait(w, *wpeer, &local, &remote);
         }
         for (k, request) in parts.iter_mut().enumerate() {
             if k == 1 && !evict.is_empty() {

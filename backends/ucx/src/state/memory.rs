@@ -291,9 +291,7 @@ impl Core {
         }
         Ok(())
     }
-}
 
-impl Core {
     /// Build the index of registered memory the batch handlers check ranges against
     /// now, if a registration changed it ([`super::batch::RegionIndex::settle`]).
     pub(crate) fn settle_region_index(&self) {
