@@ -1,7 +1,7 @@
 //! `cargo bench -p ferry-benches --bench shm`: same-host WRITE and READ, side by side in one run
 //! (see `ferry_benches::shm`): SHM into a peer's shareable memory, SHM into a peer's
 //! ordinary memory (CMA), Ferry's UCX backend (default transports,
-//! `error_handling=none`) between the same two processes, and memcpy of the same
+//! `error_handling=none`) between the same two processes, and a plain copy of the same
 //! ranges between the initiator's buffer and a shared mapping. Cases: 64 B × 1024, 4 KiB × 1024, 1 MiB × 1 and 1 MiB × 32,
 //! WRITE and READ, remote order shuffled. Criterion times each pair; then the contenders run interleaved (bursts
 //! of about 20 ms each in turn, `FERRY_BENCH_SHM_INTERLEAVE_S` seconds per case, default 4)

@@ -1,9 +1,11 @@
 //! Same-host transfers side by side in one run: the SHM backend into a peer's Ferry
-//! shareable memory (mapped segment, one memcpy per range), the SHM backend into a
+//! shareable memory (mapped segment, one copy per range), the SHM backend into a
 //! peer's ordinary memory (batched `process_vm_writev`), Ferry's UCX backend (default
 //! transports: shared memory / CMA, `error_handling=none`) between the same two
-//! processes, and the raw limit: `memcpy` of the same ranges between the initiator's
-//! buffer and a shared mapping (a memfd), in one process.
+//! processes, and the raw limit: a copy of the same ranges between the initiator's
+//! buffer and a shared mapping (a memfd), in one process, with the backends' own copy
+//! routine (`ferry_backend_api::copy_bytes`: inline at 16 to 64 bytes, `memmove`
+//! otherwise).
 //!
 //! The initiator (this process) spawns a target (the same binary, told its role by
 //! [`TARGET_ENV`]) that owns two agents — one with SHM, one with UCX — and registers a
@@ -48,13 +50,14 @@ pub const CASES: &[(Op, usize, usize)] = &[
 /// Who moves the bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Contender {
-    /// SHM backend, target in Ferry shareable memory (mapped; memcpy per range).
+    /// SHM backend, target in Ferry shareable memory (mapped; one copy per range).
     ShmMapped,
     /// SHM backend, target in ordinary memory (process_vm_writev, ≤ 1,024 per call).
     ShmCma,
     /// Ferry's UCX backend, default transports, `error_handling=none`.
     Ucx,
-    /// memcpy of the same ranges between the initiator's buffer and a shared mapping, in this process.
+    /// The same ranges copied (`copy_bytes`, as the backends) between the initiator's buffer
+    /// and a shared mapping, in this process.
     Memcpy,
 }
 
@@ -394,7 +397,9 @@ impl Bench {
                                 Op::Write => (l.cast_const(), r),
                                 Op::Read => (r.cast_const(), l),
                             };
-                            std::ptr::copy_nonoverlapping(from, to, c.block)
+                            // The backends' own copy (inline at 16 to 64 bytes, `memmove`
+                            // otherwise), so the limit is the copy Ferry has to make.
+                            ferry_backend_api::copy_bytes(from, to, c.block)
                         };
                     }
                 }

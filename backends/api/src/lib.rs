@@ -116,7 +116,11 @@
 //! OS or transport failures. Asynchronous outcomes arrive as [`Completion`]s; a failed
 //! transfer reports a [`Failure`] with the errno and the range index.
 
+// Reason: copying bytes between raw addresses is what a backend's ranges are.
+#[allow(unsafe_code)]
+mod copy;
 pub mod trace;
+pub use copy::copy_bytes;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;

@@ -603,49 +603,10 @@ unsafe fn copy_range(op: ferry_backend_api::Op, range: &Range) {
         ferry_backend_api::Op::Write => (range.local_addr, range.remote_addr),
         ferry_backend_api::Op::Read => (range.remote_addr, range.local_addr),
     };
-    let (src, dst, len) = (src as *const u8, dst as *mut u8, range.len as usize);
-    if (16..=64).contains(&len) {
-        // A small range (the usual unmerged descriptor) is copied inline instead of
-        // through a `memmove` call: two overlapping halves, both read before either is
-        // written, so overlap is tolerated as by `copy`.
-        // SAFETY: as below; every access lies inside `src..src + len` or
-        // `dst..dst + len` (16 ≤ len ≤ 64, halves of 8 to 32 bytes at both ends), and the
-        // unaligned reads and writes need no alignment.
-        unsafe { copy_small(src, dst, len) };
-        return;
-    }
     // SAFETY: per this function's contract both ranges are valid, registered and pinned
     // (so neither side can be deregistered during the copy); both agents live in this
-    // process (checked at `load_remote`). `copy` tolerates overlap.
-    unsafe {
-        std::ptr::copy(src, dst, len);
-    }
-}
-
-/// Copy `16 ≤ len ≤ 64` bytes from `src` to `dst`, overlap allowed.
-///
-/// # Safety
-///
-/// `src..src + len` is readable and `dst..dst + len` writable for the call.
-#[inline(always)]
-unsafe fn copy_small(src: *const u8, dst: *mut u8, len: usize) {
-    debug_assert!((16..=64).contains(&len));
-    // SAFETY: 16 ≤ len ≤ 64, so each chunk (32 bytes when len ≥ 32, else 16) at offset 0
-    // or `len - chunk` lies inside both ranges (the caller's promise); the accesses are
-    // unaligned reads and writes, and both reads happen before either write.
-    unsafe {
-        if len >= 32 {
-            let head = std::ptr::read_unaligned(src as *const [u8; 32]);
-            let tail = std::ptr::read_unaligned(src.add(len - 32) as *const [u8; 32]);
-            std::ptr::write_unaligned(dst as *mut [u8; 32], head);
-            std::ptr::write_unaligned(dst.add(len - 32) as *mut [u8; 32], tail);
-        } else {
-            let head = std::ptr::read_unaligned(src as *const [u8; 16]);
-            let tail = std::ptr::read_unaligned(src.add(len - 16) as *const [u8; 16]);
-            std::ptr::write_unaligned(dst as *mut [u8; 16], head);
-            std::ptr::write_unaligned(dst.add(len - 16) as *mut [u8; 16], tail);
-        }
-    }
+    // process (checked at `load_remote`). `copy_bytes` tolerates overlap.
+    unsafe { ferry_backend_api::copy_bytes(src as *const u8, dst as *mut u8, range.len as usize) };
 }
 
 /// The error of a post that names a region deregistered since, or a range outside it.

@@ -668,10 +668,20 @@ impl Shm {
         };
         let pending = &mut self.cma_pending;
         pending.clear();
+        // The last token resolved, kept in a local: the copies write through raw
+        // pointers, so a value read from `p` would be read again for every range.
+        let mut last: Option<(u64, Target)> = None;
         for (i, range) in post.ranges.iter().enumerate() {
             let index = Some(i as u32);
-            let target = resolve(p, range.remote_token)
-                .map_err(|(errno, _)| fail(FailureKind::Backend, errno, index))?;
+            let target = match last {
+                Some((token, target)) if token == range.remote_token => target,
+                _ => {
+                    let target = resolve(p, range.remote_token)
+                        .map_err(|(errno, _)| fail(FailureKind::Backend, errno, index))?;
+                    last = Some((range.remote_token, target));
+                    target
+                }
+            };
             match target {
                 Target::Mapped { here, base, len } => {
                     let there = Target::translate(here, base, len, range.remote_addr, range.len)
@@ -684,7 +694,13 @@ impl Shm {
                     // promise); the remote side lies inside our mapping of the peer's
                     // sealed segment (checked just above), which stays mapped until the
                     // peer is unloaded (not before this `&mut self` call ends).
-                    unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, range.len as usize) };
+                    unsafe {
+                        ferry_backend_api::copy_bytes(
+                            src as *const u8,
+                            dst as *mut u8,
+                            range.len as usize,
+                        )
+                    };
                 }
                 Target::Cma => {
                     if p.cma.is_err() {
@@ -780,8 +796,10 @@ impl Shm {
                 Op::Read => (range.remote_addr, range.local_addr),
             };
             // SAFETY: both sides lie inside our live registrations (checked), whose
-            // validity the caller of `post` promised; `copy` tolerates overlap.
-            unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, range.len as usize) };
+            // validity the caller of `post` promised; `copy_bytes` tolerates overlap.
+            unsafe {
+                ferry_backend_api::copy_bytes(src as *const u8, dst as *mut u8, range.len as usize)
+            };
         }
         Ok(())
     }
