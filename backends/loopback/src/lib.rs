@@ -449,8 +449,9 @@ pub struct Loopback {
     /// Pins of the post in progress (capacity reused: no allocation in steady state).
     pinned: Vec<(Table, u64)>,
     faults: Arc<Faults>,
-    /// Loaded peers, by handle (a secondary map: no hashing on the post path).
-    peers: SparseSecondaryMap<PeerId, RemotePeer>,
+    /// Loaded peers, by handle: a sparse secondary map hashes its keys, with Fx here
+    /// (they are the engine's own peer handles; SipHash cost a post tens of ns).
+    peers: SparseSecondaryMap<PeerId, RemotePeer, rustc_hash::FxBuildHasher>,
     held: VecDeque<Held>,
 }
 
@@ -493,7 +494,7 @@ impl Loopback {
             slots_used: 0,
             pinned: Vec::with_capacity(64),
             faults,
-            peers: SparseSecondaryMap::new(),
+            peers: SparseSecondaryMap::with_hasher(rustc_hash::FxBuildHasher),
             held: VecDeque::with_capacity(64),
         })
     }

@@ -207,7 +207,9 @@ pub struct Shm {
     lane_names: Vec<(u64, String)>,
     regions: Vec<LocalSlot>,
     free_slots: Vec<u32>,
-    peers: SparseSecondaryMap<PeerId, Peer>,
+    /// Fx-hashed: the keys are the engine's own peer handles, and a post looks its peer
+    /// up several times (SipHash was ~8 % of a one-range request).
+    peers: SparseSecondaryMap<PeerId, Peer, rustc_hash::FxBuildHasher>,
     /// Scratch of one request's CMA ranges (capacity kept: no allocation once warm).
     cma_pending: Vec<CmaRange>,
     local_iov: Vec<Iov>,
@@ -322,7 +324,7 @@ impl Shm {
             lane_names: vec![(0, String::new()); lanes],
             regions: Vec::new(),
             free_slots: Vec::new(),
-            peers: SparseSecondaryMap::new(),
+            peers: SparseSecondaryMap::with_hasher(rustc_hash::FxBuildHasher),
             cma_pending: Vec::with_capacity(CMA_IOVECS_MAX),
             local_iov: Vec::with_capacity(CMA_IOVECS_MAX),
             remote_iov: Vec::with_capacity(CMA_IOVECS_MAX),
