@@ -76,3 +76,68 @@ fn metadata_after_compaction_names_exactly_the_live_regions() {
         other => panic!("prep into a deregistered region: {other:?}"),
     }
 }
+
+/// A peer may name up to 256 backends in its metadata, more than an agent holds
+/// (`MAX_BACKENDS`), and the one an agent shares with it may come after the first
+/// eight. Here the peer's blob names nine other backends before LOOPBACK, and a WRITE
+/// into its region lands byte for byte, both through a one-shot create and through
+/// prepared lists.
+#[test]
+fn regions_of_a_peer_backend_named_after_the_first_eight_are_found() {
+    use ferry::metadata::{MdWriter, PeerMd};
+    use ferry::Side;
+    let mut rng = Rng::new(26);
+    let src = Buffer::random(4 * REGION, &mut rng);
+    let dst = Buffer::zeroed(4 * REGION);
+    let a = loopback_agent("many-backends-a");
+    let b = loopback_agent("many-backends-b");
+    ferry_tests::register(&a, &src);
+    ferry_tests::register(&b, &dst);
+    let genuine = PeerMd::from_bytes(&b.local_md().unwrap()).unwrap();
+    let mut w = MdWriter::new(genuine.agent(), genuine.generation());
+    for i in 0..9 {
+        w.backend(&format!("ABSENT{i}"), None);
+    }
+    let mut loopback = None;
+    for i in 0..genuine.backend_count() as u8 {
+        let (name, conn) = genuine.backend(i).unwrap();
+        loopback = Some(w.backend(name, conn));
+    }
+    for region in genuine.regions() {
+        w.region(
+            loopback.unwrap(),
+            region.kind,
+            region.desc,
+            region.public_md,
+        );
+    }
+    let blob = w.finish().unwrap();
+    let b_at_a = a.load_remote_md(&blob).unwrap();
+    let x = a
+        .create(
+            Op::Write,
+            MemKind::Dram,
+            &[src.desc(0, 2 * REGION)],
+            b_at_a,
+            MemKind::Dram,
+            &[dst.desc(0, 2 * REGION)],
+            None,
+        )
+        .unwrap();
+    assert_eq!(a.post(x).unwrap(), XferStatus::Done);
+    a.release(x).unwrap();
+    let local = a
+        .prep(
+            Side::Local,
+            MemKind::Dram,
+            &[src.desc(2 * REGION, 2 * REGION)],
+        )
+        .unwrap();
+    let remote = a
+        .prep(b_at_a, MemKind::Dram, &[dst.desc(2 * REGION, 2 * REGION)])
+        .unwrap();
+    let x = a.make(Op::Write, local, &[], remote, &[], None).unwrap();
+    assert_eq!(a.post(x).unwrap(), XferStatus::Done);
+    a.release(x).unwrap();
+    assert_eq!(dst.bytes(), src.bytes());
+}
