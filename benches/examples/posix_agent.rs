@@ -16,7 +16,8 @@
 //! repetition the file's page cache is flushed and dropped (as fio's `invalidate=1`).
 //! Memory is one block per file block unless `--mem-blocks N` (a multiple of the batch)
 //! makes the requests cycle through N blocks: `--mem-blocks <batch>` is fio's footprint
-//! (iodepth × bs buffers, reused).
+//! (iodepth × bs buffers, reused). A WRITE's memory is written before it is registered,
+//! a READ's is not (fio fills its buffers for write jobs only).
 //! Prints `ferry-agent-posix <op> <buffered|direct> bs=<KiB>KiB batch=<n> engine=<e>
 //! huge_pages=<bool> mem_blocks=<n> median_gbps=<x> reps=<a,b,c>`.
 
@@ -115,15 +116,20 @@ struct Aligned {
 }
 
 impl Aligned {
-    fn new(len: usize, huge_pages: bool) -> Result<Aligned, String> {
+    /// `fill`: write every byte first (a WRITE's source). A READ's destination is left
+    /// untouched, as fio leaves its buffers for read jobs: its pages are then faulted in
+    /// by the POSIX backend's registration (io_uring fixed buffers pin them), which on
+    /// the development VM gave O_DIRECT reads of 1 MiB on 4 KiB pages 1.4-2.4x the rate
+    /// of memory written first (`backends/posix/bench/RESULTS.md`, 2026-12-07).
+    fn new(len: usize, huge_pages: bool, fill: bool) -> Result<Aligned, String> {
         let layout = Layout::from_size_align(len.max(1), 2 << 20).map_err(|e| e.to_string())?;
         // SAFETY: the layout has a non-zero size.
         let ptr = unsafe { alloc::alloc(layout) };
         if ptr.is_null() {
             return Err(format!("cannot allocate {len} bytes"));
         }
-        // SAFETY: advisory calls on memory we own; then every byte is written, which
-        // also faults the pages in before timing.
+        // SAFETY: advisory calls on memory we own; then, for a WRITE, every byte is
+        // written, which also faults the pages in before timing.
         unsafe {
             let advice = if huge_pages {
                 libc::MADV_HUGEPAGE
@@ -131,7 +137,9 @@ impl Aligned {
                 libc::MADV_NOHUGEPAGE
             };
             libc::madvise(ptr.cast(), len, advice);
-            std::ptr::write_bytes(ptr, 0xa5, len);
+            if fill {
+                std::ptr::write_bytes(ptr, 0xa5, len);
+            }
         }
         Ok(Aligned { ptr, layout })
     }
@@ -176,7 +184,7 @@ fn run(cfg: &Config) -> Result<Vec<f64>, String> {
     }
     let mem_blocks = cfg.mem_blocks.unwrap_or(blocks);
     let mem_len = mem_blocks * cfg.block;
-    let mem = Aligned::new(mem_len as usize, cfg.huge_pages)?;
+    let mem = Aligned::new(mem_len as usize, cfg.huge_pages, cfg.op == Op::Write)?;
     let agent = Agent::new(AgentConfig::named("posix-agent-bench")).map_err(|e| e.to_string())?;
     let mut params = Params::new();
     let flag = if cfg.register { "true" } else { "false" };

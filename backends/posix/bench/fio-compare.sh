@@ -20,7 +20,10 @@
 # per file block instead, as a KV offload would), the same page-cache state (flushed
 # and dropped before every run: fio's invalidate=1 after a sync, Ferry's fsync +
 # POSIX_FADV_DONTNEED) and the same readahead hint (fio's fadvise_hint=1 =
-# POSIX_FADV_SEQUENTIAL; Ferry's access_hint=sequential). Ferry's side goes through an
+# POSIX_FADV_SEQUENTIAL; Ferry's access_hint=sequential), and the same preparation of
+# that memory (fio fills its buffers for write jobs only; a read job's are first touched
+# when io_uring pins them: posix_agent likewise writes a WRITE's source and leaves a
+# READ's destination to the backend's registration). Ferry's side goes through an
 # Agent by default (benches' posix_agent example: one request per batch, every I/O
 # one block as fio's); --driver backend drives the POSIX backend directly
 # (posix_bench; it has no --mem-blocks, so its memory is distinct).
@@ -94,7 +97,7 @@ echo "# $(date -u +%FT%TZ) $(uname -r) $(nproc) cores; file $file ($(df -PT "$(d
 echo "# order alternates: odd reps fio-matched, fio-default, ferry; even reps ferry, fio-default, fio-matched"
 echo "# fio $(fio --version) (both rows): --ioengine=io_uring --iodepth=<batch> --bs --direct --size=${size_mib}M, invalidate=1 fadvise_hint=1 (defaults; file synced before each run), buffers malloc'd (4 KiB pages), iodepth x bs of them"
 echo "#   matched: --fixedbufs=1 --registerfiles=1; default: fio's defaults (no registered buffers/files); neither hipri nor sqthread_poll"
-echo "# ferry ($driver: $example): engine=$engine, queue_depth=batch, fixed buffers + fixed files (the backend's defaults), access_hint=sequential, memory 2 MiB-aligned 4 KiB pages (--no-huge-pages), footprint: $( [ "$ferry_mem" = fio ] && echo 'batch x block, reused (as fio)' || echo 'one block per file block'), page cache flushed+dropped before the run"
+echo "# ferry ($driver: $example): engine=$engine, queue_depth=batch, fixed buffers + fixed files (the backend's defaults), access_hint=sequential, memory 2 MiB-aligned 4 KiB pages (--no-huge-pages), footprint: $( [ "$ferry_mem" = fio ] && echo 'batch x block, reused (as fio)' || echo 'one block per file block'), written before registration for WRITE only (as fio), page cache flushed+dropped before the run"
 printf "%-6s %-9s %-8s %-5s %8s %8s %6s %8s %6s  %s\n" op mode bs batch ferry fio-m ratio fio-d ratio load
 sync_file() { if [ -e "$file" ]; then sync "$file"; fi; }
 cell_lock() { if [ -n "${LOCK:-}" ]; then exec 9>"$LOCK"; flock -x 9; fi; }
