@@ -21,8 +21,8 @@
 //! is refused there — still nothing allocated.
 //!
 //! Also (`first_request_after_a_load`): an agent's very first request after it loaded a
-//! peer — a one-shot `create` of 1,024 descriptors, post, checks, release, on LOOPBACK
-//! and on UCX — allocates nothing either: the load readied the request path for it
+//! peer — a one-shot `create` of 1,024 descriptors, or two prepared lists and `make`,
+//! then post, checks, release, on LOOPBACK and on UCX — allocates nothing either: the load readied the request path for it
 //! (issue 25: the first request no slower than the second).
 
 use std::path::PathBuf;
@@ -247,7 +247,8 @@ fn loopback() {
 /// A fresh agent with `backend` loads a target with `n` regions, then makes its very
 /// first request (a one-shot WRITE of one 64-byte descriptor into each region, remote
 /// order shuffled), posts it, checks it to the end and releases it: counted, nothing
-/// allocated on the flush's threads.
+/// allocated on the flush's threads. Then the same through two prepared lists and
+/// `make` on another fresh agent, the lists released too.
 fn first_request_after_a_load() {
     let n = 1024;
     let block = 64;
@@ -318,6 +319,35 @@ fn first_request_after_a_load() {
         assert_eq!(
             counts.flush, 0,
             "{backend}: the first request after a load allocated ({counts:?})"
+        );
+        // The same through two prepared lists and `make` (each list takes an entry
+        // list of its own from the pool the load readied).
+        let b = agent("noalloc-first-prepared", &Params::new());
+        register(&b, &src);
+        let peer = b.load_remote_md(&blob).expect("load");
+        let (done, counts) = counted(|| {
+            let l = b
+                .prep(Side::Local, MemKind::Dram, &local)
+                .expect("prep local");
+            let r = b.prep(peer, MemKind::Dram, &remote).expect("prep remote");
+            let x = b.make(Op::Write, l, &[], r, &[], None).expect("make");
+            let deadline = Instant::now() + Duration::from_secs(30);
+            let mut status = b.post(x).expect("post");
+            while status != XferStatus::Done && Instant::now() < deadline {
+                status = b.check(x).expect("check");
+            }
+            b.release(x).expect("release");
+            b.release_prep(l).expect("release local list");
+            b.release_prep(r).expect("release remote list");
+            status == XferStatus::Done
+        });
+        assert!(
+            done,
+            "{backend}: the first prepared request did not complete"
+        );
+        assert_eq!(
+            counts.flush, 0,
+            "{backend}: the first prepared request after a load allocated ({counts:?})"
         );
     }
 }

@@ -24,6 +24,25 @@ const READY_DESCS_MIN: usize = 1024;
 /// Most descriptors a load readies the request path for.
 const READY_DESCS_MAX: usize = 16 * 1024;
 
+/// Ready the `lists` lists a pool hands out next (its last ones; made if missing) for
+/// `n` items each: allocated and written once, so their pages are faulted in, then
+/// emptied. Two prepared lists (a request's local and remote sides) take two distinct
+/// lists, hence `lists`. The pool also gets room to take back as many lists as it
+/// holds and as many again (a release pushes a list whether or not its request took
+/// one from the pool).
+fn ready_pool<T: Clone>(pool: &mut Vec<Vec<T>>, lists: usize, n: usize, fill: T) {
+    if pool.len() < lists {
+        pool.resize_with(lists, Vec::new);
+    }
+    pool.reserve(lists);
+    let next = pool.len() - lists;
+    for list in &mut pool[next..] {
+        list.clear();
+        list.resize(n, fill.clone());
+        list.clear();
+    }
+}
+
 /// `; refused by UCX: <error>` when some backend refused a peer that others took.
 struct Refused<'a>(&'a World, BackendMask, Option<&'a Error>);
 
@@ -224,27 +243,15 @@ impl World {
             return;
         }
         self.ready_descs = n;
-        let mut ranges = self.pools.ranges.pop().unwrap_or_default();
-        ranges.clear();
-        ranges.resize(n, Range::default());
-        ranges.clear();
-        self.pools.ranges.push(ranges);
+        ready_pool(&mut self.pools.ranges, 1, n, Range::default());
         let entry = PrepEntry {
             desc: Desc::default(),
             target: 0,
         };
-        for _ in 0..2 {
-            let mut entries = self.pools.entries.pop().unwrap_or_default();
-            entries.clear();
-            entries.resize(n, entry);
-            entries.clear();
-            self.pools.entries.push(entries);
-        }
-        let mut pins = self.pools.pins.pop().unwrap_or_default();
-        pins.clear();
-        pins.resize(n, RegionId::default());
-        pins.clear();
-        self.pools.pins.push(pins);
+        ready_pool(&mut self.pools.entries, 2, n, entry);
+        // A released list returns its (for a plain list, empty) runs too.
+        self.pools.runs.reserve(2);
+        ready_pool(&mut self.pools.pins, 1, n, RegionId::default());
         if self.pools.notifs.is_empty() {
             self.pools.notifs.push(Vec::new());
         }
