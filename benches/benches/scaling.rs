@@ -263,7 +263,7 @@ fn ucx_first_request(c: &mut Criterion) {
                         register(&a, &src);
                         if used {
                             let warm = a.load_remote_md(&other_blob).expect("load");
-                            ferry_benches::write_and_wait(&a, warm, &local, &other_remote);
+                            ferry_tests::write_and_wait(&a, warm, &local, &other_remote);
                         }
                         let t0 = Instant::now();
                         let peer = a.load_remote_md(&blob).expect("load");
@@ -272,10 +272,10 @@ fn ucx_first_request(c: &mut Criterion) {
                             continue;
                         }
                         for _ in 0..warm_turns {
-                            ferry_benches::write_and_wait(&a, peer, &local, &remote);
+                            ferry_tests::write_and_wait(&a, peer, &local, &remote);
                         }
                         let t0 = Instant::now();
-                        ferry_benches::write_and_wait(&a, peer, &local, &remote);
+                        ferry_tests::write_and_wait(&a, peer, &local, &remote);
                         times.push(t0.elapsed());
                     }
                     times.sort_unstable();

@@ -108,7 +108,7 @@ fn main() {
             std::thread::sleep(gap);
         }
         if let Some((w, wpeer)) = &warmer {
-            ferry_benches::write_and_wait(w, *wpeer, &local, &remote);
+            ferry_tests::write_and_wait(w, *wpeer, &local, &remote);
         }
         for (k, request) in parts.iter_mut().enumerate() {
             if k == 1 && !evict.is_empty() {

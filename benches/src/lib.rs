@@ -42,30 +42,3 @@ pub fn ucx_bench_agent(name: &str, params: &[(&str, &str)]) -> ferry::Agent {
     agent.create_backend("UCX", &all).expect("UCX backend");
     agent
 }
-
-/// One WRITE of `local[i]` → `remote[i]` from `agent` to `peer`: create, post, check
-/// until done, release (panics on any error: a bench's set-up, not a measurement).
-pub fn write_and_wait(
-    agent: &ferry::Agent,
-    peer: ferry::PeerId,
-    local: &[ferry::Desc],
-    remote: &[ferry::Desc],
-) {
-    use ferry::{MemKind, Op, XferStatus};
-    let x = agent
-        .create(
-            Op::Write,
-            MemKind::Dram,
-            local,
-            peer,
-            MemKind::Dram,
-            remote,
-            None,
-        )
-        .expect("create");
-    let mut status = agent.post(x).expect("post");
-    while status != XferStatus::Done {
-        status = agent.check(x).expect("check");
-    }
-    agent.release(x).expect("release");
-}

@@ -202,6 +202,35 @@ pub fn write_once(
     status
 }
 
+/// One DRAM WRITE of `local[i]` → `remote[i]` from `agent` to `peer`: created,
+/// posted, checked until done (at most 30 s) and released. Panics on any error or on
+/// the deadline. Allocates nothing of its own, so no-allocation tests can count it.
+pub fn write_and_wait(agent: &Agent, peer: PeerId, local: &[Desc], remote: &[Desc]) {
+    use ferry::{Op, XferStatus};
+    let x = agent
+        .create(
+            Op::Write,
+            MemKind::Dram,
+            local,
+            peer,
+            MemKind::Dram,
+            remote,
+            None,
+        )
+        .expect("create");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let mut status = agent.post(x).expect("post");
+    while status != XferStatus::Done {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a WRITE of {} descriptors did not complete in 30 s",
+            local.len()
+        );
+        status = agent.check(x).expect("check");
+    }
+    agent.release(x).expect("release");
+}
+
 /// One KV cache's layers as strided runs, as the strided benchmarks use them: `layers`
 /// layers of `blocks` blocks of `block` bytes, side by side in `src` (local runs, in
 /// layer order) and `2 × block` apart in `dst` (remote runs, layers in shuffled order).

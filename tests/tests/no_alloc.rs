@@ -285,30 +285,7 @@ fn first_request_after_a_load() {
         let a = agent("noalloc-first-initiator", &Params::new());
         register(&a, &src);
         let peer = a.load_remote_md(&blob).expect("load");
-        let (done, counts) = counted(|| {
-            let x = a
-                .create(
-                    Op::Write,
-                    MemKind::Dram,
-                    &local,
-                    peer,
-                    MemKind::Dram,
-                    &remote,
-                    None,
-                )
-                .expect("create");
-            let deadline = Instant::now() + Duration::from_secs(30);
-            let mut status = a.post(x).expect("post");
-            while status != XferStatus::Done && Instant::now() < deadline {
-                status = a.check(x).expect("check");
-            }
-            a.release(x).expect("release");
-            status == XferStatus::Done
-        });
-        assert!(
-            done,
-            "{backend}: the first request did not complete in 30 s"
-        );
+        let ((), counts) = counted(|| ferry_tests::write_and_wait(&a, peer, &local, &remote));
         for (i, &j) in order.iter().enumerate() {
             assert_eq!(
                 &dst.bytes()[j * region..j * region + block],
