@@ -206,24 +206,27 @@ pub fn write_once(
 /// posted, checked until done (at most 30 s) and released. Panics on any error or on
 /// the deadline. Allocates nothing of its own, so no-allocation tests can count it.
 pub fn write_and_wait(agent: &Agent, peer: PeerId, local: &[Desc], remote: &[Desc]) {
-    use ferry::{Op, XferStatus};
+    transfer_and_wait(agent, ferry::Op::Write, peer, local, remote)
+}
+
+/// [`write_and_wait`] for either operation (a READ fills `local[i]` from `remote[i]`).
+pub fn transfer_and_wait(
+    agent: &Agent,
+    op: ferry::Op,
+    peer: PeerId,
+    local: &[Desc],
+    remote: &[Desc],
+) {
+    use ferry::XferStatus;
     let x = agent
-        .create(
-            Op::Write,
-            MemKind::Dram,
-            local,
-            peer,
-            MemKind::Dram,
-            remote,
-            None,
-        )
+        .create(op, MemKind::Dram, local, peer, MemKind::Dram, remote, None)
         .expect("create");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     let mut status = agent.post(x).expect("post");
     while status != XferStatus::Done {
         assert!(
             std::time::Instant::now() < deadline,
-            "a WRITE of {} descriptors did not complete in 30 s",
+            "a {op:?} of {} descriptors did not complete in 30 s",
             local.len()
         );
         status = agent.check(x).expect("check");

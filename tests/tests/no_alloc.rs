@@ -282,50 +282,70 @@ fn first_request_after_a_load() {
         let mut order: Vec<usize> = (0..n).collect();
         rng.shuffle(&mut order);
         let remote: Vec<Desc> = order.iter().map(|&j| dst.desc(j * region, block)).collect();
-        let a = agent("noalloc-first-initiator", &Params::new());
-        register(&a, &src);
-        let peer = a.load_remote_md(&blob).expect("load");
-        let ((), counts) = counted(|| ferry_tests::write_and_wait(&a, peer, &local, &remote));
-        for (i, &j) in order.iter().enumerate() {
-            assert_eq!(
-                &dst.bytes()[j * region..j * region + block],
-                &src.bytes()[i * block..(i + 1) * block],
-                "{backend}: descriptor {i}"
+        // Each first request by an agent that has just loaded the target, one-shot and
+        // through two prepared lists, WRITE then READ. A READ fills `back` from the
+        // regions the WRITEs filled (the prepared WRITE wrote the same bytes again).
+        let back = Buffer::zeroed(n * block);
+        let back_descs: Vec<Desc> = (0..n).map(|i| back.desc(i * block, block)).collect();
+        for (op, prepared) in [
+            (Op::Write, false),
+            (Op::Write, true),
+            (Op::Read, false),
+            (Op::Read, true),
+        ] {
+            let what = format!(
+                "{backend}: the first {op:?} request{} after a load",
+                if prepared {
+                    " through prepared lists"
+                } else {
+                    ""
+                }
             );
-        }
-        assert_eq!(
-            counts.flush, 0,
-            "{backend}: the first request after a load allocated ({counts:?})"
-        );
-        // The same through two prepared lists and `make` (each list takes an entry
-        // list of its own from the pool the load readied).
-        let b = agent("noalloc-first-prepared", &Params::new());
-        register(&b, &src);
-        let peer = b.load_remote_md(&blob).expect("load");
-        let (done, counts) = counted(|| {
-            let l = b
-                .prep(Side::Local, MemKind::Dram, &local)
-                .expect("prep local");
-            let r = b.prep(peer, MemKind::Dram, &remote).expect("prep remote");
-            let x = b.make(Op::Write, l, &[], r, &[], None).expect("make");
-            let deadline = Instant::now() + Duration::from_secs(30);
-            let mut status = b.post(x).expect("post");
-            while status != XferStatus::Done && Instant::now() < deadline {
-                status = b.check(x).expect("check");
+            let (buffer, local) = match op {
+                Op::Write => (&src, &local),
+                Op::Read => (&back, &back_descs),
+            };
+            let a = agent("noalloc-first-initiator", &Params::new());
+            register(&a, buffer);
+            let peer = a.load_remote_md(&blob).expect("load");
+            let (done, counts) = counted(|| {
+                if !prepared {
+                    ferry_tests::transfer_and_wait(&a, op, peer, local, &remote);
+                    return true;
+                }
+                let l = a
+                    .prep(Side::Local, MemKind::Dram, local)
+                    .expect("prep local");
+                let r = a.prep(peer, MemKind::Dram, &remote).expect("prep remote");
+                let x = a.make(op, l, &[], r, &[], None).expect("make");
+                let deadline = Instant::now() + Duration::from_secs(30);
+                let mut status = a.post(x).expect("post");
+                while status != XferStatus::Done && Instant::now() < deadline {
+                    status = a.check(x).expect("check");
+                }
+                a.release(x).expect("release");
+                a.release_prep(l).expect("release local list");
+                a.release_prep(r).expect("release remote list");
+                status == XferStatus::Done
+            });
+            assert!(done, "{what} did not complete");
+            let moved = match op {
+                Op::Write => &dst,
+                Op::Read => &back,
+            };
+            for (i, &j) in order.iter().enumerate() {
+                let there = match op {
+                    Op::Write => &moved.bytes()[j * region..j * region + block],
+                    Op::Read => &moved.bytes()[i * block..(i + 1) * block],
+                };
+                assert_eq!(
+                    there,
+                    &src.bytes()[i * block..(i + 1) * block],
+                    "{what}: descriptor {i}"
+                );
             }
-            b.release(x).expect("release");
-            b.release_prep(l).expect("release local list");
-            b.release_prep(r).expect("release remote list");
-            status == XferStatus::Done
-        });
-        assert!(
-            done,
-            "{backend}: the first prepared request did not complete"
-        );
-        assert_eq!(
-            counts.flush, 0,
-            "{backend}: the first prepared request after a load allocated ({counts:?})"
-        );
+            assert_eq!(counts.flush, 0, "{what} allocated ({counts:?})");
+        }
     }
 }
 

@@ -1164,8 +1164,10 @@ impl Backend for UcxBackend {
         // registered on every worker, whatever `am_batch` says about sending them).
         let mut core = self.core();
         // Peers that load this metadata send batches checked against the index of
-        // registered memory: built now, not by the first of them.
+        // registered memory: built now, not by the first of them; and the buffers
+        // their first READ batches are answered from.
         core.settle_region_index();
+        core.ready_read_replies();
         let addresses = core.worker_addresses()?;
         drop(core);
         Ok(wire::encode(

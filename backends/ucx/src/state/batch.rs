@@ -251,7 +251,7 @@ pub(crate) struct BatchEvents {
 
 /// Where the data of a READ batch message's reply goes (initiator).
 #[derive(Default)]
-struct ReadWait {
+pub(super) struct ReadWait {
     /// The message's cookie while its reply is awaited.
     cookie: Option<u64>,
     /// Bytes the reply must carry.
@@ -290,7 +290,7 @@ impl BatchEvents {
             pings: AtomicU64::new(0),
             allocated_replies: AtomicU64::new(0),
             reads: Mutex::new((0..messages).map(|_| ReadWait::default()).collect()),
-            replies: Mutex::new(Vec::new()),
+            replies: Mutex::new(Vec::with_capacity(REPLY_POOL_MAX)),
             ack_pool: (0..ACK_POOL_LEN as u32)
                 .map(|index| AckBuf {
                     events,
@@ -734,6 +734,20 @@ unsafe extern "C" fn on_reply_sent(
 }
 
 impl BatchEvents {
+    /// Put READ reply buffers in the pool until it holds `count`, each with room for
+    /// `bytes` and its pages written, so the first READ batches a peer sends are
+    /// answered without an allocation (called when this backend's metadata is made: a
+    /// peer that loads it may read). A buffer already there is left as it is.
+    pub(super) fn ready_replies(&self, events: *const Events, count: usize, bytes: usize) {
+        let mut pool = self.replies.lock().unwrap_or_else(|e| e.into_inner());
+        while pool.len() < count.min(REPLY_POOL_MAX) {
+            pool.push(Box::new(ReplyBuf {
+                events,
+                bytes: written_empty(bytes),
+            }));
+        }
+    }
+
     fn recycle_reply(&self, buf: Box<ReplyBuf>) {
         let mut pool = self.replies.lock().unwrap_or_else(|e| e.into_inner());
         if pool.len() < REPLY_POOL_MAX {
@@ -1083,13 +1097,29 @@ impl AmBatch {
         for &m in self.free.iter().rev().take(count) {
             let buf = &mut self.msgs[m as usize].buf;
             if buf.capacity() < msg_bytes {
-                // Reason: written, not just allocated: `vec![0; n]` is a zeroed
-                // allocation, which may be fresh pages the kernel has not mapped yet.
-                #[allow(clippy::slow_vector_initialization)]
-                let mut fresh = Vec::with_capacity(msg_bytes);
-                fresh.resize(msg_bytes, 0u8);
-                fresh.clear();
-                *buf = fresh;
+                *buf = written_empty(msg_bytes);
+            }
+        }
+    }
+
+    /// Give the next `count` messages, and the reply records their READs would be
+    /// swapped into, room for the local ranges of a READ: as many as such a message can
+    /// list, at most `ranges` (the request the load readies). A message's list of local
+    /// ranges and its record trade places at each send, so both need the room, or the
+    /// first READs through a message grow them step by step.
+    pub(super) fn ready_reads(&mut self, count: usize, ranges: usize, reads: &mut [ReadWait]) {
+        for &m in self.free.iter().rev().take(count) {
+            let msg = &mut self.msgs[m as usize];
+            let bytes = msg.buf.capacity().clamp(
+                wire::BATCH_WRITE_ONE_HEADER_LEN_BYTES,
+                crate::AM_BATCH_BYTES_TCP,
+            );
+            let entries =
+                ((bytes - wire::BATCH_HEADER_LEN_BYTES) / wire::BATCH_ENTRY_LEN_BYTES).min(ranges);
+            msg.locals.reserve(entries.saturating_sub(msg.locals.len()));
+            if let Some(wait) = reads.get_mut(m as usize) {
+                wait.locals
+                    .reserve(entries.saturating_sub(wait.locals.len()));
             }
         }
     }
@@ -1100,7 +1130,41 @@ impl AmBatch {
     }
 }
 
+/// An empty buffer with room for `bytes`, every page of which was written (so its
+/// first use does not fault pages in).
+fn written_empty(bytes: usize) -> Vec<u8> {
+    // Reason: written, not just allocated: `vec![0; n]` is a zeroed allocation, which
+    // may be fresh pages the kernel has not mapped yet.
+    #[allow(clippy::slow_vector_initialization)]
+    let mut fresh = Vec::with_capacity(bytes);
+    fresh.resize(bytes, 0u8);
+    fresh.clear();
+    fresh
+}
+
 impl Core {
+    /// At a load ([`Core::ready_requests`]): room for the local ranges of a READ of
+    /// `ranges` in the messages the endpoint readied ([`AmBatch::prepare`]: at most two).
+    pub(super) fn ready_batch_reads(&mut self, ranges: usize) {
+        let mut reads = self
+            .events
+            .batch
+            .reads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        self.am.ready_reads(2, ranges, &mut reads);
+    }
+
+    /// This backend's metadata is being made: ready the pool of READ reply buffers for
+    /// the first peers that read (two of the largest READ message's reply).
+    pub(crate) fn ready_read_replies(&self) {
+        self.events.batch.ready_replies(
+            Arc::as_ptr(&self.events),
+            2,
+            wire::BATCH_ACK_LEN_BYTES + crate::AM_BATCH_BYTES_TCP,
+        );
+    }
+
     /// Add the range to the open message of batch `head` (starting one if needed): a
     /// WRITE's data is copied in, a READ's local range kept for the reply. False if no
     /// message is free (the caller then puts or gets the range).

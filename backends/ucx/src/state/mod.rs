@@ -592,6 +592,7 @@ impl Core {
             .reserve(slots.saturating_sub(self.free_slots.len()));
         self.ready.reserve(slots.saturating_sub(self.ready.len()));
         self.cells.cover(0);
+        self.ready_batch_reads(ranges);
     }
 
     /// The loaded library.
