@@ -16,16 +16,40 @@ use ferry_storage::{Desc, Error, MemKind, PeerId, RegionId, Subject, MAX_BACKEND
 /// generation, or full metadata, instead). Bounds what a peer can make us keep.
 pub(crate) const PEER_BLOBS_MAX: usize = 1024;
 
+/// A peer with at most this many regions (over every backend and kind, counted in its
+/// blobs) is looked up in a table inside its set ([`PeerMdSet::small`]): a lookup reads
+/// the set's first few cache lines instead of walking the archived sections (about ten
+/// lines, each a miss when a process sends to many peers in turn). A peer that
+/// registers a few large regions (a KV cache per device) is the common case.
+const SMALL_REGIONS: usize = 4;
+
+/// One region of a small peer: its range, token, view backend index and kind.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct SmallRegion {
+    dev: u64,
+    start: u64,
+    end: u64,
+    token: u64,
+    backend: u8,
+    kind: u8,
+}
+
 /// Every blob loaded for one peer's current metadata generation.
 ///
 /// Backend indices of the view are positions in `names` (the union of the blobs'
 /// backend types); a region token is `blob << 32 | region index in that blob`.
 ///
-/// One blob is searched in place. With several (partial metadata accumulating), every
+/// A peer of at most [`SMALL_REGIONS`] regions is searched in `small`. Otherwise one
+/// blob is searched in place. With several (partial metadata accumulating), every
 /// region of every blob is merged once, at load, into one sorted [`Merged`] index per
 /// view backend and memory kind, so a lookup stays one binary search however many
-/// blobs the peer sent.
+/// blobs the peer sent. (`repr(C)`: the small table first, next to the `Arc`'s counts.)
+#[repr(C)]
 pub(crate) struct PeerMdSet {
+    /// Whether `small` holds every region of the peer (then no lookup reads a blob).
+    small_all: bool,
+    small_len: u8,
+    small: [SmallRegion; SMALL_REGIONS],
     agent: String,
     generation: u64,
     blobs: Vec<Arc<PeerMd>>,
@@ -35,6 +59,9 @@ pub(crate) struct PeerMdSet {
     /// With more than one blob: the merged index, by view backend index then kind.
     merged: Vec<[Merged; 5]>,
 }
+
+/// (device, start, end, token) of each region, per memory kind.
+type Rows = [Vec<(u64, u64, u64, u64)>; 5];
 
 /// The regions of one (view backend, memory kind) over all blobs, sorted by (device,
 /// start). Regions of one generation never overlap (`PeerMdSet::compare` refuses it);
@@ -70,6 +97,11 @@ impl Merged {
 
 impl PeerMdSet {
     fn new(blobs: Vec<Arc<PeerMd>>) -> PeerMdSet {
+        Self::build(blobs, SMALL_REGIONS)
+    }
+
+    /// The set, with the small table used up to `small_max` regions.
+    fn build(blobs: Vec<Arc<PeerMd>>, small_max: usize) -> PeerMdSet {
         let first = &blobs[0];
         let mut names: Vec<String> = Vec::new();
         for blob in &blobs {
@@ -86,11 +118,35 @@ impl PeerMdSet {
             .map(|n| blobs.iter().map(|b| b.backend_index(n)).collect())
             .collect();
         let merged = if blobs.len() > 1 {
-            Self::merge(&blobs, &names)
+            Self::merge(Self::sorted_rows(&blobs, &names))
         } else {
             Vec::new()
         };
+        let mut small = [SmallRegion::default(); SMALL_REGIONS];
+        let mut small_len = 0;
+        let listed: usize = blobs.iter().map(|b| b.region_count()).sum();
+        let small_all = listed <= small_max.min(SMALL_REGIONS);
+        if small_all {
+            for (v, kinds) in Self::sorted_rows(&blobs, &names).iter().enumerate() {
+                for (kind, regions) in kinds.iter().enumerate() {
+                    for &(dev, start, end, token) in regions {
+                        small[small_len] = SmallRegion {
+                            dev,
+                            start,
+                            end,
+                            token,
+                            backend: v as u8,
+                            kind: kind as u8,
+                        };
+                        small_len += 1;
+                    }
+                }
+            }
+        }
         PeerMdSet {
+            small_all,
+            small_len: small_len as u8,
+            small,
             agent: first.agent().to_string(),
             generation: first.generation(),
             blobs,
@@ -100,10 +156,10 @@ impl PeerMdSet {
         }
     }
 
-    /// Sort every region of every blob into one index per (view backend, kind).
-    fn merge(blobs: &[Arc<PeerMd>], names: &[String]) -> Vec<[Merged; 5]> {
-        /// (device, start, end, token) of each region, per kind.
-        type Rows = [Vec<(u64, u64, u64, u64)>; 5];
+    /// Every region of every blob as (device, start, end, token), per view backend and
+    /// kind, sorted by range; a range published in several blobs once, with the token
+    /// of its first publication.
+    fn sorted_rows(blobs: &[Arc<PeerMd>], names: &[String]) -> Vec<Rows> {
         let mut rows: Vec<Rows> = (0..names.len()).map(|_| Default::default()).collect();
         for (b, blob) in blobs.iter().enumerate() {
             for index in 0..blob.region_count() as u32 {
@@ -125,13 +181,22 @@ impl PeerMdSet {
                 ));
             }
         }
+        for kinds in &mut rows {
+            for regions in kinds.iter_mut() {
+                // Earlier blobs first among equal ranges, so the first publication of a
+                // region keeps its token.
+                regions.sort_by_key(|&(dev, start, end, token)| (dev, start, end, token));
+                regions.dedup_by_key(|r| (r.0, r.1, r.2));
+            }
+        }
+        rows
+    }
+
+    /// One sorted index per (view backend, kind), from [`PeerMdSet::sorted_rows`].
+    fn merge(rows: Vec<Rows>) -> Vec<[Merged; 5]> {
         rows.into_iter()
             .map(|kinds| {
-                kinds.map(|mut regions| {
-                    // Earlier blobs first among equal ranges, so the first publication
-                    // of a region keeps its token.
-                    regions.sort_by_key(|&(dev, start, end, token)| (dev, start, end, token));
-                    regions.dedup_by_key(|r| (r.0, r.1, r.2));
+                kinds.map(|regions| {
                     let mut m = Merged::default();
                     for (dev, start, end, token) in regions {
                         m.starts.push((dev, start));
@@ -142,6 +207,22 @@ impl PeerMdSet {
                 })
             })
             .collect()
+    }
+
+    /// The region of (`backend`, `kind`) in the small table that covers all of `desc`.
+    #[inline]
+    fn find_small(&self, backend: u8, kind: MemKind, desc: Desc) -> Option<(u64, Desc)> {
+        let end = desc.end().filter(|_| desc.len > 0)?;
+        self.small[..usize::from(self.small_len)]
+            .iter()
+            .find(|r| {
+                r.backend == backend
+                    && r.kind == kind as u8
+                    && r.dev == desc.dev
+                    && r.start <= desc.addr
+                    && end <= r.end
+            })
+            .map(|r| (r.token, Desc::new(r.start, r.end - r.start, r.dev)))
     }
 
     fn token(blob: usize, region: u32) -> u64 {
@@ -286,6 +367,9 @@ impl PeerView for PeerMdSet {
         })
     }
     fn find_bounds(&self, backend: u8, kind: MemKind, desc: Desc) -> Option<(u64, Desc)> {
+        if self.small_all {
+            return self.find_small(backend, kind, desc);
+        }
         let token = self.find(backend, kind, desc)?;
         let (blob, region) = Self::split(token);
         Some((token, self.blobs[blob].region(region)?.desc))
@@ -298,6 +382,9 @@ impl PeerView for PeerMdSet {
         desc: Desc,
         last: u64,
     ) -> Option<(u64, Desc)> {
+        if self.small_all {
+            return self.find_small(backend, kind, desc);
+        }
         if !self.merged.is_empty() {
             return self.find_bounds(backend, kind, desc);
         }
@@ -312,6 +399,9 @@ impl PeerView for PeerMdSet {
 
     #[inline]
     fn find(&self, backend: u8, kind: MemKind, desc: Desc) -> Option<u64> {
+        if self.small_all {
+            return self.find_small(backend, kind, desc).map(|(token, _)| token);
+        }
         if let Some(m) = self.merged.get(usize::from(backend)) {
             let m = &m[kind as usize];
             return m.find(desc).map(|i| m.tokens[i]);
@@ -509,5 +599,104 @@ impl MdState {
         let peer = unsafe { world.load_peer(&name, set.clone(), kind)? };
         self.peers.insert(peer, set);
         Ok(peer)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A blob of `agent` with `regions` as (backend name, kind, desc).
+    fn blob(regions: &[(&str, MemKind, Desc)], partial: bool) -> Arc<PeerMd> {
+        let mut writer = MdWriter::new("peer", 7);
+        if partial {
+            writer.partial();
+        }
+        let mut names: Vec<(&str, u8)> = Vec::new();
+        for &(name, _, _) in regions {
+            if !names.iter().any(|&(n, _)| n == name) {
+                names.push((name, writer.backend(name, Some(b"conn"))));
+            }
+        }
+        for &(name, kind, desc) in regions {
+            let index = names.iter().find(|&&(n, _)| n == name).expect("added").1;
+            writer.region(index, kind, desc, b"md");
+        }
+        Arc::new(PeerMd::from_bytes(&writer.finish().expect("valid blob")).expect("loads"))
+    }
+
+    /// Every lookup of `small` (the table) and `searched` (the blobs) agrees, for
+    /// descriptors at, inside, across and beyond each region's edges, on other devices,
+    /// empty or wrapping, for every backend index and kind, with and without a hint.
+    fn agree(small: &PeerMdSet, searched: &PeerMdSet, regions: &[(&str, MemKind, Desc)]) {
+        assert!(small.small_all && !searched.small_all);
+        let mut probes = vec![Desc::new(0, 0, 0), Desc::new(u64::MAX - 4, 16, 0)];
+        for &(_, _, d) in regions {
+            for dev in [d.dev, d.dev + 1] {
+                for addr in [
+                    d.addr - 1,
+                    d.addr,
+                    d.addr + 1,
+                    d.addr + d.len - 1,
+                    d.addr + d.len,
+                ] {
+                    for len in [0, 1, 2, d.len - 1, d.len, d.len + 1] {
+                        probes.push(Desc::new(addr, len, dev));
+                    }
+                }
+            }
+        }
+        let mut hits = 0;
+        for backend in 0..=small.names.len() as u8 {
+            for kind in MemKind::ALL {
+                for &probe in &probes {
+                    let want = searched.find_bounds(backend, kind, probe);
+                    hits += usize::from(want.is_some());
+                    assert_eq!(small.find_bounds(backend, kind, probe), want, "{probe:?}");
+                    assert_eq!(
+                        small.find(backend, kind, probe),
+                        searched.find(backend, kind, probe)
+                    );
+                    for last in [u64::MAX, 0, 1, 2] {
+                        assert_eq!(
+                            small.find_bounds_after(backend, kind, probe, last),
+                            searched.find_bounds_after(backend, kind, probe, last),
+                            "{probe:?} after {last}"
+                        );
+                    }
+                }
+            }
+        }
+        assert!(hits > 0, "the probes found regions");
+        assert_eq!(small.region_count(), searched.region_count());
+    }
+
+    #[test]
+    fn small_table_answers_as_the_blobs() {
+        let regions = [
+            ("UCX", MemKind::Dram, Desc::new(0x1000, 0x1000, 0)),
+            ("UCX", MemKind::Dram, Desc::new(0x2000, 0x800, 0)),
+            ("UCX", MemKind::Vram, Desc::new(0x1000, 0x1000, 3)),
+            ("SHM", MemKind::Dram, Desc::new(0x1800, 0x100, 0)),
+        ];
+        let one = vec![blob(&regions, false)];
+        agree(
+            &PeerMdSet::build(one.clone(), SMALL_REGIONS),
+            &PeerMdSet::build(one, 0),
+            &regions,
+        );
+        // Two blobs (partial metadata), one region published in both: merged index.
+        let (a, b) = (&regions[..2], &regions[1..3]);
+        let two = vec![blob(a, true), blob(b, true)];
+        let small = PeerMdSet::build(two.clone(), SMALL_REGIONS);
+        agree(&small, &PeerMdSet::build(two, 0), &regions[..3]);
+        assert_eq!(
+            small.small_len, 3,
+            "the region in both blobs is listed once"
+        );
+        // One region more than the table holds: the blobs are searched.
+        let mut five = regions.to_vec();
+        five.push(("SHM", MemKind::Dram, Desc::new(0x4000, 0x100, 0)));
+        assert!(!PeerMdSet::new(vec![blob(&five, false)]).small_all);
     }
 }
