@@ -641,6 +641,8 @@ fn phase_dispatch<'a>(
             });
         }
         let t0 = telemetry.then(Instant::now);
+        // The backend may take this reading as "now" (`Completions::now`).
+        world.completions.set_posted_at(t0);
         let backend = world.backends.backends[slot]
             .as_mut()
             .expect("request slot is filled");
@@ -651,6 +653,7 @@ fn phase_dispatch<'a>(
         // end), and `deregister_region` refuses a pinned region, so they stay registered
         // (and their memory valid by `register`'s promise) for the whole post.
         let result = unsafe { backend.post(endpoint, &batch, &mut world.completions) };
+        world.completions.set_posted_at(None);
         drop(batch);
         let post_duration = match t0 {
             Some(t0) => {

@@ -399,6 +399,8 @@ pub struct Completion {
 #[derive(Debug, Default)]
 pub struct Completions {
     items: Vec<Completion>,
+    /// The clock reading the engine took as it handed over the batch being posted.
+    posted_at: Option<std::time::Instant>,
 }
 
 impl Completions {
@@ -406,7 +408,24 @@ impl Completions {
     pub fn with_capacity(capacity: usize) -> Self {
         Completions {
             items: Vec::with_capacity(capacity),
+            posted_at: None,
         }
+    }
+
+    /// The time now, for a backend that needs one during [`Backend::post`] (a liveness
+    /// answer's age): the clock reading the engine took as it handed over the batch
+    /// (its telemetry reads one), or, where it took none, a fresh one. A vDSO clock
+    /// read costs ~25 ns on a VM, a tenth of a small request.
+    #[inline]
+    pub fn now(&self) -> std::time::Instant {
+        self.posted_at.unwrap_or_else(std::time::Instant::now)
+    }
+
+    /// Set (before a post) or clear (after it) the reading [`Completions::now`] gives.
+    /// For the engine.
+    #[inline]
+    pub fn set_posted_at(&mut self, at: Option<std::time::Instant>) {
+        self.posted_at = at;
     }
     /// Report one outcome.
     #[inline]

@@ -806,8 +806,8 @@ impl Shm {
         Ok(())
     }
 
-    /// The peer's refusal reason if it cannot take a post now.
-    fn check_peer(&self, peer: PeerId) -> Result<()> {
+    /// The peer's refusal reason if it cannot take a post at `now`.
+    fn check_peer(&self, peer: PeerId, now: Instant) -> Result<()> {
         let p = self
             .peers
             .get(peer)
@@ -821,8 +821,8 @@ impl Shm {
             return gone();
         }
         // The pidfd poll is a system call; one answer serves the batches of the next
-        // LIVENESS_TTL (a vDSO clock read each). A dead peer is polled every time.
-        let now = Instant::now();
+        // LIVENESS_TTL (timed by the engine's clock reading for a post, or a vDSO clock
+        // read). A dead peer is polled every time.
         if p.live_checked
             .get()
             .is_none_or(|t| now.duration_since(t) >= LIVENESS_TTL)
@@ -1111,7 +1111,7 @@ impl Backend for Shm {
     }
 
     fn connect(&mut self, peer: PeerId) -> Result<()> {
-        self.check_peer(peer)
+        self.check_peer(peer, Instant::now())
     }
 
     fn reaches(&self, peer: PeerId, remote_token: u64) -> bool {
@@ -1190,7 +1190,7 @@ impl Backend for Shm {
                 }
             }
             Endpoint::Peer(peer) => {
-                self.check_peer(peer)?;
+                self.check_peer(peer, done.now())?;
                 // The fence of the target's deregistrations (`ring.rs`): announce the
                 // withdrawn table this batch is checked against; ranges it names fail.
                 let p = self.peers.get_mut(peer).expect("checked above");
@@ -1221,7 +1221,7 @@ impl Backend for Shm {
         let (lane, payload_max) = match endpoint {
             Endpoint::Local => (&mut self.self_lane, self.inbox.payload_max()),
             Endpoint::Peer(peer) => {
-                self.check_peer(peer)?;
+                self.check_peer(peer, Instant::now())?;
                 let p = self.peers.get_mut(peer).expect("checked");
                 (&mut p.lane, p.inbox.payload_max())
             }
