@@ -315,6 +315,11 @@ impl BatchEvents {
         self.regions.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Where each READ message's reply goes (by message index).
+    fn reads(&self) -> std::sync::MutexGuard<'_, Vec<ReadWait>> {
+        self.reads.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Rendezvous receives in flight.
     pub(super) fn rndv_in_flight(&self) -> usize {
         self.rndv
@@ -873,7 +878,7 @@ pub(super) unsafe extern "C" fn on_batch_read_reply(
         return ucs_status_t::UCS_OK;
     };
     {
-        let mut reads = batch.reads.lock().unwrap_or_else(|e| e.into_inner());
+        let mut reads = batch.reads();
         let index = (cookie & u64::from(u32::MAX)) as usize;
         let Some(wait) = reads.get_mut(index).filter(|w| w.cookie == Some(cookie)) else {
             drop(reads);
@@ -1146,12 +1151,7 @@ impl Core {
     /// At a load ([`Core::ready_requests`]): room for the local ranges of a READ of
     /// `ranges` in the messages the endpoint readied ([`AmBatch::prepare`]: at most two).
     pub(super) fn ready_batch_reads(&mut self, ranges: usize) {
-        let mut reads = self
-            .events
-            .batch
-            .reads
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut reads = self.events.batch.reads();
         self.am.ready_reads(2, ranges, &mut reads);
     }
 
@@ -1281,12 +1281,7 @@ impl Core {
             wire::BATCH_WRITE_AM_ID
         } else {
             // Where the reply's data goes, for its handler (swapped: no allocation).
-            let mut reads = self
-                .events
-                .batch
-                .reads
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
+            let mut reads = self.events.batch.reads();
             let wait = &mut reads[m as usize];
             wait.cookie = Some(cookie);
             wait.data_bytes = msg.data_bytes;
@@ -1435,12 +1430,7 @@ impl Core {
         if msg.op == ferry_backend_api::Op::Read {
             // A reply that comes after this must not scatter: the request may complete.
             let cookie = (u64::from(msg.generation) << 32) | u64::from(m);
-            let mut reads = self
-                .events
-                .batch
-                .reads
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
+            let mut reads = self.events.batch.reads();
             if reads[m as usize].cookie == Some(cookie) {
                 reads[m as usize].cookie = None;
             }
