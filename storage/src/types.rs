@@ -213,8 +213,27 @@ impl BackendMask {
     pub fn first(self) -> Option<usize> {
         (self.0 != 0).then(|| self.0.trailing_zeros() as usize)
     }
-    /// Slots in ascending order.
+    /// Slots in ascending order (one step per slot in the set, not per possible slot).
     pub fn iter(self) -> impl Iterator<Item = usize> {
-        (0..MAX_BACKENDS).filter(move |&s| self.contains(s))
+        let mut bits = self.0;
+        std::iter::from_fn(move || {
+            let slot = bits.trailing_zeros() as usize;
+            bits &= bits.wrapping_sub(1);
+            (slot < MAX_BACKENDS).then_some(slot)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backend_mask_iter_lists_every_set_slot_in_order() {
+        for bits in 0..=u8::MAX {
+            let mask = BackendMask(bits);
+            let want: Vec<usize> = (0..MAX_BACKENDS).filter(|&s| mask.contains(s)).collect();
+            assert_eq!(mask.iter().collect::<Vec<_>>(), want, "{bits:#010b}");
+        }
     }
 }

@@ -547,9 +547,8 @@ impl World {
     /// the kind, with regions of it.
     pub(crate) fn local_mask(&self, kind: MemKind, hint: BackendMask) -> BackendMask {
         let mut mask = BackendMask::EMPTY;
-        for slot in 0..MAX_BACKENDS {
-            if hint.contains(slot)
-                && self.backends.caps[slot].is_some_and(|c| c.supports(kind))
+        for slot in hint.and(self.backends.filled).iter() {
+            if self.backends.caps[slot].is_some_and(|c| c.supports(kind))
                 && !self.sections[slot][kind as usize].is_empty()
             {
                 mask.insert(slot);
