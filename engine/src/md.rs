@@ -117,17 +117,14 @@ impl PeerMdSet {
             .iter()
             .map(|n| blobs.iter().map(|b| b.backend_index(n)).collect())
             .collect();
-        let merged = if blobs.len() > 1 {
-            Self::merge(Self::sorted_rows(&blobs, &names))
-        } else {
-            Vec::new()
-        };
-        let mut small = [SmallRegion::default(); SMALL_REGIONS];
-        let mut small_len = 0;
         let listed: usize = blobs.iter().map(|b| b.region_count()).sum();
         let small_all = listed <= small_max.min(SMALL_REGIONS);
-        if small_all {
-            for (v, kinds) in Self::sorted_rows(&blobs, &names).iter().enumerate() {
+        // The sorted rows feed the small table and, with several blobs, the merged index.
+        let rows = (small_all || blobs.len() > 1).then(|| Self::sorted_rows(&blobs, &names));
+        let mut small = [SmallRegion::default(); SMALL_REGIONS];
+        let mut small_len = 0;
+        if let Some(rows) = rows.as_ref().filter(|_| small_all) {
+            for (v, kinds) in rows.iter().enumerate() {
                 for (kind, regions) in kinds.iter().enumerate() {
                     for &(dev, start, end, token) in regions {
                         small[small_len] = SmallRegion {
@@ -143,6 +140,10 @@ impl PeerMdSet {
                 }
             }
         }
+        let merged = match rows {
+            Some(rows) if blobs.len() > 1 => Self::merge(rows),
+            _ => Vec::new(),
+        };
         PeerMdSet {
             small_all,
             small_len: small_len as u8,
@@ -606,7 +607,7 @@ impl MdState {
 mod tests {
     use super::*;
 
-    /// A blob of `agent` with `regions` as (backend name, kind, desc).
+    /// A blob of agent "peer" with `regions` as (backend name, kind, desc).
     fn blob(regions: &[(&str, MemKind, Desc)], partial: bool) -> Arc<PeerMd> {
         let mut writer = MdWriter::new("peer", 7);
         if partial {
