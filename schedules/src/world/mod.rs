@@ -136,8 +136,6 @@ pub struct BackendSlots {
     pub(crate) backends: Vec<Option<Box<dyn Backend>>>,
     /// Capabilities of each slot.
     pub(crate) caps: Vec<Option<Capabilities>>,
-    /// The slots that hold a backend (backends are only added).
-    pub(crate) filled: ferry_storage::BackendMask,
 }
 
 /// Vectors of released rows, kept for the next row that needs one.
@@ -322,7 +320,6 @@ impl World {
         let id = self.tag.get().stamp(self.backends.keys.insert(slot as u8));
         self.backends.ids[slot] = Some(id);
         self.backends.caps[slot] = Some(backend.capabilities());
-        self.backends.filled.insert(slot);
         self.metrics.set_backend(slot, backend.name());
         // Sized now, so that recording a completion (in a flush) never allocates.
         self.size_costs[slot] = crate::cost::SizeClasses::new();

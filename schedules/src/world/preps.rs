@@ -547,7 +547,7 @@ impl World {
     /// the kind, with regions of it.
     pub(crate) fn local_mask(&self, kind: MemKind, hint: BackendMask) -> BackendMask {
         let mut mask = BackendMask::EMPTY;
-        for slot in hint.and(self.backends.filled).iter() {
+        for slot in hint.iter() {
             if self.backends.caps[slot].is_some_and(|c| c.supports(kind))
                 && !self.sections[slot][kind as usize].is_empty()
             {
