@@ -217,21 +217,26 @@ pub fn transfer_and_wait(
     local: &[Desc],
     remote: &[Desc],
 ) {
-    use ferry::XferStatus;
     let x = agent
         .create(op, MemKind::Dram, local, peer, MemKind::Dram, remote, None)
         .expect("create");
+    post_and_wait(agent, x);
+    agent.release(x).expect("release");
+}
+
+/// Post request `x` and check it until it is done (at most 30 s; panics on an error
+/// or on the deadline). Allocates nothing of its own.
+pub fn post_and_wait(agent: &Agent, x: ferry::XferId) {
+    use ferry::XferStatus;
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     let mut status = agent.post(x).expect("post");
     while status != XferStatus::Done {
         assert!(
             std::time::Instant::now() < deadline,
-            "a {op:?} of {} descriptors did not complete in 30 s",
-            local.len()
+            "a request did not complete in 30 s"
         );
         status = agent.check(x).expect("check");
     }
-    agent.release(x).expect("release");
 }
 
 /// One KV cache's layers as strided runs, as the strided benchmarks use them: `layers`

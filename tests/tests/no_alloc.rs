@@ -22,7 +22,8 @@
 //!
 //! Also (`first_request_after_a_load`): an agent's very first request after it loaded a
 //! peer — a one-shot `create` of 1,024 descriptors, or two prepared lists and `make`,
-//! then post, checks, release, on LOOPBACK and on UCX — allocates nothing either: the load readied the request path for it
+//! WRITE or READ, then post, checks, release, on LOOPBACK and on UCX — allocates
+//! nothing either: the load readied the request path for it
 //! (issue 25: the first request no slower than the second).
 
 use std::path::PathBuf;
@@ -248,7 +249,7 @@ fn loopback() {
 /// first request (a one-shot WRITE of one 64-byte descriptor into each region, remote
 /// order shuffled), posts it, checks it to the end and releases it: counted, nothing
 /// allocated on the flush's threads. Then the same through two prepared lists and
-/// `make` on another fresh agent, the lists released too.
+/// `make` (the lists released too), and both again as READs, each on a fresh agent.
 fn first_request_after_a_load() {
     let n = 1024;
     let block = 64;
@@ -308,35 +309,24 @@ fn first_request_after_a_load() {
             let a = agent("noalloc-first-initiator", &Params::new());
             register(&a, buffer);
             let peer = a.load_remote_md(&blob).expect("load");
-            let (done, counts) = counted(|| {
+            let ((), counts) = counted(|| {
                 if !prepared {
-                    ferry_tests::transfer_and_wait(&a, op, peer, local, &remote);
-                    return true;
+                    return ferry_tests::transfer_and_wait(&a, op, peer, local, &remote);
                 }
                 let l = a
                     .prep(Side::Local, MemKind::Dram, local)
                     .expect("prep local");
                 let r = a.prep(peer, MemKind::Dram, &remote).expect("prep remote");
                 let x = a.make(op, l, &[], r, &[], None).expect("make");
-                let deadline = Instant::now() + Duration::from_secs(30);
-                let mut status = a.post(x).expect("post");
-                while status != XferStatus::Done && Instant::now() < deadline {
-                    status = a.check(x).expect("check");
-                }
+                ferry_tests::post_and_wait(&a, x);
                 a.release(x).expect("release");
                 a.release_prep(l).expect("release local list");
                 a.release_prep(r).expect("release remote list");
-                status == XferStatus::Done
             });
-            assert!(done, "{what} did not complete");
-            let moved = match op {
-                Op::Write => &dst,
-                Op::Read => &back,
-            };
             for (i, &j) in order.iter().enumerate() {
                 let there = match op {
-                    Op::Write => &moved.bytes()[j * region..j * region + block],
-                    Op::Read => &moved.bytes()[i * block..(i + 1) * block],
+                    Op::Write => &dst.bytes()[j * region..j * region + block],
+                    Op::Read => &back.bytes()[i * block..(i + 1) * block],
                 };
                 assert_eq!(
                     there,
