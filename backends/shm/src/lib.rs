@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 use ferry_backend_api::{
     effective_params, Backend, BackendFactory, BackendInit, Capabilities, Completions, Endpoint,
     Error, Failure, FailureKind, MemKind, NotifSink, Op, ParamSpec, Params, PeerId, PeerRegions,
-    Post, RegionSpec, Registered, RemoteAgent, Result, Subject,
+    Post, Range, RegionSpec, Registered, RemoteAgent, Result, Subject,
 };
 use slotmap::SparseSecondaryMap;
 
@@ -147,6 +147,57 @@ impl Target {
         let offset = addr.wrapping_sub(base);
         (offset <= seg_len && len <= seg_len - offset).then(|| here + offset as usize)
     }
+}
+
+/// A peer's segment as [`Target::Mapped`] names it.
+#[derive(Clone, Copy)]
+struct Segment {
+    here: usize,
+    base: u64,
+    len: u64,
+}
+
+/// Copy the leading ranges of `ranges` that name `token` (a region of `segment`),
+/// `WRITE` into the segment or else out of it, and return how many; or the position of
+/// the first of them that does not lie inside the segment (nothing copied from there
+/// on). The loop of a many-small-ranges request: the direction, the target and the
+/// token's resolution are fixed, so each range costs its bounds check and its copy.
+///
+/// # Safety
+///
+/// Every range's local side lies in memory registered with this backend, valid for the
+/// call (the contract of `Backend::post`); `segment.here` is our mapping of
+/// `segment.len` bytes, valid for the call.
+#[inline(always)]
+unsafe fn copy_mapped<const WRITE: bool>(
+    ranges: &[Range],
+    token: u64,
+    segment: Segment,
+) -> std::result::Result<usize, usize> {
+    for (n, range) in ranges.iter().enumerate() {
+        if range.remote_token != token {
+            return Ok(n);
+        }
+        let there = Target::translate(
+            segment.here,
+            segment.base,
+            segment.len,
+            range.remote_addr,
+            range.len,
+        )
+        .ok_or(n)?;
+        let (src, dst) = if WRITE {
+            (range.local_addr as usize, there)
+        } else {
+            (there, range.local_addr as usize)
+        };
+        // SAFETY: the local side per this function's contract, the remote side inside
+        // the mapping (checked just above).
+        unsafe {
+            ferry_backend_api::copy_bytes(src as *const u8, dst as *mut u8, range.len as usize)
+        };
+    }
+    Ok(ranges.len())
 }
 
 /// A loaded peer.
@@ -670,53 +721,59 @@ impl Shm {
         };
         let pending = &mut self.cma_pending;
         pending.clear();
-        // The last token resolved, kept in a local: the copies write through raw
-        // pointers, so a value read from `p` would be read again for every range.
-        let mut last: Option<(u64, Target)> = None;
-        for (i, range) in post.ranges.iter().enumerate() {
+        let ranges = post.ranges;
+        // The ranges go in runs of one remote token: each run's target is resolved
+        // once, and a run into a mapped segment is copied by a loop that checks and
+        // copies nothing else (`copy_mapped`), one per direction.
+        let mut i = 0;
+        while let Some(first) = ranges.get(i) {
             let index = Some(i as u32);
-            let target = match last {
-                Some((token, target)) if token == range.remote_token => target,
-                _ => {
-                    let target = resolve(p, range.remote_token)
-                        .map_err(|(errno, _)| fail(FailureKind::Backend, errno, index))?;
-                    last = Some((range.remote_token, target));
-                    target
-                }
-            };
+            let target = resolve(p, first.remote_token)
+                .map_err(|(errno, _)| fail(FailureKind::Backend, errno, index))?;
             match target {
                 Target::Mapped { here, base, len } => {
-                    let there = Target::translate(here, base, len, range.remote_addr, range.len)
-                        .ok_or_else(|| fail(FailureKind::Backend, libc::EFAULT, index))?;
-                    let (src, dst) = match post.op {
-                        Op::Write => (range.local_addr as usize, there),
-                        Op::Read => (there, range.local_addr as usize),
-                    };
+                    let segment = Segment { here, base, len };
+                    let run = &ranges[i..];
                     // SAFETY: the local side lies in a registered region (the caller's
-                    // promise); the remote side lies inside our mapping of the peer's
-                    // sealed segment (checked just above), which stays mapped until the
-                    // peer is unloaded (not before this `&mut self` call ends).
-                    unsafe {
-                        ferry_backend_api::copy_bytes(
-                            src as *const u8,
-                            dst as *mut u8,
-                            range.len as usize,
-                        )
+                    // promise); `copy_mapped` copies only what lies inside our mapping
+                    // of the peer's sealed segment, which stays mapped until the peer
+                    // is unloaded (not before this `&mut self` call ends).
+                    let copied = unsafe {
+                        match post.op {
+                            Op::Write => copy_mapped::<true>(run, first.remote_token, segment),
+                            Op::Read => copy_mapped::<false>(run, first.remote_token, segment),
+                        }
                     };
+                    match copied {
+                        Ok(n) => i += n,
+                        Err(n) => {
+                            return Err(fail(
+                                FailureKind::Backend,
+                                libc::EFAULT,
+                                Some((i + n) as u32),
+                            ))
+                        }
+                    }
                 }
                 Target::Cma => {
                     if p.cma.is_err() {
                         return Err(fail(FailureKind::Backend, libc::EPERM, index));
                     }
-                    if range.len > isize::MAX as u64 / 2 {
-                        return Err(fail(FailureKind::Backend, libc::EINVAL, index));
+                    for range in &ranges[i..] {
+                        if range.remote_token != first.remote_token {
+                            break;
+                        }
+                        if range.len > isize::MAX as u64 / 2 {
+                            return Err(fail(FailureKind::Backend, libc::EINVAL, Some(i as u32)));
+                        }
+                        pending.push(CmaRange {
+                            remote: range.remote_addr,
+                            index: i as u32,
+                            local: range.local_addr,
+                            len: range.len,
+                        });
+                        i += 1;
                     }
-                    pending.push(CmaRange {
-                        remote: range.remote_addr,
-                        index: i as u32,
-                        local: range.local_addr,
-                        len: range.len,
-                    });
                 }
             }
         }
