@@ -7,8 +7,10 @@
 //! Every direct method that changes or drives the agent (`register`, `post`,
 //! `progress`, `drain_notifications`, `load_remote_md`, `invalidate_remote_md`,
 //! `make_connection`, …) records one command into a reused scratch buffer and runs it
-//! through [`Agent::flush`], so a direct call and the same command in a buffer behave
-//! the same (phases, exchange pre-step, snapshot refresh).
+//! through [`Agent::flush`]'s steps, so a direct call and the same command in a buffer
+//! behave the same (phases, exchange pre-step, snapshot refresh); the scratch buffer
+//! stays in the agent's state, and one lock of it covers recording, the executor and
+//! reading the outcome.
 //!
 //! # Panic policy
 //!
@@ -428,19 +430,44 @@ impl Agent {
         }
     }
 
-    /// Run `f` with the reused scratch buffer, cleared (a concurrent caller gets a
-    /// fresh one).
-    fn with_scratch<T>(&self, f: impl FnOnce(&mut CommandBuffer) -> T) -> T {
-        let mut scratch = self
-            .lock()
-            .map(|mut s| std::mem::take(&mut s.scratch))
-            .unwrap_or_default();
-        scratch.clear();
-        let out = f(&mut scratch);
-        if let Ok(mut state) = self.lock() {
-            state.scratch = scratch;
+    /// Record into the reused scratch buffer and flush it, holding the agent's lock once
+    /// for both and for reading the outcome: [`Agent::flush`]'s steps for a buffer
+    /// without exchange commands (the exchange step applies the exchange events, before
+    /// the lock; the snapshot refresh runs after it), without moving the buffer out of
+    /// the state and back. [`Error::Poisoned`] once the agent is.
+    fn scratch_flush<T>(
+        &self,
+        record: impl FnOnce(&mut CommandBuffer) -> u32,
+        read: impl FnOnce(&CommandBuffer, u32, &FlushSummary) -> T,
+    ) -> Result<T> {
+        let steps = !self.is_poisoned();
+        if steps {
+            self.apply_exchange_events();
         }
-        out
+        let out = {
+            let mut state = self.lock()?;
+            let AgentState {
+                world, md, scratch, ..
+            } = &mut *state;
+            scratch.clear();
+            let index = record(scratch);
+            debug_assert!(
+                scratch
+                    .commands()
+                    .iter()
+                    .all(|c| !Phase::of(c).is_agent_step()),
+                "exchange commands go through Agent::flush"
+            );
+            let summary = flush(world, md, scratch);
+            world.metrics().flushed(world.counts().3);
+            read(scratch, index, &summary)
+        };
+        #[cfg(feature = "tracy")]
+        crate::metrics::trace_flush(&self.metrics);
+        if steps && self.exchange_slot().is_started() {
+            let _ = self.refresh_snapshot();
+        }
+        Ok(out)
     }
 
     /// Flush one command with the reused scratch buffer and give its outcome.
@@ -449,11 +476,7 @@ impl Agent {
         record: impl FnOnce(&mut CommandBuffer) -> u32,
         read: impl FnOnce(&CommandBuffer, u32) -> Result<T>,
     ) -> Result<T> {
-        self.with_scratch(|scratch| {
-            let index = record(scratch);
-            self.flush(scratch);
-            read(scratch, index)
-        })
+        self.scratch_flush(record, |c, i, _| read(c, i))?
     }
 
     /// Register one region with every backend that supports `kind`.
@@ -636,19 +659,22 @@ impl Agent {
     /// payload) — as NIXL's `getNotifs`, so a caller without a progress thread sees
     /// what arrived. Allocates; batch users drain into their command buffer instead.
     pub fn drain_notifications(&self) -> Vec<(String, Vec<u8>)> {
-        self.with_scratch(|c| {
-            c.drain_notifications();
-            self.flush(c);
-            c.notifications()
-                .map(|(from, payload)| (from.to_string(), payload.to_vec()))
-                .collect()
-        })
+        self.scratch_flush(
+            |c| c.drain_notifications().index(),
+            |c, _, _| {
+                c.notifications()
+                    .map(|(from, payload)| (from.to_string(), payload.to_vec()))
+                    .collect()
+            },
+        )
+        .unwrap_or_default()
     }
 
     /// Drive every backend once; returns how many requests completed (an empty flush:
     /// its progress phase).
     pub fn progress(&self) -> u32 {
-        self.with_scratch(|c| self.flush(c).completed)
+        self.scratch_flush(|_| 0, |_, _, summary| summary.completed)
+            .unwrap_or(0)
     }
 
     /// Telemetry of a request: start, post and transfer durations, bytes, descriptor

@@ -261,10 +261,9 @@ pub struct Shm {
     /// Fx-hashed: the keys are the engine's own peer handles, and a post looks its peer
     /// up several times (SipHash was ~8 % of a one-range request).
     peers: SparseSecondaryMap<PeerId, Peer, rustc_hash::FxBuildHasher>,
-    /// Scratch of one request's CMA ranges (capacity kept: no allocation once warm).
-    cma_pending: Vec<CmaRange>,
-    local_iov: Vec<Iov>,
-    remote_iov: Vec<Iov>,
+    /// Scratch of one request's CMA ranges and iovecs (capacity kept: no allocation
+    /// once warm).
+    cma: CmaScratch,
     /// Corrupt records seen in our inbox (a peer wrote garbage into its lane).
     corrupt_lanes: u64,
     /// Our withdrawn ranges, oldest first (published in our inbox's header).
@@ -376,9 +375,11 @@ impl Shm {
             regions: Vec::new(),
             free_slots: Vec::new(),
             peers: SparseSecondaryMap::with_hasher(rustc_hash::FxBuildHasher),
-            cma_pending: Vec::with_capacity(CMA_IOVECS_MAX),
-            local_iov: Vec::with_capacity(CMA_IOVECS_MAX),
-            remote_iov: Vec::with_capacity(CMA_IOVECS_MAX),
+            cma: CmaScratch {
+                pending: Vec::with_capacity(CMA_IOVECS_MAX),
+                local: Vec::with_capacity(CMA_IOVECS_MAX),
+                remote: Vec::with_capacity(CMA_IOVECS_MAX),
+            },
             corrupt_lanes: 0,
             withdrawn: Vec::new(),
             withdrawing: HashMap::default(),
@@ -592,6 +593,13 @@ struct CmaRange {
     len: u64,
 }
 
+/// The scratch lists of one request's CMA calls.
+struct CmaScratch {
+    pending: Vec<CmaRange>,
+    local: Vec<Iov>,
+    remote: Vec<Iov>,
+}
+
 /// Move `pending` with as few system calls as the kernel allows. The local and remote
 /// iovec lists of `process_vm_writev`/`readv` are separate streams (the bytes of the
 /// local list, in order, fill the remote list, in order), so the ranges are sorted by
@@ -712,14 +720,11 @@ impl Shm {
     ///
     /// As for [`Backend::post`].
     unsafe fn run_peer(
-        &mut self,
-        peer: PeerId,
+        p: &mut Peer,
+        cma: &mut CmaScratch,
         post: &Post<'_>,
     ) -> std::result::Result<(), Failure> {
-        let Some(p) = self.peers.get_mut(peer) else {
-            return Err(fail(FailureKind::RemoteDisconnect, libc::ENOENT, None));
-        };
-        let pending = &mut self.cma_pending;
+        let pending = &mut cma.pending;
         pending.clear();
         let ranges = post.ranges;
         // The ranges go in runs of one remote token: each run's target is resolved
@@ -778,15 +783,7 @@ impl Shm {
             }
         }
         // SAFETY: local ranges per `post`'s contract.
-        unsafe {
-            cma_run(
-                p.pid,
-                post.op,
-                pending,
-                &mut self.local_iov,
-                &mut self.remote_iov,
-            )
-        }
+        unsafe { cma_run(p.pid, post.op, pending, &mut cma.local, &mut cma.remote) }
     }
 
     /// Run a batch to `peer` between `Lane::begin_copies` and `end_copies`: a request
@@ -796,13 +793,12 @@ impl Shm {
     ///
     /// As for [`Backend::post`].
     unsafe fn post_to_peer(
-        &mut self,
-        peer: PeerId,
+        p: &mut Peer,
+        cma: &mut CmaScratch,
         batch: &[Post<'_>],
         done: &mut Completions,
-    ) -> Result<()> {
+    ) {
         for post in batch {
-            let p = self.peers.get_mut(peer).expect("checked by the caller");
             let withdrawn = (!p.withdrawn.is_empty())
                 .then(|| {
                     post.ranges
@@ -818,18 +814,16 @@ impl Shm {
                 // the batch started (a pidfd poll at most LIVENESS_TTL old); a peer that
                 // dies during the copies leaves our mapping of its segment valid, and a
                 // CMA call to it fails ESRCH.
-                unsafe { self.run_peer(peer, post) }
+                unsafe { Self::run_peer(p, cma, post) }
             } else {
                 Err(fail(FailureKind::Backend, libc::ENOBUFS, None))
             };
-            let p = self.peers.get_mut(peer).expect("checked by the caller");
             let result = notify_after(&mut p.lane, post, result);
             done.push(ferry_backend_api::Completion {
                 tag: post.tag,
                 result,
             });
         }
-        Ok(())
     }
 
     /// Run one request within this agent.
@@ -869,6 +863,11 @@ impl Shm {
             .peers
             .get(peer)
             .ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
+        Self::peer_ready(p, now)
+    }
+
+    /// [`Shm::check_peer`] for a peer already looked up.
+    fn peer_ready(p: &Peer, now: Instant) -> Result<()> {
         let gone = || {
             Err(Error::RemoteDisconnect {
                 subject: peer_subject(&p.name),
@@ -1247,10 +1246,14 @@ impl Backend for Shm {
                 }
             }
             Endpoint::Peer(peer) => {
-                self.check_peer(peer, done.now())?;
+                // One lookup of the peer serves the whole batch.
+                let p = self
+                    .peers
+                    .get_mut(peer)
+                    .ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
+                Self::peer_ready(p, done.now())?;
                 // The fence of the target's deregistrations (`ring.rs`): announce the
                 // withdrawn table this batch is checked against; ranges it names fail.
-                let p = self.peers.get_mut(peer).expect("checked above");
                 if !p.lane.begin_copies(&mut p.withdrawn) {
                     return Err(Error::backend(
                         NAME,
@@ -1258,13 +1261,8 @@ impl Backend for Shm {
                     ));
                 }
                 // SAFETY: forwarded from the caller of `post`.
-                let result = unsafe { self.post_to_peer(peer, batch, done) };
-                self.peers
-                    .get(peer)
-                    .expect("checked above")
-                    .lane
-                    .end_copies();
-                result?;
+                unsafe { Self::post_to_peer(p, &mut self.cma, batch, done) };
+                p.lane.end_copies();
             }
         }
         Ok(())
