@@ -209,8 +209,9 @@ struct Peer {
     /// Host identity hash regions must carry.
     host_hash: u64,
     live: Liveness,
-    /// When `live` last answered "alive".
-    live_checked: Cell<Option<Instant>>,
+    /// Until when `live`'s last "alive" answer serves (that answer + LIVENESS_TTL): a
+    /// comparison per batch, no duration arithmetic.
+    live_until: Cell<Option<Instant>>,
     /// Our lane in the peer's inbox. Declared before the mapping it points into.
     lane: Lane,
     inbox: Inbox,
@@ -879,14 +880,11 @@ impl Shm {
         // The pidfd poll is a system call; one answer serves the batches of the next
         // LIVENESS_TTL (timed by the engine's clock reading for a post, or a vDSO clock
         // read). A dead peer is polled every time.
-        if p.live_checked
-            .get()
-            .is_none_or(|t| now.duration_since(t) >= LIVENESS_TTL)
-        {
+        if p.live_until.get().is_none_or(|until| now >= until) {
             if !p.live.alive() {
                 return gone();
             }
-            p.live_checked.set(Some(now));
+            p.live_until.set(now.checked_add(LIVENESS_TTL));
         }
         Ok(())
     }
@@ -1144,7 +1142,7 @@ impl Backend for Shm {
             inbox_nonce: conn.inbox_nonce,
             host_hash: fnv1a(conn.host_id.as_bytes()),
             live,
-            live_checked: Cell::new(None),
+            live_until: Cell::new(None),
             lane,
             inbox,
             cma,
