@@ -8,7 +8,7 @@
 //! ```text
 //! cargo run --release -p ferry-benches --example first_request -- \
 //!     [--regions 1000] [--turns 41] [--gap-us 0] [--evict-kib 0] [--touch-target]
-//!     [--warm-target]
+//!     [--warm-target] [--other-bytes]
 //! ```
 //!
 //! Each turn makes a fresh initiator, loads the target's metadata (N regions, one
@@ -23,7 +23,11 @@
 //! differs. `--warm-target`: a second initiator, made once, makes the same request to
 //! the target right before each turn's first request (untimed), so the first finds the
 //! target's side as warm as the second does, except for what belongs to the new
-//! connection. Prints the median of each part over the turns, for both requests.
+//! connection. `--other-bytes`: the second request moves other bytes than the first
+//! (its own descriptor lists, source bytes and destination bytes: 64 bytes further into
+//! each region), so both requests find the caller's data as cold as a turn leaves it;
+//! without it the second re-reads the descriptors and bytes the first just touched.
+//! Prints the median of each part over the turns, for both requests.
 //! `FERRY_BENCH_UCX_PARAMS` (`key=value;key=value`) adds backend parameters to both
 //! agents.
 
@@ -79,7 +83,9 @@ fn main() {
             *byte = std::hint::black_box(0);
         }
     }
-    let src = Buffer::random(n * DESC, &mut Rng::new(3));
+    let other_bytes = args.iter().any(|a| a == "--other-bytes");
+    // The first request's source is the first half, `--other-bytes`' second the other.
+    let src = Buffer::random(2 * n * DESC, &mut Rng::new(3));
     let target =
         ferry_benches::ucx_bench_agent("first-request-target", &[("progress_thread", "true")]);
     for i in 0..n {
@@ -88,6 +94,14 @@ fn main() {
     let blob = target.local_md().expect("metadata");
     let local: Vec<Desc> = (0..n).map(|i| src.desc(i * DESC, DESC)).collect();
     let remote: Vec<Desc> = (0..n).map(|i| dst.desc(i * REGION, DESC)).collect();
+    let (local_b, remote_b): (Vec<Desc>, Vec<Desc>) = if other_bytes {
+        (
+            (0..n).map(|i| src.desc((n + i) * DESC, DESC)).collect(),
+            (0..n).map(|i| dst.desc(i * REGION + 2 * DESC, DESC)).collect(),
+        )
+    } else {
+        (local.clone(), remote.clone())
+    };
     // `--warm-target`: an initiator that warms the target before each first request.
     let warmer = args.iter().any(|a| a == "--warm-target").then(|| {
         let w = ferry_benches::ucx_bench_agent("first-request-warmer", &[]);
@@ -117,18 +131,15 @@ fn main() {
                 }
                 std::hint::black_box(&evict);
             }
+            let (l, r) = if k == 0 {
+                (&local, &remote)
+            } else {
+                (&local_b, &remote_b)
+            };
             let faults = minor_faults();
             let t0 = Instant::now();
             let x = a
-                .create(
-                    Op::Write,
-                    MemKind::Dram,
-                    &local,
-                    peer,
-                    MemKind::Dram,
-                    &remote,
-                    None,
-                )
+                .create(Op::Write, MemKind::Dram, l, peer, MemKind::Dram, r, None)
                 .expect("create");
             let t1 = Instant::now();
             let mut status = a.post(x).expect("post");
@@ -163,7 +174,7 @@ fn main() {
         };
         let [c, p, w, f] = request.each_mut().map(|v| median(v));
         println!(
-            "regions={n} turns={turns} evict_kib={} {} request: create {c:.1} us, post \
+            "regions={n} turns={turns} evict_kib={} other_bytes={other_bytes} {} request: create {c:.1} us, post \
              {p:.1} us, wait {w:.1} us (p10-p90 {spread}), total {:.1} us, minor faults {f:.0}",
             evict.len() / 1024,
             ["first", "second"][k],
