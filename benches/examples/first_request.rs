@@ -97,7 +97,9 @@ fn main() {
     let (local_b, remote_b): (Vec<Desc>, Vec<Desc>) = if other_bytes {
         (
             (0..n).map(|i| src.desc((n + i) * DESC, DESC)).collect(),
-            (0..n).map(|i| dst.desc(i * REGION + 2 * DESC, DESC)).collect(),
+            (0..n)
+                .map(|i| dst.desc(i * REGION + 2 * DESC, DESC))
+                .collect(),
         )
     } else {
         (local.clone(), remote.clone())
