@@ -529,8 +529,22 @@ impl Bench {
                 let _ = self.ucx.release_prep(p);
             }
         }
-        let _ = self.stream.write_all(b"q");
-        let _ = self.child.wait();
+        // Our agents go first, while the target is alive and progressing UCX, so their
+        // endpoint closes are answered (a close to a process that already left is never
+        // confirmed with `error_handling=none`, and UCX then reports its pending request
+        // when the worker is destroyed).
+        self.spin_target(true);
+        let Bench {
+            mut child,
+            mut stream,
+            shm,
+            ucx,
+            ..
+        } = self;
+        drop(ucx);
+        drop(shm);
+        let _ = stream.write_all(b"q");
+        let _ = child.wait();
     }
 }
 
