@@ -133,28 +133,28 @@ struct LocalSlot {
 /// Where a peer region's bytes are reached.
 #[derive(Clone, Copy, Debug)]
 enum Target {
-    /// Through our mapping of its segment: `here` is the segment's first byte in our
-    /// address space, `base`/`len` the segment in the owner's.
-    Mapped { here: usize, base: u64, len: u64 },
+    /// Through our mapping of its segment.
+    Mapped(Segment),
     /// Through process_vm_readv/writev.
     Cma,
 }
 
-impl Target {
-    /// Our address of the owner's `addr..addr + len`, if inside the segment.
-    #[inline]
-    fn translate(here: usize, base: u64, seg_len: u64, addr: u64, len: u64) -> Option<usize> {
-        let offset = addr.wrapping_sub(base);
-        (offset <= seg_len && len <= seg_len - offset).then(|| here + offset as usize)
-    }
-}
-
-/// A peer's segment as [`Target::Mapped`] names it.
-#[derive(Clone, Copy)]
+/// A peer's segment as we map it: `here` is its first byte in our address space,
+/// `base`/`len` the segment in the owner's.
+#[derive(Clone, Copy, Debug)]
 struct Segment {
     here: usize,
     base: u64,
     len: u64,
+}
+
+impl Segment {
+    /// Our address of the owner's `addr..addr + len`, if inside the segment.
+    #[inline]
+    fn translate(self, addr: u64, len: u64) -> Option<usize> {
+        let offset = addr.wrapping_sub(self.base);
+        (offset <= self.len && len <= self.len - offset).then(|| self.here + offset as usize)
+    }
 }
 
 /// Copy the leading ranges of `ranges` that name `token` (a region of `segment`),
@@ -178,14 +178,7 @@ unsafe fn copy_mapped<const WRITE: bool>(
         if range.remote_token != token {
             return Ok(n);
         }
-        let there = Target::translate(
-            segment.here,
-            segment.base,
-            segment.len,
-            range.remote_addr,
-            range.len,
-        )
-        .ok_or(n)?;
+        let there = segment.translate(range.remote_addr, range.len).ok_or(n)?;
         let (src, dst) = if WRITE {
             (range.local_addr as usize, there)
         } else {
@@ -259,8 +252,8 @@ pub struct Shm {
     lane_names: Vec<(u64, String)>,
     regions: Vec<LocalSlot>,
     free_slots: Vec<u32>,
-    /// Fx-hashed: the keys are the engine's own peer handles, and a post looks its peer
-    /// up several times (SipHash was ~8 % of a one-range request).
+    /// Fx-hashed: the keys are the engine's own peer handles, and every batch looks its
+    /// peer up (SipHash was ~8 % of a one-range request).
     peers: SparseSecondaryMap<PeerId, Peer, rustc_hash::FxBuildHasher>,
     /// Scratch of one request's CMA ranges and iovecs (capacity kept: no allocation
     /// once warm).
@@ -569,11 +562,11 @@ fn resolve(peer: &mut Peer, token: u64) -> std::result::Result<Target, (i32, Str
                             here
                         }
                     };
-                    Target::Mapped {
+                    Target::Mapped(Segment {
                         here,
                         base: seg.base,
                         len: seg.len,
-                    }
+                    })
                 }
             };
             peer.resolved.insert(token, target);
@@ -737,13 +730,12 @@ impl Shm {
             let target = resolve(p, first.remote_token)
                 .map_err(|(errno, _)| fail(FailureKind::Backend, errno, index))?;
             match target {
-                Target::Mapped { here, base, len } => {
-                    let segment = Segment { here, base, len };
+                Target::Mapped(segment) => {
                     let run = &ranges[i..];
                     // SAFETY: the local side lies in a registered region (the caller's
                     // promise); `copy_mapped` copies only what lies inside our mapping
                     // of the peer's sealed segment, which stays mapped until the peer
-                    // is unloaded (not before this `&mut self` call ends).
+                    // is unloaded (not while `p`, borrowed from the backend, is held).
                     let copied = unsafe {
                         match post.op {
                             Op::Write => copy_mapped::<true>(run, first.remote_token, segment),
@@ -858,16 +850,17 @@ impl Shm {
         Ok(())
     }
 
-    /// The peer's refusal reason if it cannot take a post at `now`.
-    fn check_peer(&self, peer: PeerId, now: Instant) -> Result<()> {
+    /// The peer's refusal reason if it cannot take a post now.
+    fn check_peer(&self, peer: PeerId) -> Result<()> {
         let p = self
             .peers
             .get(peer)
             .ok_or_else(|| Error::not_found(Subject::Peer(peer)))?;
-        Self::peer_ready(p, now)
+        Self::peer_ready(p, Instant::now())
     }
 
-    /// [`Shm::check_peer`] for a peer already looked up.
+    /// [`Shm::check_peer`] for a peer already looked up, at `now` (a post passes the
+    /// engine's reading, [`Completions::now`]).
     fn peer_ready(p: &Peer, now: Instant) -> Result<()> {
         let gone = || {
             Err(Error::RemoteDisconnect {
@@ -1165,7 +1158,7 @@ impl Backend for Shm {
     }
 
     fn connect(&mut self, peer: PeerId) -> Result<()> {
-        self.check_peer(peer, Instant::now())
+        self.check_peer(peer)
     }
 
     fn reaches(&self, peer: PeerId, remote_token: u64) -> bool {
@@ -1274,7 +1267,7 @@ impl Backend for Shm {
         let (lane, payload_max) = match endpoint {
             Endpoint::Local => (&mut self.self_lane, self.inbox.payload_max()),
             Endpoint::Peer(peer) => {
-                self.check_peer(peer, Instant::now())?;
+                self.check_peer(peer)?;
                 let p = self.peers.get_mut(peer).expect("checked");
                 (&mut p.lane, p.inbox.payload_max())
             }
