@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use ferry::shm::{SharedMemory, ShmOptions};
 use ferry::{Agent, AgentConfig, Desc, Error, MemKind, Op, Params, PeerId, Side, XferStatus};
-use ferry_tests::{register, try_register, unique, write_once, Buffer, Rng};
+use ferry_tests::{post_and_wait, register, try_register, unique, write_once, Buffer, Rng};
 
 fn fnv(bytes: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -218,16 +218,6 @@ fn random_ranges(len: usize, n: usize, rng: &mut Rng) -> Vec<(usize, usize)> {
 
 const LEN: usize = 1 << 20;
 
-/// Post `x` and wait until it is done (SHM finishes in the post; UCX may take checks).
-fn complete(a: &Agent, x: ferry::XferId) {
-    let mut status = a.post(x).expect("post");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while status != XferStatus::Done {
-        assert!(Instant::now() < deadline, "request did not finish");
-        status = a.check(x).expect("check");
-    }
-}
-
 #[allow(clippy::too_many_arguments)]
 /// Write random ranges of `src` into the peer's `kind` buffer; updates the model.
 fn write_random(
@@ -262,7 +252,7 @@ fn write_random(
             notif,
         )
         .expect("create write");
-    complete(a, x);
+    post_and_wait(a, x);
     a.release(x).unwrap();
     let model = peer.model(kind);
     for (&(lo, s), &(ro, _)) in local.iter().zip(&remote) {
@@ -870,7 +860,7 @@ fn ucx_connects_to_a_peer_shm_serves_only_when_a_request_goes_through_it() {
         other => panic!("make: {other:?}"),
     };
     assert_eq!(a.xfer_backend(x).unwrap(), "UCX");
-    complete(&a, x);
+    post_and_wait(&a, x);
     a.release(x).unwrap();
     local.model(Kind::Ordinary)[ro..ro + n].copy_from_slice(&src.bytes()[lo..lo + n]);
     local.assert_matches_model("local peer, SHM then UCX");
@@ -1163,7 +1153,7 @@ fn one_request_alternating_between_regions_lands_byte_for_byte() {
         let x = a
             .create(op, MemKind::Dram, &ldescs, at, MemKind::Dram, &remote, None)
             .expect("create");
-        complete(&a, x);
+        post_and_wait(&a, x);
         a.release(x).unwrap();
     };
 
