@@ -1135,6 +1135,10 @@ impl AmBatch {
     }
 }
 
+/// Most batch messages a new endpoint readies for the first request
+/// ([`AmBatch::prepare`] at connect; [`Core::ready_batch_reads`] at the load).
+pub(super) const READIED_MSGS: usize = 2;
+
 /// An empty buffer with room for `bytes`, every page of which was written (so its
 /// first use does not fault pages in).
 fn written_empty(bytes: usize) -> Vec<u8> {
@@ -1149,10 +1153,10 @@ fn written_empty(bytes: usize) -> Vec<u8> {
 
 impl Core {
     /// At a load ([`Core::ready_requests`]): room for the local ranges of a READ of
-    /// `ranges` in the messages the endpoint readied ([`AmBatch::prepare`]: at most two).
+    /// `ranges` in the messages the endpoint readied ([`AmBatch::prepare`]).
     pub(super) fn ready_batch_reads(&mut self, ranges: usize) {
         let mut reads = self.events.batch.reads();
-        self.am.ready_reads(2, ranges, &mut reads);
+        self.am.ready_reads(READIED_MSGS, ranges, &mut reads);
     }
 
     /// This backend's metadata is being made: ready the pool of READ reply buffers for

@@ -831,7 +831,7 @@ impl Core {
             let (bytes, count) = if am_all {
                 (super::requests::PIECE_MSG_BYTES as usize, 1)
             } else {
-                (am_msg_bytes, 2)
+                (am_msg_bytes, super::batch::READIED_MSGS)
             };
             self.am.prepare(bytes, count);
         }
