@@ -24,8 +24,9 @@
 //! the target right before each turn's first request (untimed), so the first finds the
 //! target's side as warm as the second does, except for what belongs to the new
 //! connection. `--other-bytes`: the second request moves other bytes than the first
-//! (its own descriptor lists, source bytes and destination bytes: 64 bytes further into
-//! each region), so both requests find the caller's data as cold as a turn leaves it;
+//! (its own descriptor lists, source bytes and destination bytes: 128 bytes further
+//! into each region, out of reach of the adjacent-line prefetch), so both requests find
+//! the caller's data as cold as a turn leaves it;
 //! without it the second re-reads the descriptors and bytes the first just touched.
 //! Prints the median of each part over the turns, for both requests.
 //! `FERRY_BENCH_UCX_PARAMS` (`key=value;key=value`) adds backend parameters to both
