@@ -107,6 +107,11 @@ else
 fi
 
 # ---------------------------------------------------------------- tests
+# CI builds once from a fresh clone: incremental caches (2.7 GB of target/debug) would
+# never be reused there, and CI machines' disks can be small.
+if [[ "${CI:-}" == "true" ]]; then
+  export CARGO_INCREMENTAL=0
+fi
 export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
 export RUST_BACKTRACE=1
 # The etcd backend (with TLS) is always built and tested under CI (its tests fail there when the
