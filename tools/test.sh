@@ -64,7 +64,11 @@ if command -v etcd >/dev/null; then
 fi
 
 # ---------------------------------------------------------------- python venv, real libcufile
-# One venv for the whole run (the Python bindings' step below adds to it).
+# One venv for the whole run (the Python bindings' step below adds to it). Under CI pip
+# keeps no cache: a fresh machine would only store a second copy of torch's wheel.
+if [[ "${CI:-}" == "true" ]]; then
+  export PIP_NO_CACHE_DIR=1
+fi
 if ! python3 -m venv "$scratch/pyvenv" 2>/dev/null; then
   if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-venv >/dev/null
@@ -146,6 +150,10 @@ publish_target="$PWD/target/publish-check"
 rm -rf "$publish_target"/debug/.fingerprint/ferry-* "$publish_target"/package \
   "${CARGO_HOME:-$HOME/.cargo}"/registry/src/-*/ferry-*
 CARGO_TARGET_DIR="$publish_target" cargo publish -q --dry-run --workspace --allow-dirty
+# Under CI (a fresh clone) nothing reuses it: 1.3 GB freed before the test build.
+if [[ "${CI:-}" == "true" ]]; then
+  rm -rf "$publish_target"
+fi
 
 log "cargo test --workspace ${features[*]}"
 cargo test --workspace "${features[@]}" --no-fail-fast
