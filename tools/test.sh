@@ -12,6 +12,21 @@ cd "$(dirname "$0")/.."
 
 log() { printf '\n== %s\n' "$*"; }
 
+# A run from a fresh clone needs ~5 GB for target/ and ~6.5 GB of venvs under TMPDIR
+# (README): say up front what the disk has, so that a later "No space left on device"
+# is not a riddle.
+tmp_dir=${TMPDIR:-/tmp}
+here_kib=$(df -Pk . | awk 'NR == 2 { print $4 }')
+tmp_kib=$(df -Pk "$tmp_dir" | awk 'NR == 2 { print $4 }')
+echo "disk: $((here_kib / 1048576)) GiB free here, $((tmp_kib / 1048576)) GiB under $tmp_dir"
+need_kib=$((5 * 1048576)) tmp_need_kib=$((7 * 1048576))
+if [[ $(stat -c %d .) == $(stat -c %d "$tmp_dir") ]]; then
+  need_kib=$((need_kib + tmp_need_kib)) tmp_need_kib=0
+fi
+if ((here_kib < need_kib || tmp_kib < tmp_need_kib)); then
+  echo "warning: less free disk than a run needs (~5 GiB here, ~7 GiB under $tmp_dir, ~12 GiB on one disk)" >&2
+fi
+
 # ---------------------------------------------------------------- packages
 need_pkgs=()
 have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
