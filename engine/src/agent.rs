@@ -402,11 +402,15 @@ impl Agent {
     fn agent_step(&self, phase: Phase, run: bool, cmds: &mut CommandBuffer) {
         match phase {
             Phase::Exchange if run => self.run_exchange_commands(cmds),
-            // Keep what P2P peers get from "send me yours" current.
-            Phase::Publish if run && self.exchange_slot().is_started() => {
-                let _ = self.refresh_snapshot();
-            }
+            Phase::Publish => self.publish_step(run),
             _ => {}
+        }
+    }
+
+    /// The publish step: keep what P2P peers get from "send me yours" current.
+    fn publish_step(&self, run: bool) {
+        if run && self.exchange_slot().is_started() {
+            let _ = self.refresh_snapshot();
         }
     }
 
@@ -416,9 +420,7 @@ impl Agent {
         match self.lock() {
             Ok(mut state) => {
                 let AgentState { world, md, .. } = &mut *state;
-                let summary = flush(world, md, cmds);
-                world.metrics().flushed(world.counts().3);
-                summary
+                execute(world, md, cmds)
             }
             Err(poisoned) => {
                 cmds.fail_all(poisoned);
@@ -458,15 +460,12 @@ impl Agent {
                     .all(|c| !Phase::of(c).is_agent_step()),
                 "exchange commands go through Agent::flush"
             );
-            let summary = flush(world, md, scratch);
-            world.metrics().flushed(world.counts().3);
+            let summary = execute(world, md, scratch);
             read(scratch, index, &summary)
         };
+        self.publish_step(steps);
         #[cfg(feature = "tracy")]
         crate::metrics::trace_flush(&self.metrics);
-        if steps && self.exchange_slot().is_started() {
-            let _ = self.refresh_snapshot();
-        }
         Ok(out)
     }
 
@@ -774,6 +773,14 @@ impl Agent {
             .map(|s| s.world.peer_slots())
             .unwrap_or_default()
     }
+}
+
+/// The executor's phases over `cmds`, with the agent's state locked, counted in the
+/// agent's metrics: what [`Agent::flush`] and the direct methods both run.
+fn execute(world: &mut World, md: &mut MdState, cmds: &mut CommandBuffer) -> FlushSummary {
+    let summary = flush(world, md, cmds);
+    world.metrics().flushed(world.counts().3);
+    summary
 }
 
 fn done(c: &CommandBuffer, i: u32) -> Result<()> {
